@@ -1,0 +1,94 @@
+"""The device profile: every choice the kernels take, as one typed record."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Any, Mapping
+
+STRATEGIES = ("rows", "tiled")
+REDUCTIONS = ("local", "subgroup")
+
+
+@dataclass(frozen=True)
+class Profile:
+    """Kernel parameters for one device family.
+
+    strategy
+        ``"rows"``: one work-item per (sequence, KV head, partition) walks the rows
+        with private accumulators for its whole query-head group; no barriers
+        (CPU drivers). ``"tiled"``: the seed's work-group decomposition (threads
+        across head_dim x query heads x row slices, cross-thread dot products).
+    thread_limit
+        Upper bound on work-items per work-group (tiled).
+    tile_rows
+        KV rows each row-slice handles per step (tiled; the seed's TILE_SIZE_PER_BDX).
+    vec
+        Elements each work-item loads at once along head_dim (1, 2, 4, 8 or 16).
+    use_local_kv
+        Stage K/V tiles in local memory (tiled). Off where local memory is global
+        memory (Mali).
+    reduction / subgroup_size
+        How a tiled work-group sums partial dot products: ``"local"`` memory, or
+        ``"subgroup"`` reductions with the given required sub-group size (falls back
+        to ``"local"`` on a device without sub-groups).
+    native_fp16
+        Load f16 with native ``half`` types where cl_khr_fp16 exists (else vload_half).
+    wgs_per_cu, min_partition_rows, max_partitions
+        Split-KV planning: work-groups in flight per compute unit that "fill" the
+        device, the shortest partition worth its own work-group, and a cap.
+    merge_threads
+        Work-group size of the merge kernels.
+    """
+
+    name: str = "generic"
+    source: str = "conservative default"
+    strategy: str = "tiled"
+    thread_limit: int = 256
+    tile_rows: int = 1
+    vec: int = 4
+    use_local_kv: bool = True
+    reduction: str = "local"
+    subgroup_size: int | None = None
+    native_fp16: bool = False
+    wgs_per_cu: int = 4
+    min_partition_rows: int = 256
+    max_partitions: int = 64
+    merge_threads: int = 64
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.strategy not in STRATEGIES:
+            problems.append(f"strategy={self.strategy!r} (allowed: {', '.join(STRATEGIES)})")
+        if self.reduction not in REDUCTIONS:
+            problems.append(f"reduction={self.reduction!r} (allowed: {', '.join(REDUCTIONS)})")
+        if self.vec not in (1, 2, 4, 8, 16):
+            problems.append(f"vec={self.vec!r} (allowed: 1, 2, 4, 8, 16)")
+        for k in ("thread_limit", "tile_rows", "wgs_per_cu", "min_partition_rows",
+                  "max_partitions", "merge_threads"):
+            v = getattr(self, k)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                problems.append(f"{k}={v!r} (a positive integer)")
+        if self.subgroup_size is not None and (not isinstance(self.subgroup_size, int)
+                                               or self.subgroup_size < 1):
+            problems.append(f"subgroup_size={self.subgroup_size!r} (a positive integer or null)")
+        if problems:
+            raise ValueError(f"profile {self.name!r}: invalid " + "; ".join(problems))
+
+    @classmethod
+    def keys(cls) -> list[str]:
+        return [f.name for f in fields(cls)]
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], *, base: "Profile | None" = None,
+                  where: str = "profile") -> "Profile":
+        """Layer ``data`` over ``base`` (or the defaults); unknown keys raise."""
+        allowed = cls.keys()
+        unknown = [k for k in data if k not in allowed]
+        if unknown:
+            raise ValueError(f"{where}: unknown key(s) {unknown}; allowed keys: {allowed}")
+        return replace(base or cls(), **dict(data))
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def with_(self, **changes: Any) -> "Profile":
+        return replace(self, **changes)

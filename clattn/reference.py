@@ -1,0 +1,157 @@
+"""The CPU fallback: SPEC.md's semantics in vectorised numpy (f32 accumulation).
+
+This is the product's fallback when no OpenCL device is present, not only a test
+oracle. Per sequence it gathers the chunk's rows page-wise and processes them in
+blocks, merging block states exactly as the kernels merge partitions.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from . import rope as _rope
+from .spec import LOG2E, LSE_DTYPE, AttentionSpec, default_sm_scale
+from .validate import check_decode, check_merge_k, check_merge_pair
+
+BLOCK_ROWS = 4096  # rows gathered at once per sequence (bounds temporary memory)
+
+
+def chunk_offsets(stored: int, window_offset: int, sink_size: int) -> np.ndarray:
+    """Sequence offsets of the attended chunk's rows, in row order (SPEC.md)."""
+    if stored <= 0:
+        return np.zeros(0, dtype=np.int64)
+    return np.concatenate([np.arange(sink_size, dtype=np.int64),
+                           np.arange(window_offset, stored, dtype=np.int64)])
+
+
+def _apply_softcap(s: np.ndarray, softcap: float | None) -> np.ndarray:
+    return s if softcap is None else softcap * np.tanh(s / softcap)
+
+
+def batch_decode(spec: AttentionSpec, q: np.ndarray, pages: np.ndarray, page_indptr: np.ndarray,
+                 page_indices: np.ndarray, last_page_len: np.ndarray | None = None, *,
+                 length_info: np.ndarray | None = None, window_offset: np.ndarray | None = None,
+                 sink_size: np.ndarray | None = None, q_pos: np.ndarray | None = None,
+                 k_pos_offset: np.ndarray | None = None, rotary_mode: int = 0,
+                 rope_scale: float = 1.0, rope_theta: float = 1e4,
+                 sm_scale: float | None = None, out: np.ndarray | None = None,
+                 lse: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Paged-KV decode attention on the CPU; returns ``(out, lse)`` (lse base 2)."""
+    args = check_decode(spec, q, pages, page_indptr, page_indices, last_page_len,
+                        length_info=length_info, window_offset=window_offset,
+                        sink_size=sink_size, q_pos=q_pos, k_pos_offset=k_pos_offset,
+                        rotary_mode=rotary_mode, sm_scale=sm_scale, rope_scale=rope_scale,
+                        rope_theta=rope_theta, out=out, lse=lse)
+    B, H, D = q.shape
+    Hkv, G, ps = spec.num_kv_heads, spec.group_size, spec.page_size
+    scale = (default_sm_scale(D) if sm_scale is None else float(sm_scale))
+    res_o = np.zeros((B, H, D), dtype=np.float32)
+    res_s = np.full((B, H), -np.inf, dtype=np.float32)
+    if rotary_mode == 1:
+        scaling = _rope.parse_rope_scaling(spec.rope_scaling, spec.max_position_embeddings)
+        inv2, att, long_from = _rope.rope_tables(spec.rotary_dim, float(rope_theta), scaling,
+                                                 spec.max_position_embeddings)
+    for b in range(B):
+        n_rows = int(args.chunk[b])
+        if n_rows == 0:
+            continue
+        p0 = int(page_indptr[b])
+        wo = int(args.window_offset[b]) if spec.sliding_window else 0
+        sk = int(args.sink_size[b]) if spec.sliding_window else 0
+        offs = chunk_offsets(int(args.stored[b]), wo, sk)
+        qb = q[b].astype(np.float32).reshape(Hkv, G, D)
+        if rotary_mode == 1:
+            inv = inv2[1] if int(q_pos[b]) + 1 > long_from else inv2[0]
+            qpos = np.array([float(q_pos[b]) * rope_scale])
+            qb = _rope.rotate(qb.reshape(H, 1, D).transpose(1, 0, 2), qpos, inv, att,
+                              scaling.interleaved)[0].reshape(Hkv, G, D).astype(np.float32)
+        m = np.full((Hkv, G), -np.inf, dtype=np.float32)
+        l = np.zeros((Hkv, G), dtype=np.float32)
+        acc = np.zeros((Hkv, G, D), dtype=np.float32)
+        for r0 in range(0, n_rows, BLOCK_ROWS):
+            o = offs[r0:r0 + BLOCK_ROWS]
+            pid = page_indices[p0 + o // ps]
+            slot = o % ps
+            k = pages[pid, 0, :, slot, :].astype(np.float32)  # [rows, Hkv, D]
+            v = pages[pid, 1, :, slot, :].astype(np.float32)
+            if rotary_mode == 1:
+                pos = (int(k_pos_offset[b]) + np.arange(r0, r0 + len(o))) * float(rope_scale)
+                k = _rope.rotate(k.transpose(1, 0, 2), pos, inv, att,
+                                 scaling.interleaved).astype(np.float32).transpose(1, 0, 2)
+            s = np.einsum("hgd,rhd->hgr", qb, k, dtype=np.float32) * np.float32(scale)
+            s = _apply_softcap(s, spec.softcap).astype(np.float32) * np.float32(LOG2E)
+            m_new = np.maximum(m, s.max(axis=-1))
+            alpha = np.exp2(m - m_new)  # m=-inf -> 0
+            p = np.exp2(s - m_new[..., None])
+            l = l * alpha + p.sum(axis=-1)
+            acc = acc * alpha[..., None] + np.einsum("hgr,rhd->hgd", p, v, dtype=np.float32)
+            m = m_new
+        res_o[b] = (acc / l[..., None]).reshape(H, D)
+        res_s[b] = (m + np.log2(l)).reshape(H)
+    if out is None:
+        out = np.empty((B, H, D), dtype=spec.np_dtype)
+    if lse is None:
+        lse = np.empty((B, H), dtype=LSE_DTYPE)
+    out[...] = res_o
+    lse[...] = res_s
+    return out, lse
+
+
+def _merge_arrays(v: np.ndarray, s: np.ndarray, axis: int) -> tuple[np.ndarray, np.ndarray]:
+    """Merge states stacked along ``axis`` of s (v has one more trailing dim)."""
+    s = s.astype(np.float32)
+    m = s.max(axis=axis, keepdims=True)
+    empty = np.isneginf(m)
+    w = np.where(empty, 0.0, np.exp2(s - np.where(empty, 0.0, m)))  # 0 for -inf states
+    tot = w.sum(axis=axis, keepdims=True)
+    safe = np.where(tot > 0, tot, 1.0)
+    vo = (w[..., None] * v.astype(np.float32)).sum(axis=axis) / np.squeeze(safe, axis)[..., None]
+    so = np.where(tot > 0, m + np.log2(safe), -np.inf)
+    return vo.astype(np.float32), np.squeeze(so, axis).astype(np.float32)
+
+
+def merge_state(v: np.ndarray, s: np.ndarray, v_other: np.ndarray,
+                s_other: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Merge two attention states; returns new ``(v, s)`` (s base 2, -inf = empty)."""
+    check_merge_pair(v, s, v_other, s_other)
+    vo, so = _merge_arrays(np.stack([v, v_other], axis=1), np.stack([s, s_other], axis=1), 1)
+    return vo.astype(v.dtype), so
+
+
+def merge_state_(v: np.ndarray, s: np.ndarray, v_other: np.ndarray, s_other: np.ndarray) -> None:
+    """In-place ``merge_state``: ``v`` and ``s`` receive the merged state."""
+    vo, so = merge_state(v, s, v_other, s_other)
+    v[...] = vo
+    s[...] = so
+
+
+def merge_states(v: np.ndarray, s: np.ndarray, out: np.ndarray | None = None,
+                 lse: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Merge K states at once: ``v [N, K, H, D]``, ``s [N, K, H]`` -> ``[N, H, D]``, ``[N, H]``."""
+    check_merge_k(v, s, out, lse)
+    vo, so = _merge_arrays(v, s, 1)
+    if out is None:
+        out = np.empty(vo.shape, dtype=v.dtype)
+    if lse is None:
+        lse = np.empty(so.shape, dtype=LSE_DTYPE)
+    out[...] = vo
+    lse[...] = so
+    return out, lse
+
+
+def merge_varlen(v: np.ndarray, s: np.ndarray, indptr: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Merge ragged groups of states: group ``i`` is ``v[indptr[i]:indptr[i+1]]``."""
+    outs = []
+    for a, b in zip(indptr[:-1], indptr[1:]):
+        if b > a:
+            outs.append(_merge_arrays(v[a:b][None], s[a:b][None], 1))
+        else:
+            outs.append((np.zeros((1,) + v.shape[1:], np.float32),
+                         np.full((1,) + s.shape[1:], -np.inf, np.float32)))
+    if not outs:
+        return np.zeros((0,) + v.shape[1:], np.float32), np.zeros((0,) + s.shape[1:], np.float32)
+    return np.concatenate([o[0] for o in outs]), np.concatenate([o[1] for o in outs])
+
+
+__all__ = ["batch_decode", "merge_state", "merge_state_", "merge_states", "chunk_offsets"]

@@ -1,0 +1,148 @@
+"""The attention configuration: the one home of shape rules and defaults.
+
+Validation, kernel rendering and the CPU fallback all read :class:`AttentionSpec`.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import numpy as np
+
+#: storage dtypes clattn accepts for q, pages and out (accumulation is always f32)
+DTYPES = {"float16": np.dtype(np.float16), "float32": np.dtype(np.float32)}
+#: the dtype of every index table
+INDEX_DTYPE = np.dtype(np.int32)
+#: the dtype of log-sum-exp states
+LSE_DTYPE = np.dtype(np.float32)
+#: default RoPE base when a call does not give one
+DEFAULT_ROPE_THETA = 10000.0
+LOG2E = 1.4426950408889634
+
+
+def default_sm_scale(head_dim: int) -> float:
+    """`sm_scale` when the caller passes None: 1/sqrt(head_dim)."""
+    return 1.0 / math.sqrt(head_dim)
+
+
+def _freeze(obj: Any) -> Any:
+    """A hashable copy of a JSON-like value (dicts become sorted item tuples)."""
+    if isinstance(obj, Mapping):
+        return tuple(sorted((str(k), _freeze(v)) for k, v in obj.items()))
+    if isinstance(obj, (list, tuple)):
+        return tuple(_freeze(v) for v in obj)
+    return obj
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """What one decode kernel is built for (everything fixed at build time).
+
+    ``rope_scaling`` is a Hugging Face ``rope_scaling`` dict (or None); it and
+    ``rotary_dim`` only matter when a call passes ``rotary_mode=1``.
+    """
+
+    num_qo_heads: int
+    num_kv_heads: int
+    head_dim: int
+    page_size: int = 16
+    dtype: str = "float16"
+    sliding_window: bool = False
+    rope_scaling: Mapping[str, Any] | None = field(default=None, compare=False, hash=False)
+    rotary_dim: int | None = None
+    softcap: float | None = None
+    max_position_embeddings: int | None = None
+    _rope_key: Any = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        for name in ("num_qo_heads", "num_kv_heads", "head_dim", "page_size"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name}={v!r}: must be a positive integer")
+            object.__setattr__(self, name, int(v))
+        if self.num_qo_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_qo_heads={self.num_qo_heads} is not a multiple of "
+                f"num_kv_heads={self.num_kv_heads}: GQA needs an integer group size")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim={self.head_dim}: must be even (RoPE pairs dims)")
+        dt = str(np.dtype(self.dtype)) if self.dtype is not None else None
+        if dt not in DTYPES:
+            raise TypeError(f"dtype={self.dtype!r}: must be one of {sorted(DTYPES)}")
+        object.__setattr__(self, "dtype", dt)
+        rd = self.head_dim if self.rotary_dim is None else self.rotary_dim
+        if not isinstance(rd, (int, np.integer)) or rd < 2 or rd % 2 or rd > self.head_dim:
+            raise ValueError(
+                f"rotary_dim={self.rotary_dim!r}: must be an even integer in [2, head_dim={self.head_dim}]")
+        object.__setattr__(self, "rotary_dim", int(rd))
+        if self.softcap is not None:
+            if not (float(self.softcap) > 0 and math.isfinite(float(self.softcap))):
+                raise ValueError(f"softcap={self.softcap!r}: must be a positive finite number or None")
+            object.__setattr__(self, "softcap", float(self.softcap))
+        scaling = dict(self.rope_scaling) if self.rope_scaling else None
+        object.__setattr__(self, "rope_scaling", scaling)
+        # validates the scaling dict now (raises on unknown or dynamic types)
+        from .rope import parse_rope_scaling
+        parse_rope_scaling(scaling, self.max_position_embeddings)
+        object.__setattr__(self, "_rope_key", _freeze(scaling))
+
+    def __hash__(self) -> int:  # rope_scaling is a dict: hash its frozen form instead
+        return hash((self.num_qo_heads, self.num_kv_heads, self.head_dim, self.page_size,
+                     self.dtype, self.sliding_window, self._rope_key, self.rotary_dim,
+                     self.softcap, self.max_position_embeddings))
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, AttentionSpec) and hash(self) == hash(other) and \
+            self._rope_key == other._rope_key
+
+    @property
+    def group_size(self) -> int:
+        """Query heads per KV head."""
+        return self.num_qo_heads // self.num_kv_heads
+
+    @property
+    def np_dtype(self) -> np.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def itemsize(self) -> int:
+        return self.np_dtype.itemsize
+
+    def key(self) -> str:
+        """A stable text key (for caches and kernel names)."""
+        return json.dumps([self.num_qo_heads, self.num_kv_heads, self.head_dim, self.page_size,
+                           self.dtype, self.sliding_window, self.rope_scaling, self.rotary_dim,
+                           self.softcap, self.max_position_embeddings], sort_keys=True)
+
+    @classmethod
+    def from_hf_config(cls, config: Mapping[str, Any], *, page_size: int = 16,
+                       dtype: str = "float16", sliding_window: bool | None = None) -> "AttentionSpec":
+        """Build a spec from a Hugging Face ``config.json`` dict.
+
+        Reads heads, ``head_dim`` (or hidden_size / heads), ``rope_scaling``,
+        ``partial_rotary_factor``/``rotary_dim`` and ``attn_logit_softcapping``.
+        ``sliding_window`` defaults to whether the config declares a window.
+        """
+        h = config.get("num_attention_heads", config.get("n_head"))
+        kv = config.get("num_key_value_heads") or h
+        hd = config.get("head_dim") or (config.get("hidden_size", config.get("n_embd")) // h)
+        rd = config.get("rotary_dim")
+        if rd is None and config.get("partial_rotary_factor") is not None:
+            rd = int(hd * float(config["partial_rotary_factor"]))
+        scaling = config.get("rope_scaling")
+        if config.get("model_type") == "gptj" and not scaling:
+            scaling = {"rope_type": "gptj"}
+        scaling = dict(scaling) if scaling else None
+        if scaling is not None and "original_max_position_embeddings" not in scaling and \
+                config.get("original_max_position_embeddings"):
+            scaling["original_max_position_embeddings"] = config["original_max_position_embeddings"]
+        if sliding_window is None:
+            sliding_window = bool(config.get("sliding_window")) and \
+                config.get("use_sliding_window", True) is not False
+        return cls(num_qo_heads=h, num_kv_heads=kv, head_dim=hd, page_size=page_size,
+                   dtype=dtype, sliding_window=sliding_window, rope_scaling=scaling,
+                   rotary_dim=rd, softcap=config.get("attn_logit_softcapping"),
+                   max_position_embeddings=config.get("max_position_embeddings",
+                                                      config.get("n_positions")))

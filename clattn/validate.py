@@ -1,0 +1,208 @@
+"""Every input rule of SPEC.md, checked once, before anything is launched or modified.
+
+Each rule raises ``ValueError`` or ``TypeError`` naming the argument, the offending
+sequence and value where there is one, and what is allowed. Table *values* are
+checked when the tables are host (numpy) arrays; device arrays are checked for
+shape and dtype (the kernels clamp every index, so bad device tables cannot make
+them read or write out of bounds).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .spec import DTYPES, INDEX_DTYPE, LSE_DTYPE, AttentionSpec
+
+
+def is_host(a: Any) -> bool:
+    return isinstance(a, np.ndarray)
+
+
+def _shape(a: Any) -> tuple:
+    return tuple(int(s) for s in a.shape)
+
+
+def _contiguous(a: Any) -> bool:
+    return bool(a.flags.c_contiguous)
+
+
+def check_array(name: str, a: Any, *, ndim: int | None = None, shape: tuple | None = None,
+                dtypes: tuple | None = None) -> None:
+    """Type, dtype, shape and contiguity of one array argument."""
+    if a is None or not hasattr(a, "shape") or not hasattr(a, "dtype"):
+        raise TypeError(f"{name}: expected a numpy or pyopencl array, got {type(a).__name__}")
+    if dtypes is not None and np.dtype(a.dtype) not in [np.dtype(d) for d in dtypes]:
+        allowed = ", ".join(str(np.dtype(d)) for d in dtypes)
+        raise TypeError(f"{name}: dtype {np.dtype(a.dtype)} is not allowed; use {allowed} "
+                        f"(e.g. {name}.astype(np.{np.dtype(dtypes[0])}))")
+    if ndim is not None and len(a.shape) != ndim:
+        raise ValueError(f"{name}: expected {ndim} dimensions, got shape {_shape(a)}")
+    if shape is not None:
+        want = tuple(shape)
+        got = _shape(a)
+        if len(got) != len(want) or any(w is not None and w != g for w, g in zip(want, got)):
+            pretty = "(" + ", ".join("*" if w is None else str(w) for w in want) + ")"
+            raise ValueError(f"{name}: expected shape {pretty}, got {got}")
+    if not _contiguous(a):
+        raise ValueError(f"{name}: must be C-contiguous (pass np.ascontiguousarray({name}))")
+
+
+@dataclass
+class DecodeArgs:
+    """Normalised decode inputs (tables split out of ``length_info``)."""
+
+    B: int
+    num_pages: int
+    nnz: int
+    last_page_len: Any
+    window_offset: Any | None
+    sink_size: Any | None
+    length_info: Any | None  # the packed array when the caller gave one
+    q_pos: Any | None
+    k_pos_offset: Any | None
+    stored: np.ndarray | None  # per-sequence stored length (host tables only)
+    chunk: np.ndarray | None  # per-sequence attended rows (host tables only)
+
+
+def _ints(name: str, a: Any, n: int) -> None:
+    check_array(name, a, ndim=1, shape=(n,), dtypes=(INDEX_DTYPE,))
+
+
+def check_decode(spec: AttentionSpec, q: Any, pages: Any, page_indptr: Any, page_indices: Any,
+                 last_page_len: Any = None, *, length_info: Any = None,
+                 window_offset: Any = None, sink_size: Any = None, q_pos: Any = None,
+                 k_pos_offset: Any = None, rotary_mode: int = 0, sm_scale: float | None = None,
+                 rope_scale: float = 1.0, rope_theta: float = 1e4,
+                 out: Any = None, lse: Any = None) -> DecodeArgs:
+    """Check one decode call against ``spec``; returns the normalised tables."""
+    dt = spec.np_dtype
+    check_array("q", q, ndim=3, dtypes=(dt,))
+    B = _shape(q)[0]
+    check_array("q", q, shape=(B, spec.num_qo_heads, spec.head_dim))
+    check_array("pages", pages, ndim=5, dtypes=(dt,))
+    P = _shape(pages)[0]
+    check_array("pages", pages, shape=(P, 2, spec.num_kv_heads, spec.page_size, spec.head_dim))
+    _ints("page_indptr", page_indptr, B + 1)
+    check_array("page_indices", page_indices, ndim=1, dtypes=(INDEX_DTYPE,))
+    nnz = _shape(page_indices)[0]
+
+    if length_info is not None:
+        if last_page_len is not None or window_offset is not None or sink_size is not None:
+            raise ValueError("length_info: pass either length_info or last_page_len/"
+                             "window_offset/sink_size, not both")
+        want = (3, B) if spec.sliding_window else (B,)
+        check_array("length_info", length_info, shape=want, dtypes=(INDEX_DTYPE,))
+        if spec.sliding_window:
+            last_page_len, window_offset, sink_size = length_info[0], length_info[1], length_info[2]
+        else:
+            last_page_len = length_info
+    if last_page_len is None:
+        raise ValueError("last_page_len: required (or pass the packed length_info)")
+    if length_info is None:
+        _ints("last_page_len", last_page_len, B)
+    if spec.sliding_window:
+        if window_offset is None or sink_size is None:
+            raise ValueError("window_offset, sink_size: required in sliding-window mode "
+                             "(the spec has sliding_window=True); or pass length_info of shape (3, B)")
+        if length_info is None:
+            _ints("window_offset", window_offset, B)
+            _ints("sink_size", sink_size, B)
+    elif window_offset is not None or sink_size is not None:
+        raise ValueError("window_offset/sink_size: given, but the spec has sliding_window=False; "
+                         "build with AttentionSpec(..., sliding_window=True)")
+    if rotary_mode not in (0, 1):
+        raise ValueError(f"rotary_mode={rotary_mode!r}: must be 0 (no RoPE) or 1 (RoPE in kernel)")
+    if rotary_mode == 1:
+        for nm, arr in (("q_pos", q_pos), ("k_pos_offset", k_pos_offset)):
+            if arr is None:
+                raise ValueError(f"{nm}: required when rotary_mode=1")
+            _ints(nm, arr, B)
+        if not (np.isfinite(rope_theta) and rope_theta > 0):
+            raise ValueError(f"rope_theta={rope_theta!r}: must be a positive finite number")
+        if not np.isfinite(rope_scale):
+            raise ValueError(f"rope_scale={rope_scale!r}: must be finite")
+    if sm_scale is not None and not np.isfinite(sm_scale):
+        raise ValueError(f"sm_scale={sm_scale!r}: must be finite (or None for 1/sqrt(head_dim))")
+    if out is not None:
+        check_array("out", out, shape=(B, spec.num_qo_heads, spec.head_dim), dtypes=(dt,))
+    if lse is not None:
+        check_array("lse", lse, shape=(B, spec.num_qo_heads), dtypes=(LSE_DTYPE,))
+
+    stored = chunk = None
+    tables = [page_indptr, page_indices, last_page_len] + (
+        [window_offset, sink_size] if spec.sliding_window else [])
+    if all(is_host(t) for t in tables):
+        stored, chunk = _check_table_values(spec, B, P, nnz, page_indptr, page_indices,
+                                            last_page_len, window_offset, sink_size)
+    return DecodeArgs(B, P, nnz, last_page_len, window_offset, sink_size, length_info,
+                      q_pos, k_pos_offset, stored, chunk)
+
+
+def _first_bad(mask: np.ndarray) -> int:
+    return int(np.flatnonzero(mask)[0])
+
+
+def _check_table_values(spec: AttentionSpec, B: int, P: int, nnz: int, indptr: np.ndarray,
+                        indices: np.ndarray, last: np.ndarray, wo: Any, sink: Any):
+    if indptr[0] != 0:
+        raise ValueError(f"page_indptr[0]={int(indptr[0])}: must be 0")
+    d = np.diff(indptr.astype(np.int64))
+    if (d < 0).any():
+        i = _first_bad(d < 0)
+        raise ValueError(f"page_indptr: decreases at sequence {i} ({int(indptr[i])} -> "
+                         f"{int(indptr[i + 1])}); it must be non-decreasing")
+    if int(indptr[-1]) > nnz:
+        raise ValueError(f"page_indptr[-1]={int(indptr[-1])} exceeds len(page_indices)={nnz}")
+    used = indices[: int(indptr[-1])]
+    bad = (used < 0) | (used >= P)
+    if bad.any():
+        i = _first_bad(bad)
+        seq = int(np.searchsorted(indptr, i, side="right") - 1)
+        raise ValueError(f"page_indices[{i}]={int(used[i])} (sequence {seq}) is not a page of the "
+                         f"pool: allowed 0..{P - 1}")
+    npages = d
+    owns = npages > 0
+    bad = owns & ((last < 1) | (last > spec.page_size))
+    if bad.any():
+        i = _first_bad(bad)
+        raise ValueError(f"last_page_len[{i}]={int(last[i])}: must be in 1..page_size="
+                         f"{spec.page_size} for a sequence that owns pages")
+    stored = np.where(owns, (npages - 1) * spec.page_size + last.astype(np.int64), 0)
+    chunk = stored.copy()
+    if spec.sliding_window:
+        wo64, sink64 = wo.astype(np.int64), sink.astype(np.int64)
+        checks = (
+            (owns & (sink64 < 0), "sink_size", sink64, "must be >= 0"),
+            (owns & (wo64 > stored), "window_offset", wo64, "must be <= the stored length {s}"),
+            (owns & (sink64 > wo64), "sink_size", sink64,
+             "must be <= window_offset={w} (sinks are the tokens before the window)"),
+        )
+        for mask, nm, arr, rule in checks:
+            if mask.any():
+                i = _first_bad(mask)
+                raise ValueError(f"{nm}[{i}]={int(arr[i])}: " +
+                                 rule.format(s=int(stored[i]), w=int(wo64[i])))
+        chunk = np.where(owns, stored - wo64 + sink64, 0)
+    return stored, chunk
+
+
+def check_merge_pair(v: Any, s: Any, v_other: Any, s_other: Any) -> None:
+    """Rules of ``merge_state_``: v [N, H, D] f16/f32, s [N, H] f32, same shapes both sides."""
+    check_array("v", v, ndim=3, dtypes=tuple(DTYPES.values()))
+    N, H, D = _shape(v)
+    check_array("s", s, shape=(N, H), dtypes=(LSE_DTYPE,))
+    check_array("v_other", v_other, shape=(N, H, D), dtypes=(np.dtype(v.dtype),))
+    check_array("s_other", s_other, shape=(N, H), dtypes=(LSE_DTYPE,))
+
+
+def check_merge_k(v: Any, s: Any, out: Any = None, lse: Any = None) -> None:
+    """Rules of ``merge_states``: v [N, K, H, D], s [N, K, H] f32."""
+    check_array("v", v, ndim=4, dtypes=tuple(DTYPES.values()))
+    N, K, H, D = _shape(v)
+    check_array("s", s, shape=(N, K, H), dtypes=(LSE_DTYPE,))
+    if out is not None:
+        check_array("out", out, shape=(N, H, D), dtypes=(np.dtype(v.dtype),))
+    if lse is not None:
+        check_array("lse", lse, shape=(N, H), dtypes=(LSE_DTYPE,))

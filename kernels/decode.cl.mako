@@ -1,0 +1,392 @@
+<%doc>
+clattn paged-KV decode attention (one query token per sequence), SPEC.md semantics.
+
+Template parameters (all from clattn.codegen, which computes them from the
+AttentionSpec and the device profile):
+  D, HQO, HKV, G, PS, ROT, INTERLEAVED, SLIDING, SOFTCAP, DTYPE, NATIVE_HALF,
+  STRATEGY ("rows" | "tiled"), VEC, TILE,
+  tiled only: BDX, BDY, BDZ, GDZ, USE_LOCAL, REDUCE, SGS
+Work decomposition:
+  rows : one work-item per (sequence b, KV head, partition p); global (B, HKV, NP),
+         local (1, 1, 1); blocks of TILE rows, private accumulators for all G heads.
+  tiled: one work-group per (b, KV head x GDZ head slices, p); local (BDX, BDY, BDZ):
+         tx across head_dim (VEC each), ty across query heads of the group, tz across
+         row slices; TILE rows per (ty, tz) per step; a final merge over tz.
+Every index read from the page table is clamped, so no input can make the kernel
+read or write out of bounds.
+</%doc>
+<%namespace name="c" file="common.clh.mako"/>
+${c.prelude()}
+<% NV = D // VEC %>\
+<%
+def hsum(v):
+    """Horizontal sum of a float<VEC> expression, as a balanced tree."""
+    terms = ["(%s)" % v] if VEC == 1 else ["(%s).s%x" % (v, i) for i in range(VEC)]
+    while len(terms) > 1:
+        terms = ["(%s + %s)" % (terms[i], terms[i + 1]) for i in range(0, len(terms), 2)]
+    return terms[0]
+
+def score(x):
+    """Score in log2 units; q was pre-scaled by sm_scale (and log2 e without soft-cap)."""
+    if SOFTCAP is None:
+        return "(%s)" % x
+    return "(%.9ef * tanh((%s) * %.9ef) * CLATTN_LOG2E)" % (SOFTCAP, x, 1.0 / SOFTCAP)
+%>\
+## rotate the private float array f[D] (a row of q or k) at position pos
+<%def name="rotate_row(f, pos)">
+        {
+            const __global float2* tt = rope_turns + rope_table * ${ROT // 2};
+            for (int i = 0; i < ${ROT // 2}; ++i) {
+                float cs;
+                const float sn = sincos(clattn_rope_angle(${pos}, tt[i]), &cs);
+% if INTERLEAVED:
+                const float a = ${f}[2 * i], bb = ${f}[2 * i + 1];
+                ${f}[2 * i] = (a * cs - bb * sn) * rope_att;
+                ${f}[2 * i + 1] = (bb * cs + a * sn) * rope_att;
+% else:
+                const float a = ${f}[i], bb = ${f}[i + ${ROT // 2}];
+                ${f}[i] = (a * cs - bb * sn) * rope_att;
+                ${f}[i + ${ROT // 2}] = (bb * cs + a * sn) * rope_att;
+% endif
+            }
+        }
+</%def>
+## rotate float<VEC> x holding dims tx*VEC.. of the row at storage pointer src
+<%def name="rope_vec(x, src, pos)">\
+if (rotary_mode) {
+            const __global float2* tt = rope_turns + rope_table * ${ROT // 2};
+            float* xf = (float*)&${x};
+            for (int e = 0; e < ${VEC}; ++e) {
+                const int d = tx * ${VEC} + e;
+                if (d < ${ROT}) {
+% if INTERLEAVED:
+                    const int i = d / 2;
+                    const int pd = d ^ 1;
+                    const float sgn = (d & 1) ? 1.0f : -1.0f;
+% else:
+                    const int i = d % ${ROT // 2};
+                    const int pd = d < ${ROT // 2} ? d + ${ROT // 2} : d - ${ROT // 2};
+                    const float sgn = d < ${ROT // 2} ? -1.0f : 1.0f;
+% endif
+                    float cs;
+                    const float sn = sincos(clattn_rope_angle(${pos}, tt[i]), &cs);
+                    const float partner = ${c.loadv(1, src + " + pd")};
+                    xf[e] = (xf[e] * cs + sgn * partner * sn) * rope_att;
+                }
+            }
+        }
+</%def>
+
+#define KERNEL_ARGS \
+    const __global st_t* q, const int q_off, \
+    const __global st_t* pages, const ulong pages_off, const int num_pages, \
+    const __global int* page_indptr, const int indptr_off, \
+    const __global int* page_indices, const int indices_off, const int nnz, \
+    const __global int* last_page_len, const int last_off, \
+    const __global int* window_offset, const int wo_off, \
+    const __global int* sink_size, const int sink_off, \
+    const __global int* q_pos, const int qpos_off, \
+    const __global int* k_pos_offset, const int kpo_off, \
+    __global st_t* out, const int out_off, \
+    __global float* lse, const int lse_off, \
+    __global float* ws_o, __global float* ws_s, const int n_ws, \
+    const __global int* part_indptr, const int split, const int part_rows, \
+    const int rotary_mode, const float sm_scale, \
+    const __global float2* rope_turns, const int long_from, const float rope_att
+
+/* the attended chunk of sequence b and the rows [r_lo, r_hi) of partition p */
+#define SEQ_SETUP \
+    q += q_off; pages += pages_off; page_indptr += indptr_off; page_indices += indices_off; \
+    last_page_len += last_off; window_offset += wo_off; sink_size += sink_off; \
+    q_pos += qpos_off; k_pos_offset += kpo_off; out += out_off; lse += lse_off; \
+    const int p0 = clamp(page_indptr[b], 0, nnz); \
+    const int p1 = clamp(page_indptr[b + 1], p0, nnz); \
+    const int npages = p1 - p0; \
+    const int stored = npages > 0 ? (npages - 1) * ${PS} + clamp(last_page_len[b], 1, ${PS}) : 0; \
+    SEQ_WINDOW \
+    const int chunk = stored - wo + sink; \
+    const int nparts_b = split ? max(part_indptr[b + 1] - part_indptr[b], 1) : 1; \
+    const int r_lo = nparts_b > 1 ? min(part * part_rows, chunk) : 0; \
+    const int r_hi = nparts_b > 1 ? min(r_lo + part_rows, chunk) : chunk; \
+    const int ws_at = nparts_b > 1 ? part_indptr[b] + part : -1; \
+    const int direct = nparts_b <= 1; \
+    const int valid_part = part < nparts_b && (direct || (ws_at >= 0 && ws_at < n_ws)); \
+    const int rope_table = (rotary_mode && q_pos[b] >= long_from) ? 1 : 0;
+
+% if SLIDING:
+#define SEQ_WINDOW \
+    const int wo = clamp(window_offset[b], 0, stored); \
+    const int sink = clamp(sink_size[b], 0, wo);
+% else:
+#define SEQ_WINDOW const int wo = 0; const int sink = 0;
+% endif
+
+/* element offset of the K row (kv = 0) or V row (kv = 1) of chunk row `row` */
+inline ulong clattn_row_at(const __global int* page_indices, const int p0, const int row,
+                           const int sink, const int wo, const int kvh, const int num_pages,
+                           const int kv)
+{
+    const int off = row < sink ? row : row - sink + wo;
+    const int page = clamp(page_indices[p0 + off / ${PS}], 0, num_pages - 1);
+    return ((((ulong)page * 2 + kv) * ${HKV} + kvh) * ${PS} + (off % ${PS})) * ${D};
+}
+
+% if STRATEGY == "rows":
+__kernel void clattn_decode(KERNEL_ARGS)
+{
+    const int b = get_global_id(0);
+    const int kvh = get_global_id(1);
+    const int part = get_global_id(2);
+    SEQ_SETUP
+    if (!valid_part) return;
+
+    ${c.fv(VEC)} qv[${G}][${NV}];
+    ${c.fv(VEC)} acc[${G}][${NV}];
+    float m[${G}], l[${G}];
+    const float qscale = sm_scale${" * CLATTN_LOG2E" if SOFTCAP is None else ""};
+    for (int g = 0; g < ${G}; ++g) {
+        const __global st_t* qp = q + ((ulong)b * ${HQO} + kvh * ${G} + g) * ${D};
+        for (int i = 0; i < ${NV}; ++i) qv[g][i] = ${c.loadv(VEC, "qp + i * %d" % VEC)};
+        if (rotary_mode) {
+            float* f = (float*)qv[g];
+${rotate_row("f", "q_pos[b]")}
+        }
+        for (int i = 0; i < ${NV}; ++i) { qv[g][i] *= qscale; acc[g][i] = 0.0f; }
+        m[g] = -INFINITY;
+        l[g] = 0.0f;
+    }
+    const int kpos0 = rotary_mode ? k_pos_offset[b] : 0;
+
+    for (int r0 = r_lo; r0 < r_hi; r0 += ${TILE}) {
+        const int n = min(${TILE}, r_hi - r0);
+        float s[${G}][${TILE}];
+        for (int j = 0; j < n; ++j) {
+            const __global st_t* kp = pages + clattn_row_at(page_indices, p0, r0 + j, sink, wo, kvh, num_pages, 0);
+            ${c.fv(VEC)} kr[${NV}];
+            for (int i = 0; i < ${NV}; ++i) kr[i] = ${c.loadv(VEC, "kp + i * %d" % VEC)};
+            if (rotary_mode) {
+                float* f = (float*)kr;
+${rotate_row("f", "kpos0 + r0 + j")}
+            }
+            for (int g = 0; g < ${G}; ++g) {
+                ${c.fv(VEC)} t = qv[g][0] * kr[0];
+                for (int i = 1; i < ${NV}; ++i) t += qv[g][i] * kr[i];
+                s[g][j] = ${score(hsum("t"))};
+            }
+        }
+        for (int g = 0; g < ${G}; ++g) {
+            float mx = m[g];
+            for (int j = 0; j < n; ++j) mx = fmax(mx, s[g][j]);
+            const float alpha = exp2(m[g] - mx);
+            m[g] = mx;
+            float sum = l[g] * alpha;
+            for (int j = 0; j < n; ++j) { s[g][j] = exp2(s[g][j] - mx); sum += s[g][j]; }
+            l[g] = sum;
+            for (int i = 0; i < ${NV}; ++i) acc[g][i] *= alpha;
+        }
+        for (int j = 0; j < n; ++j) {
+            const __global st_t* vp = pages + clattn_row_at(page_indices, p0, r0 + j, sink, wo, kvh, num_pages, 1);
+            for (int i = 0; i < ${NV}; ++i) {
+                const ${c.fv(VEC)} vv = ${c.loadv(VEC, "vp + i * %d" % VEC)};
+                for (int g = 0; g < ${G}; ++g) acc[g][i] += s[g][j] * vv;
+            }
+        }
+    }
+
+    for (int g = 0; g < ${G}; ++g) {
+        const int h = kvh * ${G} + g;
+        const float inv = l[g] > 0.0f ? 1.0f / l[g] : 0.0f;
+        const float st = l[g] > 0.0f ? m[g] + log2(l[g]) : -INFINITY;
+        if (direct) {
+            __global st_t* op = out + ((ulong)b * ${HQO} + h) * ${D};
+            for (int i = 0; i < ${NV}; ++i) { ${c.storev(VEC, "acc[g][i] * inv", "op + i * %d" % VEC)} }
+            lse[(ulong)b * ${HQO} + h] = st;
+        } else {
+            __global float* op = ws_o + ((ulong)ws_at * ${HQO} + h) * ${D};
+% if VEC == 1:
+            for (int i = 0; i < ${NV}; ++i) op[i] = acc[g][i] * inv;
+% else:
+            for (int i = 0; i < ${NV}; ++i) vstore${VEC}(acc[g][i] * inv, 0, op + i * ${VEC});
+% endif
+            ws_s[(ulong)ws_at * ${HQO} + h] = st;
+        }
+    }
+}
+% else:
+<%
+ROWS_IT = BDY * BDZ * TILE   # rows staged per step
+SLICE = BDY * TILE           # rows each tz slice scores per step
+%>\
+__kernel __attribute__((reqd_work_group_size(${BDX}, ${BDY}, ${BDZ})))
+% if REDUCE == "subgroup" and SGS:
+__attribute__((intel_reqd_sub_group_size(${SGS})))
+% endif
+void clattn_decode(KERNEL_ARGS)
+{
+    const int tx = get_local_id(0), ty = get_local_id(1), tz = get_local_id(2);
+    const int b = get_group_id(0);
+    const int kvh = get_group_id(1) / ${GDZ};
+    const int gi = (get_group_id(1) % ${GDZ}) * ${BDY} + ty;   /* head within the group */
+    const int head_ok = gi < ${G};
+    const int h = kvh * ${G} + min(gi, ${G - 1});
+    const int part = get_group_id(2);
+    SEQ_SETUP
+    if (!valid_part) return;   /* uniform over the work-group */
+
+% if USE_LOCAL:
+    __local float k_tile[${ROWS_IT}][${D}];
+    __local float v_tile[${ROWS_IT}][${D}];
+% endif
+% if REDUCE != "subgroup":
+    __local float red[${BDZ}][${BDY}][${SLICE}][${BDX}];
+% endif
+    __local float o_red[${BDZ}][${BDY}][${D}];
+    __local float md_red[${BDZ}][${BDY}][2];
+
+    /* this thread's VEC dims of q (rotated, pre-scaled) */
+    ${c.fv(VEC)} qv;
+    {
+        const __global st_t* qp = q + ((ulong)b * ${HQO} + h) * ${D};
+        qv = ${c.loadv(VEC, "qp + tx * %d" % VEC)};
+        ${rope_vec("qv", "qp", "q_pos[b]")}
+        qv *= sm_scale${" * CLATTN_LOG2E" if SOFTCAP is None else ""};
+    }
+    const int kpos0 = rotary_mode ? k_pos_offset[b] : 0;
+    ${c.fv(VEC)} acc = 0.0f;
+    float m = -INFINITY, l = 0.0f;
+
+    for (int t0 = r_lo; t0 < r_hi; t0 += ${ROWS_IT}) {
+% if USE_LOCAL:
+        /* stage ROWS_IT rows of K (rotated) and V in local memory */
+        for (int j = 0; j < ${TILE}; ++j) {
+            const int rs = (tz * ${BDY} + ty) * ${TILE} + j;
+            const int row = t0 + rs;
+            ${c.fv(VEC)} kx = 0.0f, vx = 0.0f;
+            if (row < r_hi) {
+                const ulong ka = clattn_row_at(page_indices, p0, row, sink, wo, kvh, num_pages, 0);
+                const __global st_t* kp = pages + ka;
+                kx = ${c.loadv(VEC, "kp + tx * %d" % VEC)};
+                vx = ${c.loadv(VEC, "pages + ka + %d * %d * %d + tx * %d" % (HKV, PS, D, VEC))};
+                ${rope_vec("kx", "kp", "kpos0 + row")}
+            }
+% if VEC == 1:
+            k_tile[rs][tx] = kx;
+            v_tile[rs][tx] = vx;
+% else:
+            vstore${VEC}(kx, 0, &k_tile[rs][tx * ${VEC}]);
+            vstore${VEC}(vx, 0, &v_tile[rs][tx * ${VEC}]);
+% endif
+        }
+        barrier(CLK_LOCAL_MEM_FENCE);
+% endif
+        /* scores of this tz slice's rows for head ty */
+        float s[${SLICE}];
+        for (int j = 0; j < ${SLICE}; ++j) {
+            const int rs = tz * ${SLICE} + j;
+            const int row = t0 + rs;
+% if USE_LOCAL:
+% if VEC == 1:
+            const float kx = k_tile[rs][tx];
+% else:
+            const ${c.fv(VEC)} kx = vload${VEC}(0, &k_tile[rs][tx * ${VEC}]);
+% endif
+% else:
+            ${c.fv(VEC)} kx = 0.0f;
+            if (row < r_hi) {
+                const __global st_t* kp = pages + clattn_row_at(page_indices, p0, row, sink, wo, kvh, num_pages, 0);
+                kx = ${c.loadv(VEC, "kp + tx * %d" % VEC)};
+                ${rope_vec("kx", "kp", "kpos0 + row")}
+            }
+% endif
+            const ${c.fv(VEC)} pr = qv * kx;
+% if REDUCE == "subgroup":
+            s[j] = sub_group_reduce_add(${hsum("pr")});
+% else:
+            red[tz][ty][j][tx] = ${hsum("pr")};
+% endif
+        }
+% if REDUCE != "subgroup":
+        barrier(CLK_LOCAL_MEM_FENCE);
+        for (int j = 0; j < ${SLICE}; ++j) {
+            float t = 0.0f;
+            for (int x = 0; x < ${BDX}; ++x) t += red[tz][ty][j][x];
+            s[j] = t;
+        }
+% endif
+        float mx = m;
+        for (int j = 0; j < ${SLICE}; ++j) {
+            const int row = t0 + tz * ${SLICE} + j;
+            s[j] = row < r_hi ? ${score("s[j]")} : -INFINITY;
+            mx = fmax(mx, s[j]);
+        }
+        const float alpha = exp2(m - mx);   /* 0 while both are -inf is avoided below */
+        float sum = mx == -INFINITY ? 0.0f : l * alpha;
+        acc = mx == -INFINITY ? acc : acc * alpha;
+        for (int j = 0; j < ${SLICE}; ++j) {
+            const float pj = mx == -INFINITY ? 0.0f : exp2(s[j] - mx);
+            sum += pj;
+            const int rs = tz * ${SLICE} + j;
+% if USE_LOCAL:
+% if VEC == 1:
+            acc += pj * v_tile[rs][tx];
+% else:
+            acc += pj * vload${VEC}(0, &v_tile[rs][tx * ${VEC}]);
+% endif
+% else:
+            const int row = t0 + rs;
+            if (row < r_hi) {
+                const __global st_t* vp = pages + clattn_row_at(page_indices, p0, row, sink, wo, kvh, num_pages, 1);
+                acc += pj * ${c.loadv(VEC, "vp + tx * %d" % VEC)};
+            }
+% endif
+        }
+        m = mx;
+        l = sum;
+% if USE_LOCAL or REDUCE != "subgroup":
+        barrier(CLK_LOCAL_MEM_FENCE);   /* tiles and partial sums are rewritten next step */
+% endif
+    }
+
+    /* merge the BDZ row slices' states */
+% if VEC == 1:
+    o_red[tz][ty][tx] = acc;
+% else:
+    vstore${VEC}(acc, 0, &o_red[tz][ty][tx * ${VEC}]);
+% endif
+    if (tx == 0) { md_red[tz][ty][0] = m; md_red[tz][ty][1] = l; }
+    barrier(CLK_LOCAL_MEM_FENCE);
+    if (tz == 0 && head_ok) {
+        float mt = -INFINITY;
+        for (int z = 0; z < ${BDZ}; ++z) mt = fmax(mt, md_red[z][ty][0]);
+        float lt = 0.0f;
+        ${c.fv(VEC)} ot = 0.0f;
+        if (mt != -INFINITY) {
+            for (int z = 0; z < ${BDZ}; ++z) {
+                const float w = exp2(md_red[z][ty][0] - mt);
+                lt += md_red[z][ty][1] * w;
+% if VEC == 1:
+                ot += o_red[z][ty][tx] * w;
+% else:
+                ot += vload${VEC}(0, &o_red[z][ty][tx * ${VEC}]) * w;
+% endif
+            }
+        }
+        const float inv = lt > 0.0f ? 1.0f / lt : 0.0f;
+        const float st = lt > 0.0f ? mt + log2(lt) : -INFINITY;
+        ot *= inv;
+        if (direct) {
+            __global st_t* op = out + ((ulong)b * ${HQO} + h) * ${D} + tx * ${VEC};
+            ${c.storev(VEC, "ot", "op")}
+            if (tx == 0) lse[(ulong)b * ${HQO} + h] = st;
+        } else {
+            __global float* op = ws_o + ((ulong)ws_at * ${HQO} + h) * ${D} + tx * ${VEC};
+% if VEC == 1:
+            op[0] = ot;
+% else:
+            vstore${VEC}(ot, 0, op);
+% endif
+            if (tx == 0) ws_s[(ulong)ws_at * ${HQO} + h] = st;
+        }
+    }
+}
+% endif

@@ -1,0 +1,155 @@
+<%doc>
+clattn attention-state merges (SPEC.md "Merging attention states").
+
+Template parameters: D, DTYPE (storage of v/out), VIN ("half"|"float": storage of the
+states being merged), NATIVE_HALF, STRATEGY ("rows" | "tiled"), VEC, MH (heads per
+work-group, tiled).
+
+clattn_merge_pair   in place: v, s <- merge(v, s, v_other, s_other); v, s : [N, H(, D)]
+clattn_merge_varlen out[n], lse[n] <- merge of states [lo, hi) where lo/hi come from
+                    indptr (or n*K .. n*K+K when fixed_k > 0); with skip_single, groups of
+                    fewer than two states are left alone (split-KV: written directly).
+
+rows : one work-item per (n, h) walks all of D.
+tiled: D/VEC work-items per (n, h); in the pairwise merge every work-item of a head
+       reads s before a barrier and only tx == 0 writes s after it (the seed's merge
+       rewrote s with no barrier: a race).
+</%doc>
+<%namespace name="c" file="common.clh.mako"/>
+${c.prelude()}
+<% NV = D // VEC %>\
+typedef ${"half" if VIN == "half" else "float"} in_t;
+<%
+def loadin(vec, ptr):
+    if VIN == "float":
+        return ("(%s)[0]" % ptr) if vec == 1 else ("vload%d(0, %s)" % (vec, ptr))
+    if NATIVE_HALF:
+        return ("convert_float((%s)[0])" % ptr) if vec == 1 else ("convert_float%d(vload%d(0, %s))" % (vec, vec, ptr))
+    return ("vload_half(0, %s)" % ptr) if vec == 1 else ("vload_half%d(0, %s)" % (vec, ptr))
+%>
+
+/* weights of two states (base-2 lse); both empty -> (0, 0) */
+inline float2 clattn_pair_weights(const float s, const float so)
+{
+    const float mx = fmax(s, so);
+    if (mx == -INFINITY) return (float2)(0.0f, 0.0f);
+    const float a = exp2(s - mx), bb = exp2(so - mx);
+    return (float2)(a, bb) / (a + bb);
+}
+
+inline float clattn_pair_lse(const float s, const float so)
+{
+    const float mx = fmax(s, so);
+    if (mx == -INFINITY) return -INFINITY;
+    return mx + log2(exp2(s - mx) + exp2(so - mx));
+}
+
+% if STRATEGY == "rows":
+__kernel void clattn_merge_pair(__global st_t* v, const int v_off, __global float* s, const int s_off,
+                                const __global st_t* vo, const int vo_off,
+                                const __global float* so, const int so_off, const int NH)
+{
+    const int nh = get_global_id(0);
+    if (nh >= NH) return;
+    v += v_off; s += s_off; vo += vo_off; so += so_off;
+    const float a = s[nh], bb = so[nh];
+    const float2 w = clattn_pair_weights(a, bb);
+    __global st_t* vp = v + (ulong)nh * ${D};
+    const __global st_t* op = vo + (ulong)nh * ${D};
+    for (int i = 0; i < ${NV}; ++i) {
+        const ${c.fv(VEC)} x = ${c.loadv(VEC, "vp + i * %d" % VEC)} * w.x + ${c.loadv(VEC, "op + i * %d" % VEC)} * w.y;
+        ${c.storev(VEC, "x", "vp + i * %d" % VEC)}
+    }
+    s[nh] = clattn_pair_lse(a, bb);
+}
+
+__kernel void clattn_merge_varlen(const __global in_t* vin, const int vin_off,
+                                  const __global float* sv, const int sv_off,
+                                  const __global int* indptr, const int indptr_off,
+                                  const int fixed_k, const int skip_single, const int n_states,
+                                  __global st_t* out, const int out_off,
+                                  __global float* lse, const int lse_off,
+                                  const int N, const int H)
+{
+    const int nh = get_global_id(0);
+    if (nh >= N * H) return;
+    const int n = nh / H, h = nh % H;
+    vin += vin_off; sv += sv_off; out += out_off; lse += lse_off;
+    int lo, hi;
+    if (fixed_k > 0) { lo = n * fixed_k; hi = lo + fixed_k; }
+    else { indptr += indptr_off; lo = indptr[n]; hi = indptr[n + 1]; }
+    lo = clamp(lo, 0, n_states); hi = clamp(hi, lo, n_states);
+    if (skip_single && hi - lo < 2) return;
+    float mx = -INFINITY;
+    for (int k = lo; k < hi; ++k) mx = fmax(mx, sv[(ulong)k * H + h]);
+    float tot = 0.0f;
+    ${c.fv(VEC)} acc[${NV}];
+    for (int i = 0; i < ${NV}; ++i) acc[i] = 0.0f;
+    if (mx != -INFINITY) {
+        for (int k = lo; k < hi; ++k) {
+            const float w = exp2(sv[(ulong)k * H + h] - mx);
+            tot += w;
+            const __global in_t* ip = vin + ((ulong)k * H + h) * ${D};
+            for (int i = 0; i < ${NV}; ++i) acc[i] += w * ${loadin(VEC, "ip + i * %d" % VEC)};
+        }
+    }
+    const float inv = tot > 0.0f ? 1.0f / tot : 0.0f;
+    __global st_t* op = out + ((ulong)n * H + h) * ${D};
+    for (int i = 0; i < ${NV}; ++i) { ${c.storev(VEC, "acc[i] * inv", "op + i * %d" % VEC)} }
+    lse[(ulong)n * H + h] = tot > 0.0f ? mx + log2(tot) : -INFINITY;
+}
+% else:
+__kernel __attribute__((reqd_work_group_size(${NV}, ${MH}, 1)))
+void clattn_merge_pair(__global st_t* v, const int v_off, __global float* s, const int s_off,
+                       const __global st_t* vo, const int vo_off,
+                       const __global float* so, const int so_off, const int NH)
+{
+    const int tx = get_local_id(0);
+    const int nh = get_global_id(1);
+    v += v_off; s += s_off; vo += vo_off; so += so_off;
+    float a = 0.0f, bb = 0.0f;
+    if (nh < NH) { a = s[nh]; bb = so[nh]; }
+    barrier(CLK_GLOBAL_MEM_FENCE);   /* every reader of s[nh] is done before it is rewritten */
+    if (nh >= NH) return;
+    const float2 w = clattn_pair_weights(a, bb);
+    __global st_t* vp = v + (ulong)nh * ${D} + tx * ${VEC};
+    const ${c.fv(VEC)} x = ${c.loadv(VEC, "vp")} * w.x + ${c.loadv(VEC, "vo + (ulong)nh * %d + tx * %d" % (D, VEC))} * w.y;
+    ${c.storev(VEC, "x", "vp")}
+    if (tx == 0) s[nh] = clattn_pair_lse(a, bb);
+}
+
+__kernel __attribute__((reqd_work_group_size(${NV}, ${MH}, 1)))
+void clattn_merge_varlen(const __global in_t* vin, const int vin_off,
+                         const __global float* sv, const int sv_off,
+                         const __global int* indptr, const int indptr_off,
+                         const int fixed_k, const int skip_single, const int n_states,
+                         __global st_t* out, const int out_off,
+                         __global float* lse, const int lse_off,
+                         const int N, const int H)
+{
+    const int tx = get_local_id(0);
+    const int nh = get_global_id(1);
+    if (nh >= N * H) return;
+    const int n = nh / H, h = nh % H;
+    vin += vin_off; sv += sv_off; out += out_off; lse += lse_off;
+    int lo, hi;
+    if (fixed_k > 0) { lo = n * fixed_k; hi = lo + fixed_k; }
+    else { indptr += indptr_off; lo = indptr[n]; hi = indptr[n + 1]; }
+    lo = clamp(lo, 0, n_states); hi = clamp(hi, lo, n_states);
+    if (skip_single && hi - lo < 2) return;
+    float mx = -INFINITY;
+    for (int k = lo; k < hi; ++k) mx = fmax(mx, sv[(ulong)k * H + h]);
+    float tot = 0.0f;
+    ${c.fv(VEC)} acc = 0.0f;
+    if (mx != -INFINITY) {
+        for (int k = lo; k < hi; ++k) {
+            const float w = exp2(sv[(ulong)k * H + h] - mx);
+            tot += w;
+            acc += w * ${loadin(VEC, "vin + ((ulong)k * H + h) * %d + tx * %d" % (D, VEC))};
+        }
+    }
+    const float inv = tot > 0.0f ? 1.0f / tot : 0.0f;
+    ${c.storev(VEC, "acc * inv", "out + ((ulong)n * H + h) * %d + tx * %d" % (D, VEC))}
+    if (tx == 0) lse[(ulong)n * H + h] = tot > 0.0f ? mx + log2(tot) : -INFINITY;
+}
+% endif
