@@ -1,0 +1,16 @@
+"""clattn: OpenCL decode attention over a paged KV cache, for on-device LLM inference.
+
+Public names only; see README.md for the semantics (base-2 LSE, exact empty states).
+"""
+from .decode import BatchDecode, DecodeResult
+from .merge import merge_state, merge_state_, merge_states
+from .plan import Plan
+from .profiles.record import Profile
+from .runtime import BuildError, NoDeviceError, ensure_icd, select_device
+from .spec import AttentionSpec
+
+ensure_icd()
+
+__all__ = ["AttentionSpec", "BatchDecode", "DecodeResult", "Plan", "Profile", "BuildError",
+           "NoDeviceError", "merge_state", "merge_state_", "merge_states", "select_device"]
+__version__ = "0.1.0"

@@ -85,7 +85,8 @@ def _llama3(inv: np.ndarray, rs: RopeScaling) -> np.ndarray:
     old = float(rs.get("original_max_position_embeddings"))
     wavelen = 2 * math.pi / inv
     out = np.where(wavelen > old / lo, inv / factor, inv)
-    smooth = (old / wavelen - lo) / (hi - lo)
+    with np.errstate(divide="ignore", invalid="ignore"):  # lo == hi: no medium band
+        smooth = (old / wavelen - lo) / (hi - lo)
     smoothed = (1 - smooth) * out / factor + smooth * out
     medium = (wavelen >= old / hi) & (wavelen <= old / lo)
     return np.where(medium, smoothed, out)

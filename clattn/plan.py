@@ -1,0 +1,76 @@
+"""Split-KV planning (host side, once per batch, reused by every layer of a step).
+
+Rule (FlashInfer's): no split when the unsplit launch already fills the device
+(``work-groups >= compute_units * wgs_per_cu``); otherwise the smallest partition
+that fills it, rounded up to whole pages and at least ``min_partition_rows`` rows,
+with at most ``max_partitions`` partitions per sequence.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from .profiles.record import Profile
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How one batch is decoded. ``part_rows == 0`` means no split."""
+
+    part_rows: int
+    num_parts: int  # partitions launched per (sequence, head): the max over the batch
+    part_indptr: np.ndarray  # [B + 1] workspace states of each sequence (1 = written directly)
+    n_ws: int  # workspace states needed
+    chunk: np.ndarray  # attended rows per sequence
+    reason: str
+
+    @property
+    def split(self) -> bool:
+        return self.part_rows > 0 and self.num_parts > 1
+
+    def __str__(self) -> str:
+        if not self.split:
+            return f"no split ({self.reason})"
+        return (f"split: {self.part_rows} rows per partition, up to {self.num_parts} partitions "
+                f"per sequence, {self.n_ws} workspace states ({self.reason})")
+
+
+def _no_split(chunk: np.ndarray, reason: str) -> Plan:
+    B = len(chunk)
+    return Plan(0, 1, np.arange(B + 1, dtype=np.int32), 0, chunk, reason)
+
+
+def make_plan(chunk: np.ndarray, work_groups: int, compute_units: int, profile: Profile,
+              page_size: int, *, split: bool | int | None = None) -> Plan:
+    """Plan a batch whose sequences attend to ``chunk[b]`` rows.
+
+    ``work_groups``: work-groups of the unsplit launch. ``split``: None = decide,
+    False = never, an int = force that many rows per partition.
+    """
+    chunk = np.asarray(chunk, dtype=np.int64)
+    longest = int(chunk.max()) if len(chunk) else 0
+    if split is False or split is None and longest == 0:
+        return _no_split(chunk, "splitting disabled" if split is False else "empty batch")
+    if split is None or split is True:
+        target = max(1, compute_units) * profile.wgs_per_cu
+        if work_groups >= target:
+            return _no_split(chunk, f"{work_groups} work-groups fill {compute_units} compute units "
+                                    f"x {profile.wgs_per_cu}")
+        want = math.ceil(target / max(work_groups, 1))
+        rows = math.ceil(longest / want)
+        rows = max(rows, profile.min_partition_rows)
+        reason = f"{work_groups} work-groups < {target}: {want} partitions wanted"
+    else:
+        rows = int(split)
+        if rows < 1:
+            raise ValueError(f"split={split!r}: rows per partition must be >= 1")
+        reason = "forced partition size"
+    rows = max(rows, math.ceil(longest / profile.max_partitions))
+    rows = math.ceil(rows / page_size) * page_size
+    parts = np.maximum(1, -(-chunk // rows))
+    if int(parts.max()) <= 1:
+        return _no_split(chunk, f"every sequence fits one partition of {rows} rows")
+    indptr = np.concatenate([[0], np.cumsum(parts)]).astype(np.int32)
+    return Plan(int(rows), int(parts.max()), indptr, int(indptr[-1]), chunk, reason)

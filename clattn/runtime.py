@@ -1,0 +1,225 @@
+"""OpenCL discovery, device choice and the program cache.
+
+* Intel's CPU runtime installed from PyPI ships an .icd naming a wrong path: before
+  pyopencl first asks for platforms, :func:`ensure_icd` points the ICD loader at the
+  installed ``libintelocl.so`` through a private vendors folder (``OCL_ICD_VENDORS``),
+  keeping every system .icd too. Set ``CLATTN_NO_ICD_SETUP=1`` to leave it alone.
+* Device choice: an explicit argument, else ``PYOPENCL_CTX`` (pyopencl's
+  ``platform:device`` convention), else the first GPU, else PoCL's CPU device, else any
+  device but the Oclgrind simulator. No device at all -> None (callers fall back to
+  the CPU and say so once).
+* Programs are built once per (context, source, options), thread-safely, through
+  pyopencl's on-disk binary cache; build failures raise :class:`BuildError` with the
+  compiler log.
+"""
+from __future__ import annotations
+
+import glob
+import hashlib
+import os
+import sys
+import tempfile
+import threading
+import warnings
+from pathlib import Path
+from typing import Any
+
+_ICD_DONE = False
+
+
+class BuildError(RuntimeError):
+    """A kernel failed to build; the message carries the compiler log."""
+
+
+class NoDeviceError(RuntimeError):
+    """No OpenCL device matches the request."""
+
+
+def _cache_root() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "clattn"
+
+
+def _pip_intel_lib() -> str | None:
+    for prefix in dict.fromkeys([sys.prefix, sys.base_prefix]):
+        for cand in glob.glob(os.path.join(prefix, "lib", "libintelocl.so")):
+            return cand
+    return None
+
+
+def ensure_icd() -> str | None:
+    """Make a pip-installed Intel CPU runtime visible to the ICD loader (idempotent).
+
+    Returns the vendors folder it set up, or None when nothing was needed.
+    """
+    global _ICD_DONE
+    if _ICD_DONE or os.environ.get("CLATTN_NO_ICD_SETUP") or os.environ.get("OCL_ICD_VENDORS"):
+        _ICD_DONE = True
+        return None
+    _ICD_DONE = True
+    lib = _pip_intel_lib()
+    if lib is None:
+        return None
+    system = sorted(glob.glob("/etc/OpenCL/vendors/*.icd"))
+    for icd in system:
+        try:
+            if Path(icd).read_text().strip() == lib:
+                return None  # already registered correctly
+        except OSError:
+            pass
+    folder = _cache_root() / ("icd-" + hashlib.sha1(lib.encode()).hexdigest()[:10])
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        for icd in system:
+            if "intel" in os.path.basename(icd).lower():
+                continue  # the shipped Intel .icd names a path that does not exist
+            target = folder / os.path.basename(icd)
+            if not target.exists():
+                target.write_text(Path(icd).read_text())
+        (folder / "clattn-intel-cpu.icd").write_text(lib + "\n")
+    except OSError as exc:  # read-only home: leave the loader alone
+        warnings.warn(f"clattn: could not set up the Intel CPU runtime's ICD ({exc})")
+        return None
+    os.environ["OCL_ICD_VENDORS"] = str(folder)
+    return str(folder)
+
+
+def cl():
+    """pyopencl, imported after the ICD set-up."""
+    ensure_icd()
+    import pyopencl
+    return pyopencl
+
+
+def all_devices() -> list:
+    """Every OpenCL device of every platform ([] without any)."""
+    pcl = cl()
+    try:
+        platforms = pcl.get_platforms()
+    except Exception:  # noqa: BLE001 - no ICD / no platform
+        return []
+    out = []
+    for p in platforms:
+        try:
+            out.extend(p.get_devices())
+        except Exception:  # noqa: BLE001 - a platform without devices
+            pass
+    return out
+
+
+def is_simulator(dev: Any) -> bool:
+    return "oclgrind" in dev.platform.name.lower()
+
+
+def _match_string(spec: str, devices: list) -> Any:
+    pcl = cl()
+    if ":" in spec or spec.isdigit():
+        parts = spec.split(":")
+        try:
+            plats = pcl.get_platforms()
+            plat = plats[int(parts[0] or 0)]
+            devs = plat.get_devices()
+            return devs[int(parts[1]) if len(parts) > 1 and parts[1] else 0]
+        except (ValueError, IndexError):
+            pass
+    low = spec.lower()
+    aliases = {"pocl": "portable computing language", "intel": "intel(r) opencl"}
+    low = aliases.get(low, low)
+    for d in devices:
+        if low in d.platform.name.lower() or low in d.name.lower():
+            return d
+    names = [f"{d.platform.name} / {d.name}" for d in devices] or ["(none)"]
+    raise NoDeviceError(f"device={spec!r} matches no OpenCL device; present: {'; '.join(names)}. "
+                        f"Use a platform or device name fragment, 'pocl', 'intel', 'oclgrind' "
+                        f"or 'P:D' indices")
+
+
+def select_device(device: Any = None) -> Any:
+    """The OpenCL device to use, or None when the machine has none."""
+    pcl = cl()
+    if isinstance(device, pcl.Device):
+        return device
+    if isinstance(device, pcl.Context):
+        return device.devices[0]
+    if isinstance(device, pcl.CommandQueue):
+        return device.device
+    devices = all_devices()
+    if isinstance(device, str):
+        return _match_string(device, devices)
+    if device is not None:
+        raise TypeError(f"device={device!r}: pass a pyopencl Device/Context/CommandQueue, a name "
+                        f"string, or None")
+    env = os.environ.get("PYOPENCL_CTX")
+    if env:
+        return _match_string(env, devices)
+    if not devices:
+        return None
+    real = [d for d in devices if not is_simulator(d)]
+    gpus = [d for d in real if d.type & pcl.device_type.GPU]
+    pocl = [d for d in real if "portable computing language" in d.platform.name.lower()]
+    return (gpus or pocl or real or devices)[0]
+
+
+class Runtime:
+    """One context and queue per device, with its built programs."""
+
+    _instances: dict = {}
+    _lock = threading.Lock()
+
+    def __init__(self, device: Any, context: Any = None, queue: Any = None) -> None:
+        pcl = cl()
+        self.device = device
+        self.context = context or pcl.Context([device])
+        self.queue = queue or pcl.CommandQueue(
+            self.context, properties=pcl.command_queue_properties.PROFILING_ENABLE)
+        self._programs: dict = {}
+        self._plock = threading.Lock()
+        self._dummies: dict = {}
+
+    @classmethod
+    def for_device(cls, device: Any) -> "Runtime":
+        """A shared runtime per device (or per context when given one)."""
+        pcl = cl()
+        key = device.int_ptr if isinstance(device, (pcl.Device, pcl.Context)) else id(device)
+        with cls._lock:
+            rt = cls._instances.get(key)
+            if rt is None:
+                if isinstance(device, pcl.Context):
+                    rt = cls(device.devices[0], context=device)
+                else:
+                    rt = cls(device)
+                cls._instances[key] = rt
+            return rt
+
+    def program(self, source: str, options: tuple = ()) -> Any:
+        """Build (once) and return the program for ``source``."""
+        key = (hashlib.sha256(source.encode()).hexdigest(), options)
+        with self._plock:
+            prg = self._programs.get(key)
+            if prg is None:
+                prg = self._build(source, list(options))
+                self._programs[key] = prg
+            return prg
+
+    def _build(self, source: str, options: list) -> Any:
+        pcl = cl()
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", pcl.CompilerWarning)
+                return pcl.Program(self.context, source).build(options=options)
+        except (pcl.RuntimeError, pcl.LogicError) as exc:
+            fd, path = tempfile.mkstemp(prefix="clattn-failed-", suffix=".cl")
+            with os.fdopen(fd, "w") as f:
+                f.write(source)
+            raise BuildError(f"building a clattn kernel failed on {self.device.name!r} "
+                             f"({self.device.platform.name}); source saved to {path}\n{exc}") from exc
+
+    def dummy_int(self) -> Any:
+        """A small zeroed int buffer for absent optional tables."""
+        if "int" not in self._dummies:
+            import numpy as np
+            pcl = cl()
+            self._dummies["int"] = pcl.Buffer(self.context, pcl.mem_flags.READ_ONLY |
+                                              pcl.mem_flags.COPY_HOST_PTR,
+                                              hostbuf=np.zeros(4, dtype=np.int32))
+        return self._dummies["int"]
