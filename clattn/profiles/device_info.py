@@ -181,7 +181,7 @@ def device_type(info: Mapping[str, Any]) -> tuple[str | None, str]:
 def _extensions(info: Mapping[str, Any]) -> tuple[set[str], bool]:
     """(known extension names, whether an absent name is really absent)."""
     names = set(info.get("device_extensions") or ()) | set(info.get("subgroup_extensions") or ())
-    listed = info.get("device_extensions") is not None or info.get("subgroup_extensions") is not None
+    listed = any(info.get(k) is not None for k in ("device_extensions", "subgroup_extensions"))
     return names, listed and info.get("extensions_complete") is not False
 
 

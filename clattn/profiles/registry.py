@@ -90,10 +90,20 @@ def _check_match(match: Any, where: str) -> dict[str, Any]:
         raise ValueError(f"{where}: 'match' must be an object")
     unknown = [k for k in match if k not in MATCH_KEYS]
     if unknown:
-        raise ValueError(f"{where}: unknown match key(s) {unknown}; allowed keys: {list(MATCH_KEYS)}")
+        raise ValueError(f"{where}: unknown match key(s) {unknown}; "
+                         f"allowed keys: {list(MATCH_KEYS)}")
+    def strings(v: Any) -> bool:
+        return isinstance(v, list) and bool(v) and all(isinstance(x, str) for x in v)
+
+    if "device" in match and not strings(match["device"]):
+        raise ValueError(f"{where}: match 'device' must be a list of device names")
     arch = match.get("architecture")
-    if arch is not None and (not isinstance(arch, Mapping) or set(arch) != {"family", "model"}):
-        raise ValueError(f"{where}: match 'architecture' needs exactly keys ['family', 'model']")
+    if arch is not None and (not isinstance(arch, Mapping) or set(arch) != {"family", "model"}
+                             or not isinstance(arch["family"], str) or not strings(arch["model"])):
+        raise ValueError(f"{where}: match 'architecture' must be "
+                         '{"family": "adreno"|"mali", "model": [regexes]}')
+    if "default" in match and not isinstance(match["default"], bool):
+        raise ValueError(f"{where}: match 'default' must be true or false")
     vendor = match.get("vendor")
     if vendor is not None:
         if not isinstance(vendor, Mapping) or not vendor:
@@ -221,8 +231,8 @@ class _Resolver:
         source = e.source or (f"user profile {e.origin}" if e.user else base.source)
         where = f"{e.origin} (profile {name!r}) params"
         try:
-            prof = Profile.from_dict(e.params, base=base, where=where).with_(name=name,
-                                                                              source=source)
+            prof = Profile.from_dict({**e.params, "name": name, "source": source}, base=base,
+                                     where=where)
         except ValueError as err:
             raise ValueError(err if e.origin in str(err) else f"{e.origin}: {err}") from None
         self._done[key] = prof
@@ -299,11 +309,10 @@ def _load_override(value: str, resolver: _Resolver) -> Profile:
                              f"found {len(entries)}")
         others = [u for u in resolver.user.values() if u.name != entries[0].name]
         return _Resolver(others + entries).profile(entries[0].name)
-    try:
-        return resolver.profile(value)
-    except ValueError:
+    if value not in resolver.names():
         raise ValueError(f"{ENV_PROFILE}={value!r}: unknown profile; known: "
-                         f"{resolver.names()} (or give a path to a .json file)") from None
+                         f"{resolver.names()} (or give a path to a .json file)")
+    return resolver.profile(value)
 
 
 def _as_info(info: Any) -> Mapping[str, Any]:
@@ -331,8 +340,10 @@ def match(info: Mapping[str, Any], *, user: bool = True) -> Match:
         e, level, why = found
         return Match(resolver.profile(e.name), f"user: {e.label} from {e.origin} "
                      f"({level}: {why})", "user")
-    e, level, why = _find(_builtin_entries(), info) or (None, "", "")
-    assert e is not None, "builtin.json lacks a default entry"
+    found = _find(_builtin_entries(), info)
+    if found is None:
+        raise RuntimeError(f"{BUILTIN_PATH} lacks a default entry")
+    e, level, why = found
     if level == "default":
         why = (f"no built-in profile matches device_name {info.get('device_name')!r}, "
                f"device_vendor {info.get('device_vendor')!r}, "
@@ -347,7 +358,7 @@ def _pow2_floor(n: int) -> int:
 
 
 def fit(profile: Profile, info: Mapping[str, Any]) -> tuple[Profile, list[str]]:
-    """Trim a profile (a wish) to what the device reports (facts); one warning per cut.
+    """Trim a profile (a wish) to what the device reports (facts); one note per cut.
 
     Unknown facts (None) cut nothing. Thread counts drop to the largest power of two
     within max_work_group_size and max_work_item_sizes[0].
@@ -355,26 +366,28 @@ def fit(profile: Profile, info: Mapping[str, Any]) -> tuple[Profile, list[str]]:
     info = _as_info(info)
     changes: dict[str, Any] = {}
     notes: list[str] = []
-    limits = [(f"max_work_group_size {info.get('max_work_group_size')}",
-               info.get("max_work_group_size"))]
+    limits = {"max_work_group_size": info.get("max_work_group_size")}
     sizes = info.get("max_work_item_sizes")
     if isinstance(sizes, (list, tuple)) and sizes:
-        limits.append((f"max_work_item_sizes[0] {sizes[0]}", sizes[0]))
-    for key in ("thread_limit", "merge_threads"):
-        for why, cap in limits:
-            cur = changes.get(key, getattr(profile, key))
-            if isinstance(cap, int) and cap > 0 and cur > cap:
+        limits["max_work_item_sizes[0]"] = sizes[0]
+    known = {k: v for k, v in limits.items() if isinstance(v, int) and v > 0}
+    if known:
+        cap = min(known.values())
+        why = ", ".join(f"{k} {v}" for k, v in known.items() if v == cap)
+        for key in ("thread_limit", "merge_threads"):
+            if getattr(profile, key) > cap:
                 changes[key] = _pow2_floor(cap)
-                notes.append(f"{key} {cur} -> {changes[key]} (device {why})")
+                notes.append(f"{key} {getattr(profile, key)} -> {changes[key]} (device {why})")
     if profile.reduction == "subgroup":
         sg = subgroup_support(info)
-        known = info.get("sub_group_sizes")
+        sg_sizes = info.get("sub_group_sizes")
         why = None
         if sg is False:
-            why = "no sub-group support (no cl_khr_subgroups / cl_intel_subgroups, no OpenCL 3.0 sub-groups)"
-        elif profile.subgroup_size and isinstance(known, list) and known and \
-                profile.subgroup_size not in known:
-            why = f"sub-group size {profile.subgroup_size} not in the device's {known}"
+            why = ("no sub-group support (no cl_khr_subgroups / cl_intel_subgroups, "
+                   "no OpenCL 3.0 sub-groups)")
+        elif profile.subgroup_size and isinstance(sg_sizes, list) and sg_sizes and \
+                profile.subgroup_size not in sg_sizes:
+            why = f"sub-group size {profile.subgroup_size} not in the device's {sg_sizes}"
         if why:
             changes.update(reduction="local", subgroup_size=None)
             notes.append(f"reduction subgroup -> local: {why}")
@@ -388,7 +401,7 @@ def fit(profile: Profile, info: Mapping[str, Any]) -> tuple[Profile, list[str]]:
         notes.append(f"use_local_kv on -> off: local memory {local} bytes "
                      f"(< {MIN_LOCAL_KV_BYTES})")
     fitted = profile.with_(**changes) if changes else profile
-    return fitted, [f"{profile.name}: {n}" for n in notes]
+    return fitted, notes
 
 
 # --- queries, saving, reports -------------------------------------------------------------
