@@ -34,8 +34,8 @@ from . import runtime
 
 WIDTHS = (1, 2, 4, 8, 16)
 PATTERNS = ("strided", "blocked")
-FETCH = 32  # elements (of the vector type) each work-item reads
-LOCAL = 64  # work-group size of the bandwidth kernels
+FETCH = 16  # vectors each work-item reads (clpeak's value; 32 and 64 measured slower on PoCL)
+LOCAL = 256  # work-group size of the bandwidth kernels (capped by the device)
 MiB = 1 << 20
 
 _SOURCE = r"""
@@ -219,9 +219,10 @@ def _program(rt: runtime.Runtime) -> Any:
 
 def _kernel(rt: runtime.Runtime, name: str) -> Any:
     cache = rt.__dict__.setdefault("_clattn_bw_kernels", {})
-    if name not in cache:
-        cache[name] = runtime.cl().Kernel(_program(rt), name)
-    return cache[name]
+    key = (name, FETCH)
+    if key not in cache:
+        cache[key] = runtime.cl().Kernel(_program(rt), name)
+    return cache[key]
 
 
 def _event_s(evt: Any) -> float:

@@ -26,8 +26,10 @@ class DecodeResult(NamedTuple):
     event: Any
 
 
-def _buf(a: Any) -> tuple[Any, int]:
-    """(buffer, element offset) of a pyopencl array, views included."""
+def _buf(a: Any, dummy: Any = None) -> tuple[Any, int]:
+    """(buffer, element offset) of a pyopencl array, views included (empty -> dummy)."""
+    if a.base_data is None:  # a zero-size array has no buffer; the kernel reads none of it
+        return dummy, 0
     item = np.dtype(a.dtype).itemsize
     if a.offset % item:
         raise ValueError("array view offset is not a whole number of elements")
@@ -227,7 +229,13 @@ class BatchDecode:
         kernel, merge = self._kernels()
         scale = default_sm_scale(D) if sm_scale is None else float(sm_scale)
         i32, f32 = np.int32, np.float32
-        qb, pb, ib, xb, ob, sb = (_buf(a) for a in (dq, dpages, dindptr, dindices, dout, dlse))
+        for name, a in (("q", dq), ("pages", dpages), ("page_indptr", dindptr),
+                        ("page_indices", dindices), ("out", dout), ("lse", dlse)):
+            if a.context != rt.context:
+                raise ValueError(f"{name}: lives in another OpenCL context than this BatchDecode's "
+                                 f"device ({rt.device.name!r}); create it on dec.setup.runtime.context")
+        qb, pb, ib, xb, ob, sb = (_buf(a, rt.dummy_int()) for a in
+                                  (dq, dpages, dindptr, dindices, dout, dlse))
         kargs = [qb[0], i32(qb[1]), pb[0], np.uint64(pb[1]), i32(args.num_pages),
                  ib[0], i32(ib[1]), xb[0], i32(xb[1]), i32(args.nnz),
                  last_b[0], i32(last_b[1]), wo_b[0], i32(wo_b[1]), sk_b[0], i32(sk_b[1]),
@@ -242,13 +250,15 @@ class BatchDecode:
             waits.extend(getattr(a, "events", []) or [])
         evt = None
         if B > 0:
-            gsz = self.geometry.global_size(B, spec.num_kv_heads, plan.num_parts if plan.split else 1)
-            evt = kernel(queue, gsz, self.geometry.local_size(), *kargs, wait_for=waits or None)
-            if plan.split:
-                mg, ml = self.merge_geometry.sizes(B * H, D)
-                evt = merge(queue, mg, ml, ws_o, i32(0), ws_s, i32(0), pindptr.data, i32(0),
-                            i32(0), i32(1), i32(plan.n_ws), ob[0], i32(ob[1]), sb[0], i32(sb[1]),
-                            i32(B), i32(H), wait_for=[evt])
+            gsz = self.geometry.global_size(B, spec.num_kv_heads,
+                                            plan.num_parts if plan.split else 1)
+            with self._lock:  # set_args + enqueue of a shared kernel object must not interleave
+                evt = kernel(queue, gsz, self.geometry.local_size(), *kargs, wait_for=waits or None)
+                if plan.split:
+                    mg, ml = self.merge_geometry.sizes(B * H, D)
+                    evt = merge(queue, mg, ml, ws_o, i32(0), ws_s, i32(0), pindptr.data, i32(0),
+                                i32(0), i32(1), i32(plan.n_ws), ob[0], i32(ob[1]), sb[0],
+                                i32(sb[1]), i32(B), i32(H), wait_for=[evt])
         if host_mode or (out is not None and is_host(out)):
             o = dout.get(queue=queue) if B > 0 else np.zeros((B, H, D), spec.np_dtype)
             s = dlse.get(queue=queue) if B > 0 else np.zeros((B, H), LSE_DTYPE)

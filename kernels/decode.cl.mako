@@ -33,12 +33,18 @@ def score(x):
     return "(%.9ef * tanh((%s) * %.9ef) * CLATTN_LOG2E)" % (SOFTCAP, x, 1.0 / SOFTCAP)
 %>\
 ## rotate the private float array f[D] (a row of q or k) at position pos
-<%def name="rotate_row(f, pos)">
+<%def name="rotate_row(f, pos=None)">
         {
             const __global float2* tt = rope_turns + rope_table * ${ROT // 2};
             for (int i = 0; i < ${ROT // 2}; ++i) {
-                float cs;
-                const float sn = sincos(clattn_rope_angle(${pos}, tt[i]), &cs);
+                float cs, sn;
+% if pos is None:
+                /* angle of row r0 + j = angle(r0) + angle(j): compose two exact rotations */
+                cs = cb[i] * cj[j][i] - sb[i] * sj[j][i];
+                sn = sb[i] * cj[j][i] + cb[i] * sj[j][i];
+% else:
+                sn = sincos(clattn_rope_angle(${pos}, tt[i]), &cs);
+% endif
 % if INTERLEAVED:
                 const float a = ${f}[2 * i], bb = ${f}[2 * i + 1];
                 ${f}[2 * i] = (a * cs - bb * sn) * rope_att;
@@ -101,7 +107,7 @@ if (rotary_mode) {
     q_pos += qpos_off; k_pos_offset += kpo_off; out += out_off; lse += lse_off; \
     const int p0 = clamp(page_indptr[b], 0, nnz); \
     const int p1 = clamp(page_indptr[b + 1], p0, nnz); \
-    const int npages = p1 - p0; \
+    const int npages = num_pages > 0 ? p1 - p0 : 0; \
     const int stored = npages > 0 ? (npages - 1) * ${PS} + clamp(last_page_len[b], 1, ${PS}) : 0; \
     SEQ_WINDOW \
     const int chunk = stored - wo + sink; \
@@ -156,17 +162,29 @@ ${rotate_row("f", "q_pos[b]")}
         l[g] = 0.0f;
     }
     const int kpos0 = rotary_mode ? k_pos_offset[b] : 0;
+    /* RoPE of the keys: sincos once per block start, plus a per-work-item table of the
+       rotations by 0..TILE-1 positions */
+    float cj[${TILE}][${ROT // 2}], sj[${TILE}][${ROT // 2}], cb[${ROT // 2}], sb[${ROT // 2}];
+    if (rotary_mode) {
+        const __global float2* tt = rope_turns + rope_table * ${ROT // 2};
+        for (int j = 0; j < ${TILE}; ++j)
+            for (int i = 0; i < ${ROT // 2}; ++i) sj[j][i] = sincos(clattn_rope_angle(j, tt[i]), &cj[j][i]);
+    }
 
     for (int r0 = r_lo; r0 < r_hi; r0 += ${TILE}) {
         const int n = min(${TILE}, r_hi - r0);
         float s[${G}][${TILE}];
+        if (rotary_mode) {
+            const __global float2* tt = rope_turns + rope_table * ${ROT // 2};
+            for (int i = 0; i < ${ROT // 2}; ++i) sb[i] = sincos(clattn_rope_angle(kpos0 + r0, tt[i]), &cb[i]);
+        }
         for (int j = 0; j < n; ++j) {
             const __global st_t* kp = pages + clattn_row_at(page_indices, p0, r0 + j, sink, wo, kvh, num_pages, 0);
             ${c.fv(VEC)} kr[${NV}];
             for (int i = 0; i < ${NV}; ++i) kr[i] = ${c.loadv(VEC, "kp + i * %d" % VEC)};
             if (rotary_mode) {
                 float* f = (float*)kr;
-${rotate_row("f", "kpos0 + r0 + j")}
+${rotate_row("f")}
             }
             for (int g = 0; g < ${G}; ++g) {
                 ${c.fv(VEC)} t = qv[g][0] * kr[0];
