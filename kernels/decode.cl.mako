@@ -133,11 +133,49 @@ inline ulong clattn_row_at(const __global int* page_indices, const int p0, const
                            const int kv)
 {
     const int off = row < sink ? row : row - sink + wo;
-    const int page = clamp(page_indices[p0 + off / ${PS}], 0, num_pages - 1);
+    const int pg = page_indices[p0 + off / ${PS}];
+    const int page = pg < 0 ? 0 : (pg >= num_pages ? num_pages - 1 : pg);
     return ((((ulong)page * 2 + kv) * ${HKV} + kvh) * ${PS} + (off % ${PS})) * ${D};
 }
 
 % if STRATEGY == "rows":
+<%
+# Straight-line code: every loop over head_dim chunks (NV) and group heads (G) is
+# unrolled here, so the accumulators are plain variables a CPU compiler keeps in
+# registers; the loads are unaligned vector loads through a typedef (no vload
+# library calls, which some CPU drivers do not inline).
+V = VEC
+FV = "float" if V == 1 else "float%d" % V
+UV = "ushort" if V == 1 else "ushort%d" % V
+UI = "uint" if V == 1 else "uint%d" % V
+IV = "int" if V == 1 else "int%d" % V
+HALF = ROT // 2
+VECROT = (not INTERLEAVED and HALF % V == 0) or (INTERLEAVED and V % 2 == 0 and ROT % V == 0)
+NRV = (HALF // V if not INTERLEAVED else ROT // V) if VECROT else 0
+SWAP = "" if V == 1 else ".s" + "".join("%x" % (i ^ 1) for i in range(V))
+SIGN = "(%s)(%s)" % (FV, ", ".join("-1.0f" if i % 2 == 0 else "1.0f" for i in range(V))) if V > 1 else "1.0f"
+def ld(ptr):
+    return ("*(const __global ld_t*)(%s)" % ptr) if DTYPE == "float" else ("clattn_h2f(*(const __global ld_t*)(%s))" % ptr)
+%>\
+% if DTYPE == "float":
+typedef ${FV} __attribute__((aligned(4))) ld_t;
+% else:
+typedef ${UV} __attribute__((aligned(2))) ld_t;
+/* exact f16 -> f32 (normals, subnormals, inf, nan) with integer vector ops only */
+inline ${FV} clattn_h2f(const ${UV} u)
+{
+    const ${UI} h = convert_${UI}(u);
+    const ${UI} sgn = (h & 0x8000u) << 16;
+    const ${UI} e = (h >> 10) & 0x1fu;
+    const ${UI} m = h & 0x3ffu;
+    const ${UI} normal = sgn | ((e + 112u) << 23) | (m << 13);
+    const ${UI} special = sgn | 0x7f800000u | (m << 13);
+    const ${UI} sub = as_${UI}(convert_${FV}(m) * 0x1p-24f) | sgn;
+    const ${UI} bits = e == 31u ? special : (e == 0u ? sub : normal);
+    return as_${FV}(bits);
+}
+% endif
+
 __kernel void clattn_decode(KERNEL_ARGS)
 {
     const int b = get_global_id(0);
@@ -146,89 +184,164 @@ __kernel void clattn_decode(KERNEL_ARGS)
     SEQ_SETUP
     if (!valid_part) return;
 
-    ${c.fv(VEC)} qv[${G}][${NV}];
-    ${c.fv(VEC)} acc[${G}][${NV}];
-    float m[${G}], l[${G}];
-    const float qscale = sm_scale${" * CLATTN_LOG2E" if SOFTCAP is None else ""};
-    for (int g = 0; g < ${G}; ++g) {
-        const __global st_t* qp = q + ((ulong)b * ${HQO} + kvh * ${G} + g) * ${D};
-        for (int i = 0; i < ${NV}; ++i) qv[g][i] = ${c.loadv(VEC, "qp + i * %d" % VEC)};
-        if (rotary_mode) {
-            float* f = (float*)qv[g];
+    /* q of the G heads of this KV head: rotated, scaled, in registers */
+% for g in range(G):
+%   for i in range(NV):
+    ${FV} q${g}_${i};
+%   endfor
+% endfor
+    {
+        const float qscale = sm_scale${" * CLATTN_LOG2E" if SOFTCAP is None else ""};
+        float f[${D}];
+% for g in range(G):
+        {
+            const __global st_t* qp = q + ((ulong)b * ${HQO} + kvh * ${G} + ${g}) * ${D};
+            for (int i = 0; i < ${D}; ++i) f[i] = ${c.loadv(1, "qp + i")};
+            if (rotary_mode) {
 ${rotate_row("f", "q_pos[b]")}
+            }
+%   for i in range(NV):
+            q${g}_${i} = ${("f[%d]" % i) if V == 1 else "vload%d(0, f + %d)" % (V, i * V)} * qscale;
+%   endfor
         }
-        for (int i = 0; i < ${NV}; ++i) { qv[g][i] *= qscale; acc[g][i] = 0.0f; }
-        m[g] = -INFINITY;
-        l[g] = 0.0f;
+% endfor
     }
+% for g in range(G):
+    float m${g} = -INFINITY, l${g} = 0.0f;
+%   for i in range(NV):
+    ${FV} a${g}_${i} = 0.0f;
+%   endfor
+% endfor
     const int kpos0 = rotary_mode ? k_pos_offset[b] : 0;
-    /* RoPE of the keys: sincos once per block start, plus a per-work-item table of the
-       rotations by 0..TILE-1 positions */
-    float cj[${TILE}][${ROT // 2}], sj[${TILE}][${ROT // 2}], cb[${ROT // 2}], sb[${ROT // 2}];
+    const __global float2* tt = rope_turns + rope_table * ${HALF};
+% if VECROT:
+    /* RoPE of the keys, vectorised: cos/sin of the block start (per block) composed with
+       those of 0..TILE-1 positions (once) */
+    ${FV} cjv[${TILE}][${NRV}], sjv[${TILE}][${NRV}], cbv[${NRV}], sbv[${NRV}];
     if (rotary_mode) {
-        const __global float2* tt = rope_turns + rope_table * ${ROT // 2};
         for (int j = 0; j < ${TILE}; ++j)
-            for (int i = 0; i < ${ROT // 2}; ++i) sj[j][i] = sincos(clattn_rope_angle(j, tt[i]), &cj[j][i]);
+            for (int cc = 0; cc < ${NRV}; ++cc)
+                for (int e = 0; e < ${V}; ++e) {
+                    const int fi = ${"cc * %d + e" % V if not INTERLEAVED else "(cc * %d + e) / 2" % V};
+                    float cs;
+                    ((float*)&sjv[j][cc])[e] = sincos(clattn_rope_angle(j, tt[fi]), &cs);
+                    ((float*)&cjv[j][cc])[e] = cs;
+                }
     }
+% else:
+    float cj[${TILE}][${HALF}], sj[${TILE}][${HALF}], cb[${HALF}], sb[${HALF}];
+    if (rotary_mode) {
+        for (int j = 0; j < ${TILE}; ++j)
+            for (int i = 0; i < ${HALF}; ++i) sj[j][i] = sincos(clattn_rope_angle(j, tt[i]), &cj[j][i]);
+    }
+% endif
 
     for (int r0 = r_lo; r0 < r_hi; r0 += ${TILE}) {
         const int n = min(${TILE}, r_hi - r0);
-        float s[${G}][${TILE}];
+% for g in range(G):
+        float s${g}[${TILE}];
+% endfor
         if (rotary_mode) {
-            const __global float2* tt = rope_turns + rope_table * ${ROT // 2};
-            for (int i = 0; i < ${ROT // 2}; ++i) sb[i] = sincos(clattn_rope_angle(kpos0 + r0, tt[i]), &cb[i]);
+% if VECROT:
+            for (int cc = 0; cc < ${NRV}; ++cc)
+                for (int e = 0; e < ${V}; ++e) {
+                    const int fi = ${"cc * %d + e" % V if not INTERLEAVED else "(cc * %d + e) / 2" % V};
+                    float cs;
+                    ((float*)&sbv[cc])[e] = sincos(clattn_rope_angle(kpos0 + r0, tt[fi]), &cs);
+                    ((float*)&cbv[cc])[e] = cs;
+                }
+% else:
+            for (int i = 0; i < ${HALF}; ++i) sb[i] = sincos(clattn_rope_angle(kpos0 + r0, tt[i]), &cb[i]);
+% endif
         }
         for (int j = 0; j < n; ++j) {
             const __global st_t* kp = pages + clattn_row_at(page_indices, p0, r0 + j, sink, wo, kvh, num_pages, 0);
-            ${c.fv(VEC)} kr[${NV}];
-            for (int i = 0; i < ${NV}; ++i) kr[i] = ${c.loadv(VEC, "kp + i * %d" % VEC)};
+% for i in range(NV):
+            ${FV} k${i} = ${ld("kp + %d" % (i * V))};
+% endfor
             if (rotary_mode) {
-                float* f = (float*)kr;
+% if VECROT:
+%   for cc in range(NRV):
+                {
+                    const ${FV} cs = cbv[${cc}] * cjv[j][${cc}] - sbv[${cc}] * sjv[j][${cc}];
+                    const ${FV} sn = sbv[${cc}] * cjv[j][${cc}] + cbv[${cc}] * sjv[j][${cc}];
+%     if INTERLEAVED:
+                    k${cc} = (k${cc} * cs + k${cc}${SWAP} * (sn * ${SIGN})) * rope_att;
+%     else:
+                    const ${FV} x = k${cc}, y = k${cc + NRV};
+                    k${cc} = (x * cs - y * sn) * rope_att;
+                    k${cc + NRV} = (y * cs + x * sn) * rope_att;
+%     endif
+                }
+%   endfor
+% else:
+                float f[${D}];
+%   for i in range(NV):
+                ${"f[%d] = k%d;" % (i, i) if V == 1 else "vstore%d(k%d, 0, f + %d);" % (V, i, i * V)}
+%   endfor
 ${rotate_row("f")}
+%   for i in range(NV):
+                k${i} = ${("f[%d]" % i) if V == 1 else "vload%d(0, f + %d)" % (V, i * V)};
+%   endfor
+% endif
             }
-            for (int g = 0; g < ${G}; ++g) {
-                ${c.fv(VEC)} t = qv[g][0] * kr[0];
-                for (int i = 1; i < ${NV}; ++i) t += qv[g][i] * kr[i];
-                s[g][j] = ${score(hsum("t"))};
+% for g in range(G):
+            {
+                ${FV} t = q${g}_0 * k0;
+%   for i in range(1, NV):
+                t += q${g}_${i} * k${i};
+%   endfor
+                s${g}[j] = ${score(hsum("t"))};
             }
+% endfor
         }
-        for (int g = 0; g < ${G}; ++g) {
-            float mx = m[g];
-            for (int j = 0; j < n; ++j) mx = fmax(mx, s[g][j]);
-            const float alpha = exp2(m[g] - mx);
-            m[g] = mx;
-            float sum = l[g] * alpha;
-            for (int j = 0; j < n; ++j) { s[g][j] = exp2(s[g][j] - mx); sum += s[g][j]; }
-            l[g] = sum;
-            for (int i = 0; i < ${NV}; ++i) acc[g][i] *= alpha;
+% for g in range(G):
+        {
+            float mx = m${g};
+            for (int j = 0; j < n; ++j) mx = s${g}[j] > mx ? s${g}[j] : mx;
+            const float alpha = exp2(m${g} - mx);
+            float sum = l${g} * alpha;
+            for (int j = 0; j < n; ++j) { s${g}[j] = exp2(s${g}[j] - mx); sum += s${g}[j]; }
+            m${g} = mx;
+            l${g} = sum;
+%   for i in range(NV):
+            a${g}_${i} *= alpha;
+%   endfor
         }
+% endfor
         for (int j = 0; j < n; ++j) {
             const __global st_t* vp = pages + clattn_row_at(page_indices, p0, r0 + j, sink, wo, kvh, num_pages, 1);
-            for (int i = 0; i < ${NV}; ++i) {
-                const ${c.fv(VEC)} vv = ${c.loadv(VEC, "vp + i * %d" % VEC)};
-                for (int g = 0; g < ${G}; ++g) acc[g][i] += s[g][j] * vv;
+% for i in range(NV):
+            {
+                const ${FV} v = ${ld("vp + %d" % (i * V))};
+%   for g in range(G):
+                a${g}_${i} += s${g}[j] * v;
+%   endfor
             }
+% endfor
         }
     }
 
-    for (int g = 0; g < ${G}; ++g) {
-        const int h = kvh * ${G} + g;
-        const float inv = l[g] > 0.0f ? 1.0f / l[g] : 0.0f;
-        const float st = l[g] > 0.0f ? m[g] + log2(l[g]) : -INFINITY;
+% for g in range(G):
+    {
+        const int h = kvh * ${G} + ${g};
+        const float inv = l${g} > 0.0f ? 1.0f / l${g} : 0.0f;
+        const float st = l${g} > 0.0f ? m${g} + log2(l${g}) : -INFINITY;
         if (direct) {
             __global st_t* op = out + ((ulong)b * ${HQO} + h) * ${D};
-            for (int i = 0; i < ${NV}; ++i) { ${c.storev(VEC, "acc[g][i] * inv", "op + i * %d" % VEC)} }
+%   for i in range(NV):
+            ${c.storev(V, "a%d_%d * inv" % (g, i), "op + %d" % (i * V))}
+%   endfor
             lse[(ulong)b * ${HQO} + h] = st;
         } else {
             __global float* op = ws_o + ((ulong)ws_at * ${HQO} + h) * ${D};
-% if VEC == 1:
-            for (int i = 0; i < ${NV}; ++i) op[i] = acc[g][i] * inv;
-% else:
-            for (int i = 0; i < ${NV}; ++i) vstore${VEC}(acc[g][i] * inv, 0, op + i * ${VEC});
-% endif
+%   for i in range(NV):
+            ${("op[%d] = a%d_%d * inv;" % (i, g, i)) if V == 1 else ("vstore%d(a%d_%d * inv, 0, op + %d);" % (V, g, i, i * V))}
+%   endfor
             ws_s[(ulong)ws_at * ${HQO} + h] = st;
         }
     }
+% endfor
 }
 % else:
 <%
