@@ -43,6 +43,7 @@ class Limits:
     local_mem_size: int = 32768
     has_fp16: bool = False
     subgroup_sizes: tuple = ()  # sizes a kernel may require (Intel's required sub-group size)
+    denorms: bool = False  # single precision keeps subnormals (CL_FP_DENORM)
 
     @classmethod
     def from_info(cls, info: Mapping[str, Any]) -> "Limits":
@@ -76,6 +77,7 @@ class DecodeGeometry:
     subgroup_size: int | None = None
     native_fp16: bool = False
     local_mem_bytes: int = 0
+    denorms: bool = False
     notes: tuple = field(default=(), compare=False)
 
     def local_size(self) -> tuple[int, int, int]:
@@ -110,8 +112,10 @@ def decode_geometry(spec: AttentionSpec, profile: Profile, limits: Limits) -> De
     notes: list[str] = []
     native = bool(profile.native_fp16 and limits.has_fp16 and spec.dtype == "float16")
     if profile.strategy == "rows":
-        return DecodeGeometry("rows", _vec_for(spec.head_dim, profile.vec),
-                              max(1, profile.tile_rows), native_fp16=native)
+        tile = 1 << (min(max(1, profile.tile_rows), 16).bit_length() - 1)  # 1, 2, 4, 8 or 16
+        return DecodeGeometry("rows", _vec_for(spec.head_dim, profile.vec), tile,
+                              native_fp16=native,
+                              denorms=limits.denorms)
     D, G = spec.head_dim, spec.group_size
     limit = max(1, min(profile.thread_limit, limits.max_work_group_size))
     vec = _vec_for(D, profile.vec)
@@ -194,6 +198,7 @@ def render_decode(spec: AttentionSpec, geom: DecodeGeometry) -> str:
         D=spec.head_dim, HQO=spec.num_qo_heads, HKV=spec.num_kv_heads, G=spec.group_size,
         PS=spec.page_size, ROT=spec.rotary_dim, INTERLEAVED=scaling.interleaved,
         SLIDING=spec.sliding_window, SOFTCAP=spec.softcap, DTYPE=_cl_dtype(spec.dtype),
+        DENORMS=geom.denorms,
         NATIVE_HALF=geom.native_fp16, STRATEGY=geom.strategy, VEC=geom.vec, TILE=geom.tile,
         BDX=geom.bdx, BDY=geom.bdy, BDZ=geom.bdz, GDZ=geom.gdz, USE_LOCAL=geom.use_local,
         REDUCE=geom.reduction, SGS=geom.subgroup_size)

@@ -2,11 +2,12 @@
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Mapping
 
 from .codegen import Limits
 from .profiles.record import Profile
+from .runtime import cl as _cl
 
 _WARNED_NO_DEVICE = False
 
@@ -61,4 +62,9 @@ def device_setup(runtime: Any, profile: Any = None) -> DeviceSetup:
     if notes:
         warnings.warn(f"clattn: profile {prof.name!r} reduced to fit {runtime.device.name!r}: "
                       + "; ".join(notes), RuntimeWarning, stacklevel=3)
-    return DeviceSetup(runtime, info, fitted, rule, Limits.from_info(info))
+    limits = Limits.from_info(info)
+    try:  # subnormal support decides the cheapest exact f16 conversion
+        denorms = bool(runtime.device.single_fp_config & _cl().device_fp_config.DENORM)
+    except Exception:  # noqa: BLE001 - a driver without the query
+        denorms = False
+    return DeviceSetup(runtime, info, fitted, rule, replace(limits, denorms=denorms))

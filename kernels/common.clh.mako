@@ -1,7 +1,6 @@
 ## Shared pieces of the clattn kernels: typed loads/stores and the RoPE angle.
 ## Parameters: DTYPE ("half"|"float"), NATIVE_HALF (bool)
 <%def name="prelude()">
-#pragma OPENCL FP_CONTRACT OFF
 % if NATIVE_HALF:
 #pragma OPENCL EXTENSION cl_khr_fp16 : enable
 % endif
@@ -14,6 +13,7 @@ typedef ${"half" if DTYPE == "half" else "float"} st_t;  /* storage type of q, p
    in turns per position as an (hi, lo) pair: exact product, then drop whole turns */
 inline float clattn_rope_angle(int pos, float2 t)
 {
+#pragma OPENCL FP_CONTRACT OFF
     const float p = (float)pos;
     const float hi = p * t.x;
     const float err = fma(p, t.x, -hi);

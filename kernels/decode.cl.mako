@@ -161,20 +161,58 @@ def ld(ptr):
 typedef ${FV} __attribute__((aligned(4))) ld_t;
 % else:
 typedef ${UV} __attribute__((aligned(2))) ld_t;
-/* exact f16 -> f32 (normals, subnormals, inf, nan) with integer vector ops only */
+/* exact f16 -> f32 (normals, subnormals, inf, nan) without library calls */
 inline ${FV} clattn_h2f(const ${UV} u)
 {
     const ${UI} h = convert_${UI}(u);
+    const ${UI} em = (h & 0x7fffu) << 13;
     const ${UI} sgn = (h & 0x8000u) << 16;
-    const ${UI} e = (h >> 10) & 0x1fu;
-    const ${UI} m = h & 0x3ffu;
-    const ${UI} normal = sgn | ((e + 112u) << 23) | (m << 13);
-    const ${UI} special = sgn | 0x7f800000u | (m << 13);
-    const ${UI} sub = as_${UI}(convert_${FV}(m) * 0x1p-24f) | sgn;
-    const ${UI} bits = e == 31u ? special : (e == 0u ? sub : normal);
-    return as_${FV}(bits);
+% if DENORMS:
+    /* exponent rebias by one multiply: exact for normals and (float-subnormal) halves */
+    ${UI} bits = as_${UI}(as_${FV}(em) * 0x1p112f);
+% else:
+    const ${UI} e = em >> 23;
+    const ${UI} sub = as_${UI}(convert_${FV}(em >> 13) * 0x1p-24f);
+    ${UI} bits = e == 0u ? sub : em + (112u << 23);
+% endif
+    bits = em >= (0x7c00u << 13) ? (em | 0x7f800000u) : bits;   /* inf, nan */
+    return as_${FV}(bits | sgn);
 }
 % endif
+
+
+<%
+FT = "float" if TILE == 1 else "float%d" % TILE
+IT = "int" if TILE == 1 else "int%d" % TILE
+def hred(v, op, n):
+    """Reduce a float<n> expression to a float with a tree of .lo/.hi halves."""
+    while n > 1:
+        a, b = "(%s).lo" % v, "(%s).hi" % v
+        v = ("(%s + %s)" % (a, b)) if op == "+" else ("max(%s, %s)" % (a, b))
+        n //= 2
+    return v
+%>\
+% for T, TT, TI in ((1, "float", "int"), (TILE, FT, IT)) if TILE > 1 else ((1, "float", "int"),):
+/* 2^x for x <= 0 (-inf gives 0) without library calls: round-to-nearest by the
+   1.5 * 2^23 trick, 2^f on [-1/2, 1/2] by its degree-6 Taylor polynomial (error
+   below 2e-7 relative), 2^n as two exponent-field scalings (n down to -150) */
+inline ${TT} clattn_exp2_${T}(${TT} x)
+{
+    x = x < -150.0f ? (${TT})(-150.0f) : x;
+    const ${TT} t = x + 12582912.0f;
+    const ${TI} n = as_${TI}(t) - 0x4B400000;
+    const ${TT} f = x - (t - 12582912.0f);
+    ${TT} p = 1.5403530e-4f;
+    p = p * f + 1.3333558e-3f;
+    p = p * f + 9.6181291e-3f;
+    p = p * f + 5.5504109e-2f;
+    p = p * f + 2.4022651e-1f;
+    p = p * f + 6.9314718e-1f;
+    p = p * f + 1.0f;
+    const ${TI} n1 = n >> 1;
+    return p * as_${TT}((n1 + 127) << 23) * as_${TT}((n - n1 + 127) << 23);
+}
+% endfor
 
 __kernel void clattn_decode(KERNEL_ARGS)
 {
@@ -239,8 +277,15 @@ ${rotate_row("f", "q_pos[b]")}
     for (int r0 = r_lo; r0 < r_hi; r0 += ${TILE}) {
         const int n = min(${TILE}, r_hi - r0);
 % for g in range(G):
-        float s${g}[${TILE}];
+        float s${g}[${TILE}] __attribute__((aligned(64)));
 % endfor
+        if (n < ${TILE}) {
+            for (int j = n; j < ${TILE}; ++j) {
+% for g in range(G):
+                s${g}[j] = -INFINITY;
+% endfor
+            }
+        }
         if (rotary_mode) {
 % if VECROT:
             for (int cc = 0; cc < ${NRV}; ++cc)
@@ -297,11 +342,13 @@ ${rotate_row("f")}
         }
 % for g in range(G):
         {
-            float mx = m${g};
-            for (int j = 0; j < n; ++j) mx = s${g}[j] > mx ? s${g}[j] : mx;
-            const float alpha = exp2(m${g} - mx);
-            float sum = l${g} * alpha;
-            for (int j = 0; j < n; ++j) { s${g}[j] = exp2(s${g}[j] - mx); sum += s${g}[j]; }
+            const ${FT} sv = *(${FT}*)s${g};
+            const float bm = ${hred("sv", "max", TILE)};
+            const float mx = bm > m${g} ? bm : m${g};
+            const float alpha = clattn_exp2_1(m${g} - mx);
+            const ${FT} pv = clattn_exp2_${TILE}(sv - mx);
+            *(${FT}*)s${g} = pv;
+            const float sum = l${g} * alpha + ${hred("pv", "+", TILE)};
             m${g} = mx;
             l${g} = sum;
 %   for i in range(NV):
@@ -309,17 +356,19 @@ ${rotate_row("f")}
 %   endfor
         }
 % endfor
-        for (int j = 0; j < n; ++j) {
-            const __global st_t* vp = pages + clattn_row_at(page_indices, p0, r0 + j, sink, wo, kvh, num_pages, 1);
+        /* V: one head_dim chunk at a time over the block's rows, so the G accumulators of
+           the chunk stay in registers */
+        const __global st_t* vrow[${TILE}];
+        for (int j = 0; j < n; ++j)
+            vrow[j] = pages + clattn_row_at(page_indices, p0, r0 + j, sink, wo, kvh, num_pages, 1);
 % for i in range(NV):
-            {
-                const ${FV} v = ${ld("vp + %d" % (i * V))};
+        for (int j = 0; j < n; ++j) {
+            const ${FV} v = ${ld("vrow[j] + %d" % (i * V))};
 %   for g in range(G):
-                a${g}_${i} += s${g}[j] * v;
+            a${g}_${i} += s${g}[j] * v;
 %   endfor
-            }
-% endfor
         }
+% endfor
     }
 
 % for g in range(G):
