@@ -75,6 +75,7 @@ class BatchDecode:
         self._merge = None
         self._turns: dict = {}
         self._ws: tuple | None = None
+        self._plan_tables: dict = {}
         if self.setup:
             prof = self.setup.profile
             self.geometry = decode_geometry(spec, prof, self.setup.limits)
@@ -224,7 +225,7 @@ class BatchDecode:
             cl.array.empty(queue, (B, H), LSE_DTYPE)
         turns, long_from, att = self._rope_buffer(rotary_mode, rope_theta, rope_scale)
         ws_o, ws_s = self._workspace(plan.n_ws) if plan.split else (rt.dummy_int(), rt.dummy_int())
-        pindptr = cl.array.to_device(queue, plan.part_indptr) if plan.split else None
+        pindptr = self._plan_table(plan, queue) if plan.split else None
 
         kernel, merge = self._kernels()
         scale = default_sm_scale(D) if sm_scale is None else float(sm_scale)
@@ -273,6 +274,17 @@ class BatchDecode:
             dout.add_event(evt)
             dlse.add_event(evt)
         return DecodeResult(dout, dlse, evt)
+
+    def _plan_table(self, plan: Plan, queue: Any) -> Any:
+        """The plan's partition table on the device (uploaded once per plan, kept for 8 plans)."""
+        hit = self._plan_tables.get(id(plan))
+        if hit is None or hit[0] is not plan:
+            cl = runtime.cl()
+            hit = (plan, cl.array.to_device(queue, plan.part_indptr))
+            self._plan_tables[id(plan)] = hit
+            while len(self._plan_tables) > 8:
+                self._plan_tables.pop(next(iter(self._plan_tables)))
+        return hit[1]
 
     def _rope_buffer(self, rotary_mode: int, theta: float, scale: float) -> tuple[Any, int, float]:
         rt = self.setup.runtime

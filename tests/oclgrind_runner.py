@@ -1,0 +1,296 @@
+"""Run one clattn kernel variant on the Oclgrind simulator (used by test_oclgrind.py).
+
+    python tests/oclgrind_runner.py VARIANT
+
+Oclgrind prints what it detects (invalid memory accesses, data races, barrier divergence,
+uninitialised values, API errors) on this process's stderr; test_oclgrind.py runs each
+variant in a fresh process with the checks switched on through the environment and
+fails on any report. This script checks the numbers itself and exits non-zero on a
+mismatch; it prints ``CLATTN-OCLGRIND-OK <variant>`` on stdout when everything matched.
+
+Shapes are tiny (B <= 3, lengths <= 40, head_dim 16/32, page_size 4/8): the simulator
+interprets every work-item.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+for p in (HERE, os.path.dirname(HERE)):
+    if p not in sys.path:
+        sys.path.insert(0, p)
+
+import numpy as np  # noqa: E402
+
+LLAMA3 = {"rope_type": "llama3", "factor": 32.0, "high_freq_factor": 4.0,
+          "low_freq_factor": 1.0, "original_max_position_embeddings": 8192}
+
+
+def _cl():
+    import clattn  # noqa: F401  (ICD set-up before pyopencl looks for platforms)
+    import pyopencl as cl
+    import pyopencl.array  # noqa: F401
+    return cl
+
+
+def _device():
+    from clattn import runtime
+    dev = runtime.select_device("oclgrind")
+    assert runtime.is_simulator(dev), dev
+    return dev
+
+
+def _spec(**kw):
+    import clattn
+    return clattn.AttentionSpec(**kw)
+
+
+def _decoder(spec, profile):
+    import clattn
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")   # fitting notes (no fp16 / no sub-groups) are expected
+        return clattn.BatchDecode(spec, _device(), backend="opencl", profile=profile)
+
+
+def _check(dec, case, *, what, **call):
+    from cases import compare, decode_args, naive_kwargs
+    from naive import naive_decode
+    args, kw = decode_args(case)
+    lib = {k: call.pop(k) for k in ("split", "plan") if k in call}
+    res = dec.run(*args, **kw, **call, **lib)
+    ref = naive_decode(*args, **kw, **naive_kwargs(dec.spec), **call)
+    compare(res.out, res.lse, *ref, dec.spec.dtype, what=f"{what}: ")
+    return res
+
+
+# ------------------------------------------------------------------------------ decode variants
+def decode_variant(profile, spec_kw, lengths, *, window=None, sinks=None, rope=False,
+                   splits=(False,), theta=10000.0, seed=0):
+    from cases import make_case
+    spec = _spec(**spec_kw)
+    dec = _decoder(spec, profile)
+    print(f"geometry: {dec.geometry}", flush=True)
+    case = make_case(spec, lengths, seed=seed, window=window, sinks=sinks, rope=rope,
+                     poison=False)
+    if spec.sliding_window and window is None:
+        case.update(window_offset=np.zeros(len(lengths), np.int32),
+                    sink_size=np.zeros(len(lengths), np.int32))
+    call = dict(rotary_mode=1, rope_theta=theta) if rope else {}
+    for split in splits:
+        _check(dec, case, what=f"split={split}", split=split, **call)
+
+
+def merge_variant(profile, dtype, D=16):
+    import clattn
+    from cases import compare
+    from naive import naive_merge, naive_merge_k
+    cl = _cl()
+    dev = _device()
+    rng = np.random.default_rng(1)
+    N, H, K = 5, 3, 3
+    v = rng.standard_normal((N, H, D)).astype(dtype)
+    s = (rng.standard_normal((N, H)) * 4).astype(np.float32)
+    vo = rng.standard_normal((N, H, D)).astype(dtype)
+    so = (rng.standard_normal((N, H)) * 4).astype(np.float32)
+    s[0, 0] = so[1, 1] = -np.inf
+    s[2, :] = so[2, :] = -np.inf
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        a, b = v.copy(), s.copy()
+        clattn.merge_state_(a, b, vo, so, device=dev, profile=profile)
+        compare(a, b, *naive_merge(v, s, vo, so), dtype, what="merge_state_: ")
+        vk = rng.standard_normal((N, K, H, D)).astype(dtype)
+        sk = (rng.standard_normal((N, K, H)) * 4).astype(np.float32)
+        sk[0] = -np.inf
+        sk[1, :2] = -np.inf
+        out, lse = clattn.merge_states(vk, sk, device=dev, profile=profile)
+        compare(out, lse, *naive_merge_k(vk, sk), dtype, what="merge_states: ")
+        # device arrays that are views (non-zero offsets)
+        from clattn import runtime
+        queue = runtime.Runtime.for_device(dev).queue
+        big_v = cl.array.to_device(queue, np.concatenate([v[:1], v]))
+        big_s = cl.array.to_device(queue, np.concatenate([s[:1], s]))
+        dvo = cl.array.to_device(queue, vo)
+        dso = cl.array.to_device(queue, so)
+        dv, ds = big_v[1:], big_s[1:]
+        clattn.merge_state_(dv, ds, dvo, dso, profile=profile)
+        compare(dv.get(), ds.get(), *naive_merge(v, s, vo, so), dtype, what="merge views: ")
+
+
+# ------------------------------------------------------------------------------ adversarial
+def adversarial_variant(profile, dtype="float32", rope=True):
+    """Garbage page tables as device arrays (no host value checks): the kernel must clamp.
+
+    Only memory safety is checked here (Oclgrind reports) plus: no NaN, lse finite or -inf.
+    """
+    from cases import make_case
+    cl = _cl()
+    spec = _spec(num_qo_heads=4, num_kv_heads=2, head_dim=16, page_size=4, dtype=dtype,
+                 sliding_window=True, rope_scaling=LLAMA3 if rope else None,
+                 max_position_embeddings=131072)
+    dec = _decoder(spec, profile)
+    print(f"geometry: {dec.geometry}", flush=True)
+    B = 3
+    good = make_case(spec, [9, 13, 5], seed=3, window=[2, 0, 1], sinks=[1, 0, 0], rope=True)
+    queue = dec.setup.runtime.queue
+    P = good["pages"].shape[0]
+    d = lambda a: cl.array.to_device(queue, np.ascontiguousarray(a, dtype=np.int32))  # noqa: E731
+    q = cl.array.to_device(queue, good["q"])
+    pages = cl.array.to_device(queue, good["pages"])
+    # a valid plan from the good host tables, reused with garbage device tables
+    plan = dec.plan(good["page_indptr"], good["last_page_len"],
+                    window_offset=good["window_offset"], sink_size=good["sink_size"], split=4)
+    assert plan.split
+    nnz = len(good["page_indices"])
+    bad_tables = {
+        "indices out of range / negative": dict(
+            page_indices=np.array([P + 5, -3, 2**31 - 1, -2**31, P, 1, 0, P - 1][:nnz]
+                                  + [0] * max(0, nnz - 8))),
+        "indptr decreasing / beyond nnz / negative": dict(
+            page_indptr=np.array([0, nnz + 10, 1, -5])),
+        "indptr huge": dict(page_indptr=np.array([-2**31, 2**31 - 1, 0, 2**31 - 1])),
+        "last_page_len 0 / > page_size / negative": dict(
+            last_page_len=np.array([0, spec.page_size + 3, -7])),
+        "last_page_len huge": dict(last_page_len=np.array([2**31 - 1, -2**31, 0])),
+        "window_offset > stored, sinks > window": dict(
+            window_offset=np.array([100, 2**31 - 1, 6]), sink_size=np.array([200, 1, 9])),
+        "window / sinks negative": dict(
+            window_offset=np.array([-5, -2**31, 0]), sink_size=np.array([-1, -2**31, -3])),
+        "q_pos / k_pos_offset extreme": dict(
+            q_pos=np.array([2**31 - 1, -2**31, -1]), k_pos_offset=np.array([2**31 - 64, -2**31, 7])),
+    }
+    for what, override in bad_tables.items():
+        tables = {k: good[k] for k in ("page_indptr", "page_indices", "last_page_len",
+                                       "window_offset", "sink_size", "q_pos", "k_pos_offset")}
+        tables.update(override)
+        dt = {k: d(v) for k, v in tables.items()}
+        for run_plan in (None, plan):
+            res = dec.run(q, pages, dt["page_indptr"], dt["page_indices"], dt["last_page_len"],
+                          window_offset=dt["window_offset"], sink_size=dt["sink_size"],
+                          q_pos=dt["q_pos"], k_pos_offset=dt["k_pos_offset"],
+                          rotary_mode=1 if rope else 0, plan=run_plan)
+            out, lse = res.out.get(), res.lse.get()
+            tag = f"{what} ({'split plan' if run_plan is not None else 'no split'})"
+            assert out.shape == (B, 4, 16) and lse.shape == (B, 4), tag
+            assert not np.isnan(out.astype(np.float32)).any(), f"{tag}: NaN in out"
+            assert not np.isnan(lse).any() and not np.isposinf(lse).any(), f"{tag}: bad lse {lse}"
+            print(f"adversarial ok: {tag}", flush=True)
+    # packed length_info [3, B] as a device view, garbage too
+    li = np.array([[0, 99, -1], [50, -50, 3], [60, 0, -9]], np.int32)
+    big = d(np.concatenate([[7, 7], li.ravel()]))
+    res = dec.run(q, pages, d(good["page_indptr"]), d(good["page_indices"]),
+                  length_info=big[2:].reshape(3, B))
+    assert not np.isnan(res.out.get().astype(np.float32)).any()
+
+
+# ------------------------------------------------------------------------------ the variants
+SMALL_WIN = dict(num_qo_heads=4, num_kv_heads=2, head_dim=16, page_size=4, sliding_window=True,
+                 rope_scaling=LLAMA3, max_position_embeddings=131072)
+#: the generic GPU profile with 32 threads per work-group (the simulator is slow)
+SMALL_TILED = {"strategy": "tiled", "thread_limit": 32, "use_local_kv": True}
+VARIANTS = {
+    # CPU-style: one work-item per (sequence, KV head, partition)
+    "rows-f32-split": lambda: decode_variant(
+        "generic-cpu", dict(num_qo_heads=4, num_kv_heads=2, head_dim=16, page_size=4,
+                            dtype="float32"), [0, 1, 13], splits=(False, 4)),
+    "rows-f16-window-rope-softcap": lambda: decode_variant(
+        "pocl-cpu", dict(num_qo_heads=4, num_kv_heads=1, head_dim=32, page_size=8,
+                         dtype="float16", sliding_window=True, rope_scaling=LLAMA3,
+                         max_position_embeddings=131072, softcap=20.0),
+        [17, 0, 40], window=[9, 0, 16], sinks=[2, 0, 16], rope=True, splits=(False, 8)),
+    "rows-vec1-f16": lambda: decode_variant(
+        {"strategy": "rows", "vec": 1}, dict(num_qo_heads=2, num_kv_heads=1, head_dim=16,
+                                             page_size=4, dtype="float16"),
+        [6, 11], splits=(False, 4)),
+    # GPU-style work-groups: K/V tiles in local memory, local-memory reduction
+    "tiled-local-f16-window-rope-split": lambda: decode_variant(
+        "generic", dict(SMALL_WIN, dtype="float16"), [23, 0, 9], window=[5, 0, 8],
+        sinks=[2, 0, 1], rope=True, splits=(False, 4)),
+    "tiled-local-f32-g1-tile2": lambda: decode_variant(
+        {"strategy": "tiled", "tile_rows": 2, "thread_limit": 64}, dict(num_qo_heads=2, num_kv_heads=2, head_dim=16, page_size=4,
+                       dtype="float32"), [1, 19], splits=(False, 8)),
+    # no local K/V tiles (Mali), soft-cap, GPT-J partial RoPE
+    "tiled-global-f32-softcap-gptj": lambda: decode_variant(
+        "mali", dict(num_qo_heads=4, num_kv_heads=2, head_dim=32, page_size=8,
+                     dtype="float32", softcap=20.0, rope_scaling={"rope_type": "gptj"},
+                     rotary_dim=16), [0, 30, 7], rope=True, splits=(False, 8)),
+    # a sub-group profile on a device without sub-groups: local fallback; G=1, tile 2, f16
+    "tiled-subgroup-fallback-f16": lambda: decode_variant(
+        "intel-gpu", dict(num_qo_heads=2, num_kv_heads=2, head_dim=32, page_size=4,
+                          dtype="float16", sliding_window=True), [14, 3],
+        window=[4, 0], sinks=[1, 0], splits=(False, 4)),
+    "tiled-vec1-f32-window": lambda: decode_variant(
+        {"strategy": "tiled", "vec": 1, "thread_limit": 64, "use_local_kv": True},
+        dict(SMALL_WIN, dtype="float32"), [10, 3], window=[3, 0], sinks=[1, 0],
+        rope=True, splits=(False, 4)),
+    # merges alone
+    "merge-rows-f32": lambda: merge_variant("generic-cpu", "float32"),
+    "merge-rows-f16": lambda: merge_variant("generic-cpu", "float16"),
+    "merge-tiled-f32": lambda: merge_variant("generic", "float32"),
+    "merge-tiled-f16": lambda: merge_variant("generic", "float16", D=32),
+    # garbage device tables: clamped, never out of bounds
+    "adversarial-rows": lambda: adversarial_variant("generic-cpu"),
+    "adversarial-tiled-local": lambda: adversarial_variant(SMALL_TILED, "float16"),
+    "adversarial-tiled-global": lambda: adversarial_variant(
+        dict(SMALL_TILED, use_local_kv=False)),
+    # the same without RoPE, so that Oclgrind's uninitialised-value checker can run on them
+    "adversarial-rows-norope": lambda: adversarial_variant("generic-cpu", rope=False),
+    "adversarial-tiled-local-norope": lambda: adversarial_variant(SMALL_TILED, rope=False),
+}
+
+#: variants without RoPE: Oclgrind's uninitialised-value plugin aborts on sincos() with a
+#: private pointer ("Work item needed to access private memory!"), so only these run with it
+NO_ROPE = ("rows-f32-split", "rows-vec1-f16", "tiled-local-f32-g1-tile2",
+           "tiled-subgroup-fallback-f16", "merge-rows-f32", "merge-rows-f16", "merge-tiled-f32",
+           "merge-tiled-f16", "adversarial-rows-norope", "adversarial-tiled-local-norope")
+
+
+# ------------------------------------------------------------------------------ self-tests
+BROKEN = """
+__kernel void oob(__global const float* a, __global float* b)
+{ const int i = get_global_id(0); b[i] = a[i + 1]; }            /* a[4]: one past the end */
+__kernel void race(__global float* b)
+{ __local float t[4]; const int l = get_local_id(0);
+  t[l] = (float)l;                                               /* no barrier before ... */
+  b[get_global_id(0)] = t[(l + 1) % 4]; }                        /* ... reading a neighbour's */
+__kernel void uninit(__global float* b)
+{ float x[4]; const int i = get_global_id(0);
+  if (x[i % 4] > 0.0f) b[i] = 1.0f; }                           /* branch on garbage */
+"""
+
+
+def selftest(kind: str) -> None:
+    """Launch a deliberately broken kernel: the harness must see Oclgrind's report."""
+    from clattn import runtime
+    cl = _cl()
+    rt = runtime.Runtime.for_device(_device())
+    prg = cl.Program(rt.context, BROKEN).build()
+    a = cl.array.to_device(rt.queue, np.arange(4, dtype=np.float32))
+    b = cl.array.zeros(rt.queue, 4, np.float32)
+    if kind == "oob":
+        prg.oob(rt.queue, (4,), (4,), a.data, b.data)
+    elif kind == "race":
+        prg.race(rt.queue, (4,), (4,), b.data)
+    else:
+        prg.uninit(rt.queue, (4,), (4,), b.data)
+    rt.queue.finish()
+
+
+SELFTESTS = {"selftest-oob": lambda: selftest("oob"), "selftest-race": lambda: selftest("race"),
+             "selftest-uninit": lambda: selftest("uninit")}
+
+
+def main(argv: list[str]) -> int:
+    table = {**VARIANTS, **SELFTESTS}
+    if len(argv) != 2 or argv[1] not in table:
+        print(f"usage: {argv[0]} VARIANT; variants: {', '.join(table)}", file=sys.stderr)
+        return 2
+    table[argv[1]]()
+    print(f"CLATTN-OCLGRIND-OK {argv[1]}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

@@ -1,0 +1,38 @@
+"""Storage edge cases the kernels' own f16 conversion must get exactly right."""
+import numpy as np
+import pytest
+
+from clattn.spec import AttentionSpec
+
+from conftest import get_decoder
+
+SPECIAL = np.array([0.0, -0.0, 6.0e-8, -6.0e-8, 3.0e-5, -4.0e-5, 6.1e-5, 1.0, -2.5,
+                    1000.0, 65504.0, -65504.0, 0.33325195, 1.0009766, 2.0e-7, -1.0e-6],
+                   dtype=np.float16)  # zeros, subnormals, the smallest normal, the largest
+
+
+@pytest.mark.parametrize("profile", [None, "generic"])
+def test_f16_values_convert_exactly(device, profile):
+    """K = 0 makes every weight equal: out is the exact mean of V rows (subnormals too)."""
+    spec = AttentionSpec(4, 1, 16, page_size=4, dtype="float16")
+    rows = 8
+    pages = np.zeros((3, 2, 1, 4, 16), np.float16)
+    v = np.resize(SPECIAL, (rows, 16)).astype(np.float16)
+    v[1::2] = np.roll(v[1::2], 3, axis=1)
+    pages[1, 1, 0] = v[:4]
+    pages[0, 1, 0] = v[4:]
+    q = np.ones((1, 4, 16), np.float16)
+    indptr = np.array([0, 2], np.int32)
+    indices = np.array([1, 0], np.int32)
+    last = np.array([4], np.int32)
+    out, lse, _ = get_decoder(spec, device, profile).run(q, pages, indptr, indices, last)
+    want = v.astype(np.float64).mean(axis=0)
+    np.testing.assert_allclose(out[0].astype(np.float64), np.broadcast_to(want, (4, 16)),
+                               rtol=1e-3, atol=1e-7)
+    np.testing.assert_allclose(lse, np.log2(rows), rtol=1e-6)
+    # means in the f16 subnormal range are not flushed to zero
+    want16 = want.astype(np.float16)
+    tiny = np.abs(want16) < 6.1e-5
+    assert tiny.any()
+    np.testing.assert_array_equal(out[0][:, tiny] != 0, np.broadcast_to(want16[tiny] != 0,
+                                                                        (4, int(tiny.sum()))))

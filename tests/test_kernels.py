@@ -1,0 +1,722 @@
+"""The OpenCL decode and merge kernels on every device present, against the float64 oracle.
+
+Every test takes the ``device`` fixture (conftest: every OpenCL device but Oclgrind) and
+gets its decoders from the session cache (``get_decoder``), so one kernel build serves
+every case of one spec: lengths, windows, RoPE scalars, sm_scale, split and the batch
+size are run-time values. The specs are few and chosen so that together they cover
+group sizes 1/4/7/8, head_dim 64/80/96/128/256, page sizes 1/16/64/128, every RoPE
+scaling type, soft-capping and the sliding window, in both f16 and f32.
+
+Tolerances are those of ``cases.compare`` (1e-5 for f32 storage, 2e-3 for f16), RoPE
+at large positions included: the kernels split each angle into whole turns and a
+remainder, so f32 angles stay exact there.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import clattn
+from clattn import AttentionSpec
+
+from cases import compare, decode_args, make_case, naive_kwargs
+from model_configs import model, rope_scaling_of, rotary_dim_of, sm_scale_of
+from naive import naive_decode, naive_merge, naive_merge_k
+
+cl = pytest.importorskip("pyopencl")
+import pyopencl.array as cla  # noqa: E402
+
+DTYPES = ["float32", "float16"]
+NEG = -np.inf
+
+# ---------------------------------------------------------------------------- specs
+MODEL_SHAPES = {  # name in tests/data/models.json -> (H_qo, H_kv, D) it must give
+    "Llama-3.2-1B": (32, 8, 64),
+    "Llama-3.1-8B": (32, 8, 128),
+    "Qwen2.5-0.5B": (14, 2, 64),
+    "Gemma-2-2B": (8, 4, 256),      # softcap 50, sliding window
+    "Phi-3-mini-4k": (32, 32, 96),  # group 1, sliding window
+}
+
+
+def model_spec(name: str, dtype: str) -> AttentionSpec:
+    """The spec of a real model (its RoPE scaling, softcap and window mode included)."""
+    return AttentionSpec.from_hf_config(model(name), page_size=16, dtype=dtype)
+
+
+LLAMA32_ROPE = rope_scaling_of(model("Llama-3.2-1B"))
+
+
+def window_spec(dtype: str) -> AttentionSpec:
+    """The small all-features spec: group 4, D 64, sliding window, Llama-3 RoPE."""
+    return AttentionSpec(8, 2, 64, page_size=16, dtype=dtype, sliding_window=True,
+                         rope_scaling=LLAMA32_ROPE, max_position_embeddings=131072)
+
+
+# group size / head_dim / page size coverage (one dtype each; both dtypes overall)
+SHAPE_SPECS = {
+    "g8-d80-ps1-win": AttentionSpec(16, 2, 80, page_size=1, dtype="float32", sliding_window=True),
+    "g8-d64-ps64": AttentionSpec(8, 1, 64, page_size=64, dtype="float16"),
+    "g1-d128-ps128-win": AttentionSpec(4, 4, 128, page_size=128, dtype="float32",
+                                       sliding_window=True),
+    "g7-d96-ps16": AttentionSpec(7, 1, 96, page_size=16, dtype="float16", softcap=30.0),
+}
+
+
+def _rope_from_model(name, heads, dtype="float32", **extra):
+    m = model(name)
+    return AttentionSpec(heads[0], heads[1], m["head_dim"], page_size=16, dtype=dtype,
+                         rope_scaling=extra.pop("rope_scaling", rope_scaling_of(m)),
+                         rotary_dim=rotary_dim_of(m),
+                         max_position_embeddings=m["max_position_embeddings"], **extra)
+
+
+def _theta(name):
+    return float(model(name)["rope_theta"] or 10000.0)
+
+
+# rope type -> (spec factory(dtype), rope_theta); llama3/default reuse the model specs
+ROPE_SPECS = {
+    "llama3": (lambda dt: model_spec("Llama-3.2-1B", dt), _theta("Llama-3.2-1B")),
+    "default": (lambda dt: model_spec("Qwen2.5-0.5B", dt), _theta("Qwen2.5-0.5B")),
+    "yarn": (lambda dt: _rope_from_model("gpt-oss-20b", (8, 1), dt), _theta("gpt-oss-20b")),
+    "longrope": (lambda dt: _rope_from_model("Phi-3.5-mini", (4, 4), dt), _theta("Phi-3.5-mini")),
+    "gptj": (lambda dt: _rope_from_model("GPT-J-6B", (4, 4), dt), _theta("GPT-J-6B")),
+    "linear": (lambda dt: _rope_from_model("Gemma-3-4B", (8, 4), dt), _theta("Gemma-3-4B")),
+    "llama4": (lambda dt: _rope_from_model(
+        "Llama-3.1-8B", (4, 2), dt,
+        rope_scaling=dict(rope_scaling_of(model("Llama-3.1-8B")), rope_type="llama4")),
+        _theta("Llama-3.1-8B")),
+}
+# RoPE types whose extra specs run in f32 only (llama3/default run in both via MODEL_SHAPES)
+ROPE_PARAMS = [(k, "float32") for k in ROPE_SPECS] + [("llama3", "float16"), ("default", "float16")]
+
+
+# ---------------------------------------------------------------------------- helpers
+def host(a):
+    return a if a is None or isinstance(a, np.ndarray) else a.get()
+
+
+def naive_for(spec, case, **call):
+    args, kw = decode_args(case)
+    return naive_decode(*args, **kw, **naive_kwargs(spec), **call)
+
+
+def run_case(dec, case, *, lib=None, **call):
+    """``dec.run`` on a case (numpy in, numpy out); ``lib``: library-only keywords."""
+    args, kw = decode_args(case)
+    return dec.run(*args, **kw, **call, **(lib or {}))
+
+
+def check(dec, case, *, tol=None, what="", ref=None, lib=None, **call):
+    """Run on the device and compare with the oracle; returns (result, reference)."""
+    res = run_case(dec, case, lib=lib, **call)
+    if ref is None:
+        ref = naive_for(dec.spec, case, **call)
+    compare(res.out, res.lse, *ref, dec.spec.dtype, tol=tol, what=what)
+    return res, ref
+
+
+def assert_same(a, b, what=""):
+    """Bitwise equality of two (out, lse) pairs."""
+    np.testing.assert_array_equal(host(a[0]), host(b[0]), err_msg=f"{what}out differs")
+    np.testing.assert_array_equal(host(a[1]), host(b[1]), err_msg=f"{what}lse differs")
+
+
+def window_case(spec, lengths, window, sinks, **kw):
+    return make_case(spec, lengths, window=list(window), sinks=list(sinks), **kw)
+
+
+def plain_case(spec, lengths, **kw):
+    """A case without a window; windowed specs get window_offset = sink_size = 0."""
+    if spec.sliding_window:
+        return make_case(spec, lengths, window=0, sinks=0, **kw)
+    return make_case(spec, lengths, **kw)
+
+
+# a batch of 16 with empty, one-token and page-boundary sequences (page_size 16)
+B16_LENGTHS = [0, 1, 15, 16, 17, 31, 32, 33, 47, 64, 5, 100, 2, 0, 48, 9]
+
+
+# ---------------------------------------------------------------------------- real models
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", list(MODEL_SHAPES))
+def test_model_shapes(device, get_decoder, name, dtype):
+    spec = model_spec(name, dtype)
+    assert (spec.num_qo_heads, spec.num_kv_heads, spec.head_dim) == MODEL_SHAPES[name]
+    if name == "Gemma-2-2B":
+        assert spec.softcap == 50.0 and spec.sliding_window
+    dec = get_decoder(spec, device)
+    sm = sm_scale_of(model(name))
+    case = plain_case(spec, B16_LENGTHS, seed=sum(map(ord, name)))
+    check(dec, case, sm_scale=sm, what=f"{name}/{dtype} B=16: ")
+    # B = 1 and B = 3 with the same kernel
+    check(dec, plain_case(spec, [40], seed=3), sm_scale=sm, what=f"{name} B=1: ")
+    check(dec, plain_case(spec, [1, 0, 33], seed=4), sm_scale=sm, what=f"{name} B=3: ")
+    if spec.sliding_window:
+        case = window_case(spec, [50, 40, 17], window=[20, 40, 16], sinks=[4, 0, 16], seed=5)
+        check(dec, case, sm_scale=sm, what=f"{name} window: ")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gemma2_softcap_binds(device, get_decoder, dtype):
+    """Scores large enough that Gemma-2's softcap of 50 changes the result."""
+    spec = model_spec("Gemma-2-2B", dtype)
+    dec = get_decoder(spec, device)
+    case = plain_case(spec, [20, 5, 33], seed=6)
+    case["q"] = (case["q"].astype(np.float32) * 8).astype(dtype)
+    res, ref = check(dec, case, what="softcap: ")
+    nocap = naive_decode(*decode_args(case)[0], **decode_args(case)[1])
+    assert np.abs(nocap[1] - res.lse).max() > 0.1, "the softcap did not bind"
+
+
+# ---------------------------------------------------------------------------- shapes, pages
+@pytest.mark.parametrize("key", list(SHAPE_SPECS))
+def test_group_head_dim_page_size(device, get_decoder, key):
+    spec = SHAPE_SPECS[key]
+    ps = spec.page_size
+    dec = get_decoder(spec, device)
+    lengths = sorted({0, 1, 2, max(ps - 1, 1), ps, ps + 1, 2 * ps, 2 * ps + 1, 3 * ps - 1, 37})
+    case = plain_case(spec, lengths, seed=ps)
+    check(dec, case, what=f"{key}: ")
+    # poisoned pool: slots nobody owns (spare pages, tails of last pages) are NaN
+    case = plain_case(spec, [ps + 1, 1, 0, 2 * ps - 1], seed=ps + 1, poison=True)
+    check(dec, case, what=f"{key} poisoned: ")
+    # unshuffled pool without spare pages
+    case = plain_case(spec, [2 * ps, 3], seed=ps + 2, shuffle_pages=False, extra_pages=0)
+    check(dec, case, what=f"{key} no spare: ")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("B", [1, 3, 16])
+def test_batch_sizes_and_sm_scale(device, get_decoder, B, dtype):
+    spec = window_spec(dtype)
+    dec = get_decoder(spec, device)
+    rng = np.random.default_rng(B)
+    lengths = [int(x) for x in rng.integers(0, 70, size=B)]
+    if B > 1:
+        lengths[0], lengths[1] = 0, 1
+    case = plain_case(spec, lengths, seed=B)
+    check(dec, case, what=f"B={B}: ")
+    check(dec, case, sm_scale=0.3, what=f"B={B} sm_scale=0.3: ")
+
+
+def test_all_empty_batch(device, get_decoder):
+    """Every sequence empty: out = 0 exactly, lse = -inf, never NaN."""
+    for dtype in DTYPES:
+        spec = window_spec(dtype)
+        dec = get_decoder(spec, device)
+        case = plain_case(spec, [0, 0, 0], seed=7)
+        res, _ = check(dec, case)
+        assert (res.out == 0).all() and np.isneginf(res.lse).all()
+        for split in (False, 16, None):
+            r = run_case(dec, case, lib=dict(split=split))
+            assert (r.out == 0).all() and np.isneginf(r.lse).all()
+
+
+def test_large_scores_stable(device, get_decoder):
+    for dtype, scale in (("float32", 40.0), ("float16", 12.0)):
+        spec = window_spec(dtype)
+        dec = get_decoder(spec, device)
+        case = plain_case(spec, [40, 3, 17], seed=8)
+        case["q"] = (case["q"].astype(np.float32) * scale).astype(dtype)
+        check(dec, case, sm_scale=1.0, what=f"{dtype} x{scale}: ")
+
+
+# ---------------------------------------------------------------------------- sliding window
+def _window_limits(ps):
+    """(lengths, window_offset, sink_size) hitting every limit of the window rule."""
+    rows = [
+        (0, 0, 0),                  # empty sequence
+        (1, 0, 0),                  # one token, full
+        (1, 1, 0),                  # one token, window past it: empty chunk
+        (1, 1, 1),                  # one token kept as a sink
+        (3 * ps, 0, 0),             # window = everything
+        (3 * ps, 3 * ps, 0),        # window_offset == stored: nothing attended
+        (3 * ps, 3 * ps, 3 * ps),   # everything is a sink
+        (3 * ps, 3 * ps, 2),        # sinks only
+        (3 * ps, ps, 1),            # window starts on a page boundary
+        (3 * ps, ps - 1, ps - 1),   # sinks end just before the window; page boundary next
+        (3 * ps + 1, 3 * ps, 0),    # one row, alone on the last page
+        (2 * ps + 5, 2 * ps, ps),   # window on a boundary, sinks a whole page
+        (2 * ps + 5, 7, 3),         # arbitrary
+    ]
+    lengths, wo, sk = zip(*rows)
+    return list(lengths), list(wo), list(sk)
+
+
+@pytest.mark.parametrize("key", ["win-f16", "win-f32", "g8-d80-ps1-win", "g1-d128-ps128-win",
+                                 "gemma2-f16"])
+def test_sliding_window_limits(device, get_decoder, key):
+    spec = {"win-f16": lambda: window_spec("float16"), "win-f32": lambda: window_spec("float32"),
+            "gemma2-f16": lambda: model_spec("Gemma-2-2B", "float16")}.get(
+        key, lambda: SHAPE_SPECS[key])()
+    dec = get_decoder(spec, device)
+    ps = spec.page_size
+    lengths, wo, sk = _window_limits(max(ps, 2))
+    case = window_case(spec, lengths, wo, sk, seed=9, poison=True)
+    res, _ = check(dec, case, what=f"{key} limits: ")
+    empty = case["rows"] == 0
+    assert np.isneginf(res.lse[empty]).all() and (res.out[empty] == 0).all()
+    # the packed length_info [3, B] gives the same bits
+    args, _ = decode_args(case)
+    packed = dec.run(*args[:4], length_info=case["length_info"])
+    assert_same(res, packed, "length_info: ")
+
+
+# ---------------------------------------------------------------------------- RoPE
+def _rope_case(spec, key, seed):
+    """Positions around 100000 (and small ones); longrope on both sides of its switch."""
+    if key == "longrope":
+        orig = spec.rope_scaling["original_max_position_embeddings"]
+        return make_case(spec, [20, 20, 20, 20, 7], seed=seed, rope=True,
+                         pos_offset=[40, orig - 25, orig - 24, 99_980, 5],
+                         q_pos=[60, orig - 1, orig, 100_000, 99_999])
+    return make_case(spec, [37, 0, 16, 1, 20], seed=seed, rope=True,
+                     pos_offset=[99_963, 0, 7, 100_000, 1234],
+                     q_pos=[100_000, 0, 23, 100_001, 1254])
+
+
+@pytest.mark.parametrize("key,dtype", ROPE_PARAMS, ids=[f"{k}-{d}" for k, d in ROPE_PARAMS])
+def test_rope_types_large_positions(device, get_decoder, key, dtype):
+    make_spec, theta = ROPE_SPECS[key]
+    spec = make_spec(dtype)
+    rt = (spec.rope_scaling or {}).get("rope_type", (spec.rope_scaling or {}).get("type"))
+    assert (rt or "default") == key
+    if key == "gptj":
+        assert spec.rotary_dim == 64 and spec.head_dim == 256
+    dec = get_decoder(spec, device)
+    case = _rope_case(spec, key, seed=len(key))
+    if spec.sliding_window:
+        case.update(window_offset=np.zeros(len(case["stored"]), np.int32),
+                    sink_size=np.zeros(len(case["stored"]), np.int32))
+    check(dec, case, rotary_mode=1, rope_theta=theta, what=f"{key}/{dtype} RoPE: ")
+    if key == "longrope":
+        # the switch is real: short factors only would give other results for q_pos >= orig
+        args, kw = decode_args(case)
+        short = dict(spec.rope_scaling, long_factor=spec.rope_scaling["short_factor"])
+        ref_short = naive_decode(*args, **kw, rope_scaling=short, rotary_dim=spec.rotary_dim,
+                                 max_position_embeddings=spec.max_position_embeddings,
+                                 rotary_mode=1, rope_theta=theta)
+        res = run_case(dec, case, rotary_mode=1, rope_theta=theta)
+        assert np.abs(ref_short[1][2:4] - res.lse[2:4]).max() > 1e-3
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_runtime_scalars_no_rebuild(device, get_decoder, dtype):
+    """rope_theta / rope_scale / rotary_mode / sm_scale vary per call on one kernel."""
+    spec = window_spec(dtype)
+    dec = get_decoder(spec, device)
+    kernels = dec._kernels()
+    case = window_case(spec, [45, 0, 17, 1], window=[10, 0, 16, 0], sinks=[3, 0, 1, 0],
+                       seed=11, rope=True, pos_offset=[99_950, 0, 3, 100_000])
+    for theta, scale, sm in ((500000.0, 1.0, None), (10000.0, 1.0, None), (10000.0, 0.5, 0.2),
+                             (1e6, 2.5, None), (500000.0, 1.0 / 3.0, 0.125)):
+        check(dec, case, rotary_mode=1, rope_theta=theta, rope_scale=scale, sm_scale=sm,
+              what=f"theta={theta} scale={scale}: ")
+    check(dec, case, rotary_mode=0, what="rotary_mode=0: ")
+    assert dec._kernels() is not None and dec._kernels()[0] is kernels[0], "rebuilt"
+
+
+def test_rope_gptj_interleaved_differs(device, get_decoder):
+    spec = ROPE_SPECS["gptj"][0]("float32")
+    dec = get_decoder(spec, device)
+    case = make_case(spec, [12], seed=47, rope=True, pos_offset=[30])
+    res = run_case(dec, case, rotary_mode=1)
+    args, kw = decode_args(case)
+    half = naive_decode(*args, **kw, rotary_dim=64, rotary_mode=1)
+    assert np.abs(half[1] - res.lse).max() > 1e-3
+
+
+# ---------------------------------------------------------------------------- split-KV
+SPLIT_LENGTHS = [300, 0, 1, 17, 64, 129, 16]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_split_vs_unsplit(device, get_decoder, dtype):
+    spec = window_spec(dtype)
+    dec = get_decoder(spec, device)
+    case = window_case(spec, SPLIT_LENGTHS, window=[40, 0, 0, 0, 16, 100, 0],
+                       sinks=[4, 0, 0, 0, 1, 100, 0], seed=12, rope=True,
+                       pos_offset=[99_000, 0, 5, 6, 7, 8, 9])
+    ref = naive_for(spec, case, rotary_mode=1)
+    base, _ = check(dec, case, ref=ref, rotary_mode=1, lib=dict(split=False), what="unsplit: ")
+    for split in (16, 32, 64, None):
+        plan = dec.plan(case["page_indptr"], case["last_page_len"],
+                        window_offset=case["window_offset"], sink_size=case["sink_size"],
+                        split=split)
+        if split in (16, 64):
+            parts = np.diff(plan.part_indptr)
+            assert plan.split and (parts == 1).any() and (parts > 1).any(), \
+                f"split={split}: want a mixed batch, got {plan}"
+        res, _ = check(dec, case, ref=ref, rotary_mode=1, lib=dict(split=split),
+                       what=f"split={split}: ")
+        compare(res.out, res.lse, base.out.astype(np.float64), base.lse, dtype,
+                what=f"split={split} vs unsplit: ")
+        # the same plan, reused (as for every layer of a step)
+        again = run_case(dec, case, rotary_mode=1, lib=dict(plan=plan))
+        if plan.split:
+            compare(again.out, again.lse, *ref, dtype, what=f"plan reuse {split}: ")
+
+
+def test_split_tiny_partitions_page_size_1(device, get_decoder):
+    """page_size 1: partitions of a single row; every sequence split."""
+    spec = SHAPE_SPECS["g8-d80-ps1-win"]
+    dec = get_decoder(spec, device)
+    case = window_case(spec, [9, 2, 5], window=[3, 0, 5], sinks=[1, 0, 2], seed=13)
+    ref = naive_for(spec, case)
+    for split in (1, 2, 3):
+        check(dec, case, ref=ref, lib=dict(split=split), what=f"split={split}: ")
+
+
+def test_determinism(device, get_decoder):
+    for dtype in DTYPES:
+        spec = window_spec(dtype)
+        dec = get_decoder(spec, device)
+        case = window_case(spec, SPLIT_LENGTHS, window=[40, 0, 0, 0, 16, 100, 0],
+                           sinks=[4, 0, 0, 0, 1, 100, 0], seed=14, rope=True)
+        for split in (False, 16, None):
+            a = run_case(dec, case, rotary_mode=1, lib=dict(split=split))
+            b = run_case(dec, case, rotary_mode=1, lib=dict(split=split))
+            assert_same(a, b, f"{dtype} split={split}: ")
+
+
+# ---------------------------------------------------------------------------- long contexts
+_LONG_REFS: dict = {}
+
+
+def _long_ref(key, spec, case, **call):
+    """The oracle of a long case, computed once for every device."""
+    if key not in _LONG_REFS:
+        _LONG_REFS[key] = naive_for(spec, case, **call)
+    return _LONG_REFS[key]
+
+
+def test_long_context_32k(device, get_decoder):
+    """32768 tokens (f16, Qwen2.5-0.5B shape): auto split, forced split and unsplit agree."""
+    spec = model_spec("Qwen2.5-0.5B", "float16")
+    dec = get_decoder(spec, device)
+    case = make_case(spec, [32768], seed=15, rope=True, pos_offset=[0])
+    theta = _theta("Qwen2.5-0.5B")
+    ref = _long_ref("qwen32k", spec, case, rotary_mode=1, rope_theta=theta)
+    assert dec.plan(case["page_indptr"], case["last_page_len"]).split or \
+        int(dec.setup.info.get("max_compute_units") or 1) * dec.profile.wgs_per_cu <= \
+        spec.num_kv_heads, "auto split expected for one sequence on this device"
+    for split in (None, False, 4096):
+        check(dec, case, ref=ref, rotary_mode=1, rope_theta=theta, lib=dict(split=split),
+              what=f"32k split={split}: ")
+
+
+def test_long_context_32k_window_sinks(device, get_decoder):
+    spec = window_spec("float16")
+    dec = get_decoder(spec, device)
+    case = window_case(spec, [32768, 1000], window=[32768 - 4000, 0], sinks=[4, 0], seed=16)
+    ref = _long_ref("win32k", spec, case)
+    for split in (None, False, 2048):
+        check(dec, case, ref=ref, lib=dict(split=split), what=f"32k window split={split}: ")
+
+
+# ---------------------------------------------------------------------------- host / device I/O
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_numpy_out_and_lse_given(device, get_decoder, dtype):
+    spec = window_spec(dtype)
+    dec = get_decoder(spec, device)
+    case = plain_case(spec, [33, 0, 2], seed=17)
+    ref = naive_for(spec, case)
+    out = np.full((3, 8, 64), 123, dtype=dtype)
+    lse = np.full((3, 8), 123, dtype=np.float32)
+    res = run_case(dec, case, lib=dict(out=out, lse=lse))
+    assert res.out is out and res.lse is lse
+    compare(out, lse, *ref, dtype)
+    out2 = np.empty_like(out)
+    r = run_case(dec, case, lib=dict(out=out2))
+    assert r.out is out2 and isinstance(r.lse, np.ndarray) and r.lse.dtype == np.float32
+    compare(*r[:2], *ref, dtype)
+    lse2 = np.empty_like(lse)
+    r = run_case(dec, case, lib=dict(lse=lse2, split=16))
+    assert r.lse is lse2 and r.out.dtype == np.dtype(dtype)
+    compare(*r[:2], *ref, dtype)
+
+
+def _pad_view(queue, a, pad=1, fill=0):
+    """A device copy of ``a`` that starts ``pad`` rows into a larger buffer (a view)."""
+    a = np.asarray(a)
+    big = np.empty((a.shape[0] + pad,) + a.shape[1:], dtype=a.dtype)
+    big[...] = fill
+    big[pad:] = a
+    d = cla.to_device(queue, big)
+    v = d[pad:]
+    assert v.offset > 0 and v.shape == a.shape
+    return d, v
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_device_arrays_with_offset_views(device, get_decoder, cl_queue, dtype):
+    spec = window_spec(dtype)
+    dec = get_decoder(spec, device)
+    queue = cl_queue(device)
+    case = window_case(spec, [37, 0, 16, 1, 70], window=[5, 0, 16, 1, 33], sinks=[2, 0, 3, 1, 0],
+                       seed=18, rope=True, pos_offset=[99_000, 0, 1, 2, 3])
+    ref = naive_for(spec, case, rotary_mode=1)
+    B, H, D = case["q"].shape
+    nanf = np.nan
+    _, q = _pad_view(queue, case["q"], 1, nanf)
+    _, pages = _pad_view(queue, case["pages"], 2, nanf)    # the pool is a view 2 pages in
+    tables = {k: _pad_view(queue, case[k], 3, -7)[1]
+              for k in ("page_indptr", "page_indices", "last_page_len", "window_offset",
+                        "sink_size", "q_pos", "k_pos_offset")}
+    out_big, out = _pad_view(queue, np.zeros((B, H, D), dtype), 1, 99)
+    lse_big, lse = _pad_view(queue, np.zeros((B, H), np.float32), 1, 99)
+    res = dec.run(q, pages, tables["page_indptr"], tables["page_indices"],
+                  tables["last_page_len"], window_offset=tables["window_offset"],
+                  sink_size=tables["sink_size"], q_pos=tables["q_pos"],
+                  k_pos_offset=tables["k_pos_offset"], rotary_mode=1, out=out, lse=lse)
+    assert res.out is out and res.lse is lse, "the given device arrays are the results"
+    assert res.event is not None
+    res.event.wait()
+    compare(out.get(), lse.get(), *ref, dtype, what="device views: ")
+    assert (out_big.get()[0] == 99).all() and (lse_big.get()[0] == 99).all(), \
+        "wrote before the view"
+    # device arrays in, no out given -> device arrays out
+    r2 = dec.run(q, pages, tables["page_indptr"], tables["page_indices"], tables["last_page_len"],
+                 window_offset=tables["window_offset"], sink_size=tables["sink_size"],
+                 q_pos=tables["q_pos"], k_pos_offset=tables["k_pos_offset"], rotary_mode=1)
+    assert isinstance(r2.out, cla.Array) and isinstance(r2.lse, cla.Array)
+    assert_same((r2.out, r2.lse), (out, lse), "fresh outputs: ")
+    # packed length_info as a device view [3, B]
+    li = cla.to_device(queue, np.concatenate([[5, 5], case["length_info"].ravel()]).astype(np.int32))
+    li = li[2:].reshape(3, B)
+    r3 = dec.run(q, pages, tables["page_indptr"], tables["page_indices"], length_info=li,
+                 q_pos=tables["q_pos"], k_pos_offset=tables["k_pos_offset"], rotary_mode=1)
+    assert_same((r3.out, r3.lse), (out, lse), "length_info view: ")
+    # split with device tables: a plan made from the host tables
+    plan = dec.plan(case["page_indptr"], case["last_page_len"],
+                    window_offset=case["window_offset"], sink_size=case["sink_size"], split=16)
+    assert plan.split
+    r4 = dec.run(q, pages, tables["page_indptr"], tables["page_indices"], tables["last_page_len"],
+                 window_offset=tables["window_offset"], sink_size=tables["sink_size"],
+                 q_pos=tables["q_pos"], k_pos_offset=tables["k_pos_offset"], rotary_mode=1,
+                 plan=plan)
+    compare(r4.out.get(), r4.lse.get(), *ref, dtype, what="device split plan: ")
+    # numpy q with device pages is not mixed up: all-host gives the same bits
+    args, kw = decode_args(case)
+    r5 = dec.run(*args, **kw, rotary_mode=1)
+    assert_same(r5, (out, lse), "host vs device: ")
+
+
+def test_event_chaining(device, get_decoder, cl_queue):
+    """wait_for and returned events order work across queues (and an out-of-order queue)."""
+    dtype = "float32"
+    spec = window_spec(dtype)
+    dec = get_decoder(spec, device)
+    queue = cl_queue(device)
+    ctx = queue.context
+    case = window_case(spec, [50, 3, 20], window=[10, 0, 4], sinks=[2, 0, 1], seed=19)
+    args, kw = decode_args(case)
+    ref = naive_for(spec, case)
+    side = cl.CommandQueue(ctx)
+    # q arrives through a non-blocking copy on another queue; the decode waits on its event
+    qbuf = cl.Buffer(ctx, cl.mem_flags.READ_WRITE, case["q"].nbytes)
+    big_host = np.ascontiguousarray(case["q"])
+    up = cl.enqueue_copy(side, qbuf, big_host, is_blocking=False)
+    q = cla.Array(queue, case["q"].shape, case["q"].dtype, data=qbuf)
+    dev_tab = [cla.to_device(queue, a) for a in args[1:]]
+    dkw = {k: cla.to_device(queue, v) for k, v in kw.items()}
+    res = dec.run(q, *dev_tab, **dkw, wait_for=[up])
+    assert isinstance(res.event, cl.Event)
+    # chain a merge on the device outputs (events travel with the arrays)
+    rng = np.random.default_rng(0)
+    vo = rng.standard_normal(res.out.shape).astype(dtype)
+    so = (rng.standard_normal(res.lse.shape) * 4).astype(np.float32)
+    so[1] = NEG
+    dvo, dso = cla.to_device(queue, vo), cla.to_device(queue, so)
+    evt = clattn.merge_state_(res.out, res.lse, dvo, dso, wait_for=[res.event])
+    assert evt is not None
+    want_v, want_s = naive_merge(ref[0], ref[1], vo, so)
+    compare(res.out.get(), res.lse.get(), want_v, want_s, dtype, what="decode->merge: ")
+    # a second decode reads the first's output as its query, on another queue, via wait_for
+    r2 = dec.run(res.out, *dev_tab, **dkw, queue=side, wait_for=[evt])
+    r2.event.wait()
+    case2 = dict(case, q=res.out.get())
+    compare(r2.out.get(queue=side), r2.lse.get(queue=side), *naive_for(spec, case2), dtype,
+            what="chained decode: ")
+
+
+def _ooo_queue(ctx):
+    try:
+        return cl.CommandQueue(
+            ctx, properties=cl.command_queue_properties.OUT_OF_ORDER_EXEC_MODE_ENABLE)
+    except cl.Error as exc:
+        pytest.skip(f"no out-of-order queues on this device: {exc}")
+
+
+@pytest.mark.parametrize("ooo", [False, True], ids=["in-order", "out-of-order"])
+def test_wait_for_user_event_gates_device_run(device, get_decoder, cl_queue, ooo):
+    """Device arrays: nothing is written before a wait_for event completes; then all is right.
+
+    (Unsplit: the split path uploads its plan table, see the out-of-order test below.)
+    """
+    spec = window_spec("float32")
+    dec = get_decoder(spec, device)
+    queue = cl_queue(device)
+    run_q = _ooo_queue(queue.context) if ooo else cl.CommandQueue(queue.context)
+    case = window_case(spec, [50, 3, 20], window=[10, 0, 4], sinks=[2, 0, 1], seed=20)
+    args, kw = decode_args(case)
+    ref = naive_for(spec, case)
+    dargs = [cla.to_device(queue, a) for a in args]
+    dkw = {k: cla.to_device(queue, v) for k, v in kw.items()}
+    out = cla.to_device(queue, np.full(case["q"].shape, 42, np.float32))
+    lse = cla.to_device(queue, np.full(case["q"].shape[:2], 42, np.float32))
+    queue.finish()
+    import threading
+
+    gate = cl.UserEvent(queue.context)
+    # safety net: a run() that blocked on its own queue would otherwise hang forever
+    net = threading.Timer(20.0, lambda: gate.set_status(cl.command_execution_status.COMPLETE))
+    net.start()
+    res = dec.run(*dargs, **dkw, out=out, lse=lse, queue=run_q, wait_for=[gate], split=False)
+    assert net.is_alive(), "run() blocked until its wait_for event completed"
+    net.cancel()
+    try:
+        peek = np.empty(case["q"].shape[:2], np.float32)
+        cl.enqueue_copy(queue, peek, lse.base_data, src_offset=lse.offset)
+        assert (peek == 42).all(), "the kernel ran before its wait_for event completed"
+    finally:
+        gate.set_status(cl.command_execution_status.COMPLETE)
+    res.event.wait()
+    compare(out.get(queue=queue), lse.get(queue=queue), *ref, "float32", what="gated: ")
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "clattn bug: BatchDecode.run with numpy inputs reads the results back without waiting "
+    "for the kernel's event (dout/dlse carry no event in the host branch), so on an "
+    "out-of-order queue - or whenever wait_for holds the kernel back - it returns garbage"))
+def test_out_of_order_queue_host_io(device, get_decoder, cl_queue):
+    """numpy in/out on an out-of-order queue, with the kernel held back by a wait_for event."""
+    import threading
+
+    spec = window_spec("float32")
+    dec = get_decoder(spec, device)
+    queue = cl_queue(device)
+    ooo = _ooo_queue(queue.context)
+    case = window_case(spec, [50, 3, 20], window=[10, 0, 4], sinks=[2, 0, 1], seed=21)
+    args, kw = decode_args(case)
+    ref = naive_for(spec, case)
+    gate = cl.UserEvent(queue.context)
+    timer = threading.Timer(0.5, lambda: gate.set_status(cl.command_execution_status.COMPLETE))
+    timer.start()
+    try:
+        res = dec.run(*args, **kw, queue=ooo, wait_for=[gate])
+    finally:
+        timer.join()
+    compare(res.out, res.lse, *ref, "float32", what="out-of-order host I/O: ")
+
+
+def test_out_of_order_queue_split_device_tables(request, device, device_id, get_decoder,
+                                                cl_queue):
+    """Split decode (decode + merge pass) with device tables on an out-of-order queue."""
+    if device_id == "intel":
+        request.applymarker(pytest.mark.xfail(strict=True, reason=(
+            "clattn bug: run() uploads the plan's part_indptr with a blocking to_device on the "
+            "given queue but does not put that write's event in the decode kernel's wait_for; "
+            "a blocking write only frees the host pointer, so on an out-of-order queue "
+            "(Intel's CPU runtime really reorders) the kernel reads a stale/uninitialised "
+            "table. Same for the host-mode uploads of last_page_len/length_info/"
+            "window_offset/sink_size/q_pos/k_pos_offset")))
+    spec = window_spec("float32")
+    dec = get_decoder(spec, device)
+    queue = cl_queue(device)
+    ooo = _ooo_queue(queue.context)
+    case = window_case(spec, [50, 3, 20, 40], window=[10, 0, 4, 0], sinks=[2, 0, 1, 0], seed=22)
+    args, kw = decode_args(case)
+    ref = naive_for(spec, case)
+    dargs = [cla.to_device(queue, a) for a in args]
+    dkw = {k: cla.to_device(queue, v) for k, v in kw.items()}
+    plans = [dec.plan(case["page_indptr"], case["last_page_len"],
+                      window_offset=case["window_offset"], sink_size=case["sink_size"], split=s)
+             for s in (16, 32)]
+    assert all(p.split for p in plans)
+    bad = []
+    for it in range(40):
+        res = dec.run(*dargs, **dkw, plan=plans[it % 2], queue=ooo)
+        res.event.wait()
+        try:
+            compare(res.out.get(queue=ooo), res.lse.get(queue=ooo), *ref, "float32")
+        except AssertionError as exc:
+            bad.append((it, str(exc).splitlines()[1:3]))
+    assert not bad, f"{len(bad)} of 40 out-of-order split runs wrong, e.g. {bad[:2]}"
+
+
+# ---------------------------------------------------------------------------- merge kernels
+def _states(rng, shape_v, shape_s, dtype, spread=6.0):
+    v = rng.standard_normal(shape_v).astype(dtype)
+    s = (rng.standard_normal(shape_s) * spread).astype(np.float32)
+    return v, s
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("N,H,D", [(1, 4, 64), (7, 3, 80), (4096, 2, 64)],
+                         ids=["N1", "N7-d80", "N4096"])
+def test_merge_state_on_device(device, cl_queue, N, H, D, dtype):
+    rng = np.random.default_rng(N + D)
+    v, s = _states(rng, (N, H, D), (N, H), dtype)
+    vo, so = _states(rng, (N, H, D), (N, H), dtype)
+    s[0, 0] = NEG                                 # left empty
+    so[0, H - 1] = NEG                            # right empty
+    if N > 1:
+        s[N - 1, :] = NEG                         # both empty
+        so[N - 1, :] = NEG
+        s[N // 2, 0], so[N // 2, 0] = 1e4, -1e4   # one side dominates
+    want_v, want_s = naive_merge(v, s, vo, so)
+    v0, s0 = v.copy(), s.copy()
+    # numpy in place, run by the device's kernel
+    a, b = v.copy(), s.copy()
+    clattn.merge_state_(a, b, vo, so, device=device)
+    compare(a, b, want_v, want_s, dtype, what="merge_state_ numpy: ")
+    np.testing.assert_array_equal(a[0, 0], vo[0, 0].astype(dtype))   # passes through exactly
+    # out of place
+    c, d = clattn.merge_state(v, s, vo, so, device=device)
+    compare(c, d, want_v, want_s, dtype, what="merge_state: ")
+    np.testing.assert_array_equal(v, v0)
+    np.testing.assert_array_equal(s, s0)
+    # device arrays (views into larger buffers), in place
+    queue = cl_queue(device)
+    _, dv = _pad_view(queue, v, 1, 5)
+    ds_big, ds = _pad_view(queue, s, 1, 5)
+    _, dvo = _pad_view(queue, vo, 2, 5)
+    _, dso = _pad_view(queue, so, 2, 5)
+    evt = clattn.merge_state_(dv, ds, dvo, dso)
+    assert evt is not None
+    compare(dv.get(), ds.get(), want_v, want_s, dtype, what="merge_state_ device: ")
+    assert (ds_big.get()[0] == 5).all()
+    if N > 1:
+        assert (dv.get()[N - 1] == 0).all() and np.isneginf(ds.get()[N - 1]).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("N,K,H,D", [(1, 1, 2, 64), (7, 3, 4, 80), (4096, 3, 2, 64)],
+                         ids=["N1-K1", "N7-K3-d80", "N4096-K3"])
+def test_merge_states_on_device(device, cl_queue, N, K, H, D, dtype):
+    rng = np.random.default_rng(N * K + D)
+    v, s = _states(rng, (N, K, H, D), (N, K, H), dtype)
+    s[0, 0, 0] = NEG
+    if N > 1:
+        s[1, :, :] = NEG                       # every state empty
+        s[2, : K - 1, 0] = NEG                 # only the last state
+    want_v, want_s = naive_merge_k(v, s)
+    out, lse = clattn.merge_states(v, s, device=device)
+    compare(out, lse, want_v, want_s, dtype, what="merge_states numpy: ")
+    out2 = np.full((N, H, D), 9, dtype=dtype)
+    lse2 = np.full((N, H), 9, dtype=np.float32)
+    r = clattn.merge_states(v, s, out=out2, lse=lse2, device=device)
+    assert r[0] is out2 and r[1] is lse2
+    compare(out2, lse2, want_v, want_s, dtype, what="merge_states out=: ")
+    queue = cl_queue(device)
+    _, dv = _pad_view(queue, v, 1, 3)
+    _, ds = _pad_view(queue, s, 1, 3)
+    ob, do = _pad_view(queue, np.zeros((N, H, D), dtype), 1, 7)
+    lb, dl = _pad_view(queue, np.zeros((N, H), np.float32), 1, 7)
+    r = clattn.merge_states(dv, ds, out=do, lse=dl)
+    assert r[0] is do and r[1] is dl
+    compare(do.get(), dl.get(), want_v, want_s, dtype, what="merge_states device: ")
+    assert (ob.get()[0] == 7).all() and (lb.get()[0] == 7).all()
