@@ -164,6 +164,7 @@ class MergeGeometry:
     mh: int = 1  # heads per work-group (tiled)
     threads: int = 64  # work-group size (rows)
     native_fp16: bool = False
+    denorms: bool = False
 
     def sizes(self, nh: int, head_dim: int) -> tuple[tuple, tuple]:
         """(global, local) sizes for ``nh`` (state, head) pairs."""
@@ -179,7 +180,8 @@ def merge_geometry(head_dim: int, dtype: str, profile: Profile, limits: Limits) 
     native = bool(profile.native_fp16 and limits.has_fp16 and dtype == "float16")
     vec = _vec_for(head_dim, profile.vec)
     if profile.strategy == "rows":
-        return MergeGeometry("rows", vec, threads=limit, native_fp16=native)
+        return MergeGeometry("rows", vec, threads=limit, native_fp16=native,
+                             denorms=limits.denorms)
     while head_dim // vec > min(limit, limits.max_work_item_sizes[0]) and head_dim % (vec * 2) == 0:
         vec *= 2
     nv = head_dim // vec
@@ -208,4 +210,5 @@ def render_merge(head_dim: int, dtype: str, vin: str, geom: MergeGeometry) -> st
     """OpenCL C source of the merge kernels (``vin``: dtype of the states merged)."""
     return _lookup().get_template("merge.cl.mako").render(
         D=head_dim, DTYPE=_cl_dtype(dtype), VIN=_cl_dtype(vin), NATIVE_HALF=geom.native_fp16,
+        DENORMS=geom.denorms,
         STRATEGY=geom.strategy, VEC=geom.vec, MH=geom.mh)

@@ -204,7 +204,6 @@ class BatchDecode:
                 return cl.array.to_device(queue, np.ascontiguousarray(a, dtype=dtype))
             return a
 
-        import pyopencl.array  # noqa: F401 - cl.array
         dq, dpages = dev(q), dev(pages)
         dindptr, dindices = dev(page_indptr), dev(page_indices)
         if length_info is not None:

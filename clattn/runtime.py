@@ -88,6 +88,7 @@ def cl():
     """pyopencl, imported after the ICD set-up."""
     ensure_icd()
     import pyopencl
+    import pyopencl.array  # noqa: F401 - makes pyopencl.array available to callers
     return pyopencl
 
 

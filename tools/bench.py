@@ -234,8 +234,9 @@ def suite_fallback(args: argparse.Namespace, deadline: Deadline) -> dict:
                     o_fb, _ = reference.batch_decode(spec, q, pool, indptr, indices, last)
                     o_dn = dense_attention(q, K, V, scale)
                     err = float(np.max(np.abs(o_fb.astype(np.float32) - o_dn.astype(np.float32))))
-                    a = sample(fb, args.repeat, args.row_seconds)
-                    b = sample(dn, args.repeat, args.row_seconds)
+                    res, _ = sample_interleaved({"fb": fb, "dense": dn}, args.repeat,
+                                                args.row_seconds)
+                    a, b = res["fb"], res["dense"]
                     kvb = kv_bytes(hkv, d, B, ctx, spec.itemsize)
                     row.update(fallback_ms=a["s"] * 1e3, fallback_gbps=kvb / a["s"] * 1e-9,
                                dense_ms=b["s"] * 1e3, dense_gbps=kvb / b["s"] * 1e-9,
@@ -444,7 +445,7 @@ def suite_decode(args: argparse.Namespace, deadline: Deadline) -> dict:
     cols = [("model", "model", ""), ("dtype", "dtype", ""), ("B", "B", "d"), ("ctx", "ctx", "d"),
             ("mib", "MiB moved", ".1f"), ("plan", "plan", ""),
             ("decode_ms", "decode ms", ".3f"), ("merge_ms", "merge ms", ".3f"),
-            ("wall_ms", "wall ms", ".3f"), ("gbps", "GB/s", ".2f"), ("frac", "of read bw", ".0%"),
+            ("wall_ms", "wall ms", ".3f"), ("gbps", "GB/s", ".2f"), ("frac", "of read bw", ".1%"),
             ("fallback_ms", "fallback ms", ".2f"), ("fallback_ratio", "fallback/wall", ".1f"),
             ("max_err", "max abs diff", ".1e")]
     sections = [("Decode (median kernel event times; GB/s = KV + q/out/lse bytes / kernel time)",
@@ -498,7 +499,7 @@ def merge_sections(args: argparse.Namespace, db: DeviceBench, deadline: Deadline
         _release(*arrs)
     c1 = [("N", "N", "d"), ("H", "H", "d"), ("D", "D", "d"), ("dtype", "dtype", ""),
           ("mib", "MiB moved", ".1f"), ("kernel_us", "kernel us", ".1f"),
-          ("wall_us", "wall us", ".1f"), ("gbps", "GB/s", ".2f"), ("frac", "of read bw", ".0%"),
+          ("wall_us", "wall us", ".1f"), ("gbps", "GB/s", ".2f"), ("frac", "of read bw", ".1%"),
           ("frac_copy", "of copy bw", ".0%")]
     lat = db.latency
     c2 = [("N", "N", "d"), ("kernel_us", "kernel us", ".1f"),
@@ -592,11 +593,11 @@ def suite_split(args: argparse.Namespace, deadline: Deadline) -> dict:
         _release(dpool)
         del dpool, dec
     cols = [("model", "model", ""), ("B", "B", "d"), ("ctx", "ctx", "d"), ("mib", "MiB", ".0f"),
-            ("unsplit_ms", "unsplit ms", ".3f"), ("frac_unsplit", "unsplit bw", ".0%"),
+            ("unsplit_ms", "unsplit ms", ".3f"), ("frac_unsplit", "unsplit bw", ".1%"),
             ("plan", "planner's choice", ""), ("planned_ms", "planned ms", ".3f"),
-            ("planned_merge_ms", "of which merge", ".3f"), ("frac_planned", "planned bw", ".0%"),
+            ("planned_merge_ms", "of which merge", ".3f"), ("frac_planned", "planned bw", ".1%"),
             ("best_rows", "best forced rows", "d"), ("best_ms", "best forced ms", ".3f"),
-            ("speedup", "unsplit/best split", ".2f"), ("frac_best", "best bw", ".0%"),
+            ("speedup", "unsplit/best split", ".2f"), ("frac_best", "best bw", ".1%"),
             ("slowdown", "planner vs better", "+.1%")]
     title = "Split-KV (median kernel event times, decode + merge)"
     if args.profile:
