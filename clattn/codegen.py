@@ -153,8 +153,9 @@ def decode_geometry(spec: AttentionSpec, profile: Profile, limits: Limits) -> De
     if need() > limits.local_mem_size:
         raise ValueError(f"decode kernel for head_dim={D}, group={G} needs {need()} bytes of "
                          f"local memory; the device has {limits.local_mem_size}")
-    return DecodeGeometry("tiled", vec, tile, bdx, bdy, bdz, gdz, use_local, reduction, sgs,
-                          native, need(), tuple(notes))
+    return DecodeGeometry("tiled", vec, tile, bdx=bdx, bdy=bdy, bdz=bdz, gdz=gdz,
+                          use_local=use_local, reduction=reduction, subgroup_size=sgs,
+                          native_fp16=native, local_mem_bytes=need(), notes=tuple(notes))
 
 
 @dataclass(frozen=True)

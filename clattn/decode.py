@@ -76,6 +76,7 @@ class BatchDecode:
         self._turns: dict = {}
         self._ws: tuple | None = None
         self._plan_tables: dict = {}
+        self._ws_event = None  # the last launch that used the workspace
         if self.setup:
             prof = self.setup.profile
             self.geometry = decode_geometry(spec, prof, self.setup.limits)
@@ -197,34 +198,38 @@ class BatchDecode:
                        np.diff(plan.part_indptr)):
             raise ValueError("plan: the page table grew since the plan was made; plan again")
 
-        def dev(a: Any, dtype: Any = None) -> Any:
+        used: list = []  # every device array the launch touches: its events gate the launch
+
+        def dev(a: Any) -> Any:
             if a is None:
                 return None
-            if is_host(a):
-                return cl.array.to_device(queue, np.ascontiguousarray(a, dtype=dtype))
-            return a
+            d = cl.array.to_device(queue, np.ascontiguousarray(a)) if is_host(a) else a
+            used.append(d)
+            return d
 
+        dummy = (rt.dummy_int(), 0)
         dq, dpages = dev(q), dev(pages)
         dindptr, dindices = dev(page_indptr), dev(page_indices)
         if length_info is not None:
-            li = dev(length_info)
-            lb, lo0 = _buf(li)
+            lb, lo0 = _buf(dev(length_info), rt.dummy_int())
             last_b = (lb, lo0)
-            wo_b = (lb, lo0 + B) if spec.sliding_window else (rt.dummy_int(), 0)
-            sk_b = (lb, lo0 + 2 * B) if spec.sliding_window else (rt.dummy_int(), 0)
+            wo_b = (lb, lo0 + B) if spec.sliding_window else dummy
+            sk_b = (lb, lo0 + 2 * B) if spec.sliding_window else dummy
         else:
-            last_b = _buf(dev(args.last_page_len))
-            wo_b = _buf(dev(window_offset)) if spec.sliding_window else (rt.dummy_int(), 0)
-            sk_b = _buf(dev(sink_size)) if spec.sliding_window else (rt.dummy_int(), 0)
-        qp_b = _buf(dev(q_pos)) if rotary_mode else (rt.dummy_int(), 0)
-        kp_b = _buf(dev(k_pos_offset)) if rotary_mode else (rt.dummy_int(), 0)
-        dout = out if (out is not None and not is_host(out)) else \
+            last_b = _buf(dev(args.last_page_len), rt.dummy_int())
+            wo_b = _buf(dev(window_offset), rt.dummy_int()) if spec.sliding_window else dummy
+            sk_b = _buf(dev(sink_size), rt.dummy_int()) if spec.sliding_window else dummy
+        qp_b = _buf(dev(q_pos), rt.dummy_int()) if rotary_mode else dummy
+        kp_b = _buf(dev(k_pos_offset), rt.dummy_int()) if rotary_mode else dummy
+        dout = dev(out) if (out is not None and not is_host(out)) else \
             cl.array.empty(queue, (B, H, D), spec.np_dtype)
-        dlse = lse if (lse is not None and not is_host(lse)) else \
+        dlse = dev(lse) if (lse is not None and not is_host(lse)) else \
             cl.array.empty(queue, (B, H), LSE_DTYPE)
         turns, long_from, att = self._rope_buffer(rotary_mode, rope_theta, rope_scale)
         ws_o, ws_s = self._workspace(plan.n_ws) if plan.split else (rt.dummy_int(), rt.dummy_int())
         pindptr = self._plan_table(plan, queue) if plan.split else None
+        if pindptr is not None:
+            used.append(pindptr)
 
         kernel, merge = self._kernels()
         scale = default_sm_scale(D) if sm_scale is None else float(sm_scale)
@@ -245,20 +250,23 @@ class BatchDecode:
                  pindptr.data if plan.split else rt.dummy_int(), i32(1 if plan.split else 0),
                  i32(plan.part_rows if plan.split else 0),
                  i32(rotary_mode), f32(scale), turns, i32(long_from), f32(att)]
-        waits = list(wait_for or [])
-        for a in (dq, dpages, dindptr, dindices, dout, dlse):
-            waits.extend(getattr(a, "events", []) or [])
         evt = None
         if B > 0:
             gsz = self.geometry.global_size(B, spec.num_kv_heads,
                                             plan.num_parts if plan.split else 1)
             with self._lock:  # set_args + enqueue of a shared kernel object must not interleave
+                waits = list(wait_for or []) + [e for a in used for e in (a.events or [])]
+                if plan.split and self._ws_event is not None:
+                    waits.append(self._ws_event)  # split runs share the workspace: serialise
                 evt = kernel(queue, gsz, self.geometry.local_size(), *kargs, wait_for=waits or None)
                 if plan.split:
                     mg, ml = self.merge_geometry.sizes(B * H, D)
                     evt = merge(queue, mg, ml, ws_o, i32(0), ws_s, i32(0), pindptr.data, i32(0),
                                 i32(0), i32(1), i32(plan.n_ws), ob[0], i32(ob[1]), sb[0],
                                 i32(sb[1]), i32(B), i32(H), wait_for=[evt])
+                    self._ws_event = evt
+            dout.add_event(evt)
+            dlse.add_event(evt)
         if host_mode or (out is not None and is_host(out)):
             o = dout.get(queue=queue) if B > 0 else np.zeros((B, H, D), spec.np_dtype)
             s = dlse.get(queue=queue) if B > 0 else np.zeros((B, H), LSE_DTYPE)
@@ -269,9 +277,6 @@ class BatchDecode:
                 lse[...] = s
                 s = lse
             return DecodeResult(o, s, evt)
-        if evt is not None:
-            dout.add_event(evt)
-            dlse.add_event(evt)
         return DecodeResult(dout, dlse, evt)
 
     def _plan_table(self, plan: Plan, queue: Any) -> Any:

@@ -77,13 +77,12 @@ def merge_state_(v: Any, s: Any, v_other: Any, s_other: Any, *, device: Any = No
     if N * H:
         evt = knl(queue, gsz, lsz, *_buf(arrs[0]), *_buf(arrs[1]), *_buf(arrs[2]), *_buf(arrs[3]),
                   np.int32(N * H), wait_for=waits or None)
-    if host:
-        if evt is not None:
+    if evt is not None:
+        arrs[0].add_event(evt)
+        arrs[1].add_event(evt)
+        if host:  # get() waits for the arrays' events
             v[...] = arrs[0].get(queue=queue)
             s[...] = arrs[1].get(queue=queue)
-    elif evt is not None:
-        v.add_event(evt)
-        s.add_event(evt)
     return evt
 
 
@@ -120,7 +119,10 @@ def merge_states(v: Any, s: Any, *, out: Any = None, lse: Any = None, device: An
         evt = knl(queue, gsz, lsz, *_buf(dv), *_buf(ds), setup.runtime.dummy_int(), np.int32(0),
                   np.int32(K), np.int32(0), np.int32(N * K), *_buf(dout), *_buf(dlse),
                   np.int32(N), np.int32(H), wait_for=waits or None)
-    if host:
+    if evt is not None:
+        dout.add_event(evt)
+        dlse.add_event(evt)
+    if host:  # get() waits for the arrays' events
         o = dout.get(queue=queue) if evt is not None else np.zeros((N, H, D), v.dtype)
         l_ = dlse.get(queue=queue) if evt is not None else np.zeros((N, H), LSE_DTYPE)
         if out is not None:
@@ -130,7 +132,4 @@ def merge_states(v: Any, s: Any, *, out: Any = None, lse: Any = None, device: An
             lse[...] = l_
             l_ = lse
         return o, l_
-    if evt is not None:
-        dout.add_event(evt)
-        dlse.add_event(evt)
     return dout, dlse

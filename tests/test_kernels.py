@@ -587,10 +587,6 @@ def test_wait_for_user_event_gates_device_run(device, get_decoder, cl_queue, ooo
     compare(out.get(queue=queue), lse.get(queue=queue), *ref, "float32", what="gated: ")
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "clattn bug: BatchDecode.run with numpy inputs reads the results back without waiting "
-    "for the kernel's event (dout/dlse carry no event in the host branch), so on an "
-    "out-of-order queue - or whenever wait_for holds the kernel back - it returns garbage"))
 def test_out_of_order_queue_host_io(device, get_decoder, cl_queue):
     """numpy in/out on an out-of-order queue, with the kernel held back by a wait_for event."""
     import threading
@@ -615,15 +611,6 @@ def test_out_of_order_queue_host_io(device, get_decoder, cl_queue):
 def test_out_of_order_queue_split_device_tables(request, device, device_id, get_decoder,
                                                 cl_queue):
     """Split decode (decode + merge pass) with device tables on an out-of-order queue."""
-    if device_id == "intel":
-        request.applymarker(pytest.mark.xfail(strict=True, reason=(
-            "clattn bug: run() uploads the plan's part_indptr (BatchDecode._plan_table: "
-            "cl.array.to_device on the given queue, cached per plan) but does not put that "
-            "write's event in the decode kernel's wait_for; "
-            "a blocking write only frees the host pointer, so on an out-of-order queue "
-            "(Intel's CPU runtime really reorders) the kernel reads a stale/uninitialised "
-            "table. Same for the host-mode uploads of last_page_len/length_info/"
-            "window_offset/sink_size/q_pos/k_pos_offset")))
     spec = window_spec("float32")
     dec = get_decoder(spec, device)
     queue = cl_queue(device)
@@ -722,3 +709,60 @@ def test_merge_states_on_device(device, cl_queue, N, K, H, D, dtype):
     assert r[0] is do and r[1] is dl
     compare(do.get(), dl.get(), want_v, want_s, dtype, what="merge_states device: ")
     assert (ob.get()[0] == 7).all() and (lb.get()[0] == 7).all()
+
+
+@pytest.mark.parametrize("kind", ["pair", "k-way"])
+def test_merge_host_io_on_out_of_order_queue(device, cl_queue, kind):
+    import threading
+
+    queue = cl_queue(device)
+    ooo = _ooo_queue(queue.context)
+    rng = np.random.default_rng(5)
+    v, s = _states(rng, (5, 3, 64), (5, 3), "float32")
+    vo, so = _states(rng, (5, 3, 64), (5, 3), "float32")
+    gate = cl.UserEvent(queue.context)
+    timer = threading.Timer(0.5, lambda: gate.set_status(cl.command_execution_status.COMPLETE))
+    timer.start()
+    try:
+        if kind == "pair":
+            a, b = v.copy(), s.copy()
+            clattn.merge_state_(a, b, vo, so, device=device, queue=ooo, wait_for=[gate])
+            want = naive_merge(v, s, vo, so)
+        else:
+            vk, sk = np.stack([v, vo], 1), np.stack([s, so], 1)
+            a, b = clattn.merge_states(vk, sk, device=device, queue=ooo, wait_for=[gate])
+            want = naive_merge_k(vk, sk)
+    finally:
+        timer.join()
+    compare(a, b, *want, "float32", what=f"{kind} on an out-of-order queue: ")
+
+
+def test_two_split_runs_in_flight(device, get_decoder, cl_queue):
+    """Two independent split decodes enqueued back to back on an out-of-order queue."""
+    spec = window_spec("float32")
+    dec = get_decoder(spec, device)
+    queue = cl_queue(device)
+    ooo = _ooo_queue(queue.context)
+    case = window_case(spec, [300, 3, 200], window=[10, 0, 4], sinks=[2, 0, 1], seed=23)
+    q2_host = make_case(spec, [300, 3, 200], window=[10, 0, 4], sinks=[2, 0, 1], seed=24)["q"]
+    args, kw = decode_args(case)
+    ref1 = naive_for(spec, case)
+    ref2 = naive_for(spec, dict(case, q=q2_host))
+    dargs = [cla.to_device(queue, a) for a in args]
+    q2 = cla.to_device(queue, q2_host)
+    dkw = {k: cla.to_device(queue, v) for k, v in kw.items()}
+    plan = dec.plan(case["page_indptr"], case["last_page_len"],
+                    window_offset=case["window_offset"], sink_size=case["sink_size"], split=16)
+    dec.run(*dargs, **dkw, plan=plan).event.wait()      # workspace and plan table ready
+    bad = 0
+    for _ in range(30):
+        r1 = dec.run(*dargs, **dkw, plan=plan, queue=ooo)
+        r2 = dec.run(q2, *dargs[1:], **dkw, plan=plan, queue=ooo)
+        r1.event.wait()
+        r2.event.wait()
+        for r, ref in ((r1, ref1), (r2, ref2)):
+            try:
+                compare(r.out.get(queue=queue), r.lse.get(queue=queue), *ref, "float32")
+            except AssertionError:
+                bad += 1
+    assert bad == 0, f"{bad} of 60 results wrong"

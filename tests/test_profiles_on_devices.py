@@ -132,12 +132,6 @@ def test_subgroup_profile_uses_subgroups_where_required_size_exists(device, get_
         assert dec.build_warnings, "falling back to local memory must warn"
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "clattn bug (codegen.py, since fdf94b1): decode_geometry() builds the tiled DecodeGeometry "
-    "positionally, and the field `denorms` now sits between `local_mem_bytes` and `notes`, so "
-    "the notes tuple lands in `denorms` and `notes` stays (): BatchDecode never warns about "
-    "a sub-group fallback or K/V tiles not fitting local memory, and geometry.denorms is a "
-    "tuple instead of a bool"))
 def test_tiled_geometry_notes_are_notes_and_warned():
     """A sub-group profile on a device whose required sizes lack bdx: a note, warned once."""
     import warnings

@@ -36,7 +36,13 @@ import warnings
 from dataclasses import asdict
 from typing import Any, Callable
 
-import numpy as np
+# numpy's BLAS (the dense baseline) single-threaded unless the caller says otherwise: the
+# fallback is single-threaded too, and OpenBLAS's spinning threads turn any background load
+# on a small machine into 2-5x noise
+for _v in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_v, "1")
+
+import numpy as np  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -561,11 +567,15 @@ def suite_split(args: argparse.Namespace, deadline: Deadline) -> dict:
             planned_key = "unsplit" if not planned_plan.split else f"split {planned_plan.part_rows}"
             plans.setdefault(planned_key, planned_plan)
             calls = {k: db.timed_decode(dec, tabs, p) for k, p in plans.items()}
+            # a control: the unsplit launch timed twice; their difference is the noise floor
+            calls["unsplit (control)"] = db.timed_decode(dec, tabs, unsplit_plan)
             res, outs = sample_interleaved(calls, args.repeat, args.row_seconds,
                                            after=lambda: tabs[5].get())
             err = max(float(np.max(np.abs(o.astype(np.float32) - outs["unsplit"].astype(np.float32))))
                       for o in outs.values())
             unsplit, planned = res["unsplit"], res[planned_key]
+            control = res.pop("unsplit (control)")
+            outs.pop("unsplit (control)", None)
             forced = [(plans[k], r) for k, r in res.items() if k != "unsplit"]
             best_p, best = min(forced, key=lambda x: x[1]["kernel"]) if forced else (None, None)
             better = min(unsplit["kernel"], best["kernel"]) if best else unsplit["kernel"]
@@ -585,6 +595,7 @@ def suite_split(args: argparse.Namespace, deadline: Deadline) -> dict:
                 slowdown=planned["kernel"] / better - 1.0,
                 forced={str(p.part_rows): r["kernel"] * 1e3 for p, r in forced},
                 runs=unsplit["runs"],
+                noise=abs(control["kernel"] - unsplit["kernel"]) / unsplit["kernel"],
                 split_vs_unsplit_maxdiff=err)
             log(f"split {name} B={B} ctx={ctx}: unsplit {row['unsplit_ms']:.3f} ms, planned "
                 f"{row['planned_ms']:.3f} ms [{planned_plan}], best forced "
@@ -598,7 +609,8 @@ def suite_split(args: argparse.Namespace, deadline: Deadline) -> dict:
             ("planned_merge_ms", "of which merge", ".3f"), ("frac_planned", "planned bw", ".1%"),
             ("best_rows", "best forced rows", "d"), ("best_ms", "best forced ms", ".3f"),
             ("speedup", "unsplit/best split", ".2f"), ("frac_best", "best bw", ".1%"),
-            ("slowdown", "planner vs better", "+.1%")]
+            ("slowdown", "planner vs better", "+.1%"),
+            ("noise", "noise (unsplit timed twice)", ".1%")]
     title = "Split-KV (median kernel event times, decode + merge)"
     if args.profile:
         title += f", profile forced to {args.profile}"
