@@ -155,9 +155,16 @@ NRV = (HALF // V if not INTERLEAVED else ROT // V) if VECROT else 0
 SWAP = "" if V == 1 else ".s" + "".join("%x" % (i ^ 1) for i in range(V))
 SIGN = "(%s)(%s)" % (FV, ", ".join("-1.0f" if i % 2 == 0 else "1.0f" for i in range(V))) if V > 1 else "1.0f"
 def ld(ptr):
-    return ("*(const __global ld_t*)(%s)" % ptr) if DTYPE == "float" else ("clattn_h2f(*(const __global ld_t*)(%s))" % ptr)
+    if DTYPE == "float":
+        return "*(const __global ld_t*)(%s)" % ptr
+    if NATIVE_HALF:  # the device converts half vectors itself (e.g. x86 F16C)
+        return "convert_%s(*(const __global ldn_t*)(%s))" % (FV, ptr)
+    return "clattn_h2f(*(const __global ld_t*)(%s))" % ptr
 %>\
 ${c.raw_loads(V)}
+% if NATIVE_HALF and DTYPE == "half":
+typedef ${"half" if V == 1 else "half%d" % V} __attribute__((aligned(2))) ldn_t;
+% endif
 
 
 <%

@@ -392,8 +392,8 @@ def fit(profile: Profile, info: Mapping[str, Any]) -> tuple[Profile, list[str]]:
             changes.update(reduction="local", subgroup_size=None)
             notes.append(f"reduction subgroup -> local: {why}")
     if profile.native_fp16 and fp16_support(info) is False:
+        # a preference ("use half loads where the device has them"), not a limit: no note
         changes["native_fp16"] = False
-        notes.append("native_fp16 on -> off: no cl_khr_fp16")
     local = info.get("local_mem_size_bytes")
     if profile.use_local_kv and (info.get("local_mem_type") == "none" or (
             isinstance(local, int) and local < MIN_LOCAL_KV_BYTES)):
