@@ -15,7 +15,7 @@ something:
 
 >>> from clattn import bandwidth                              # doctest: +SKIP
 >>> print(bandwidth.read_bandwidth("pocl").summary())         # doctest: +SKIP
-read bandwidth on pthread-AMD EPYC: 14.2 GB/s (float8, blocked; 256 MiB, best of 37)
+read bandwidth on pthread-AMD EPYC: 23.41 GB/s (float16, strided; 256 MiB per repetition, best of 8, median 21.76 GB/s)
 
 ``runtime_or_device``: a :class:`clattn.runtime.Runtime`, or anything
 :func:`clattn.runtime.select_device` accepts (None, ``"pocl"``, a Device/Context/Queue).

@@ -87,7 +87,7 @@ def _llama3(inv: np.ndarray, rs: RopeScaling) -> np.ndarray:
     out = np.where(wavelen > old / lo, inv / factor, inv)
     with np.errstate(divide="ignore", invalid="ignore"):  # lo == hi: no medium band
         smooth = (old / wavelen - lo) / (hi - lo)
-    smoothed = (1 - smooth) * out / factor + smooth * out
+        smoothed = (1 - smooth) * out / factor + smooth * out
     medium = (wavelen >= old / hi) & (wavelen <= old / lo)
     return np.where(medium, smoothed, out)
 
