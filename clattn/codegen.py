@@ -163,15 +163,14 @@ class MergeGeometry:
     strategy: str
     vec: int
     mh: int = 1  # heads per work-group (tiled)
-    threads: int = 64  # work-group size (rows)
+    threads: int = 64  # work-items striding over the rows (rows)
     native_fp16: bool = False
     denorms: bool = False
 
     def sizes(self, nh: int, head_dim: int) -> tuple[tuple, tuple]:
         """(global, local) sizes for ``nh`` (state, head) pairs."""
-        if self.strategy == "rows":
-            g = math.ceil(max(nh, 1) / self.threads) * self.threads
-            return (g,), (self.threads,)
+        if self.strategy == "rows":  # work-groups of one, each striding over rows
+            return (max(1, min(nh, self.threads)),), (1,)
         nv = head_dim // self.vec
         return (nv, math.ceil(max(nh, 1) / self.mh) * self.mh), (nv, self.mh)
 

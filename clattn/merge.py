@@ -6,6 +6,8 @@ run on their own context.
 """
 from __future__ import annotations
 
+import json
+import os
 import threading
 from typing import Any
 
@@ -13,12 +15,34 @@ import numpy as np
 
 from . import reference, runtime
 from .codegen import merge_geometry, render_merge
+from .profiles.record import Profile
 from .setup import device_setup, warn_cpu_fallback
 from .spec import LSE_DTYPE
 from .validate import check_merge_k, check_merge_pair, is_host
 
 _lock = threading.Lock()
 _kernels: dict = {}
+
+
+_setups: dict = {}
+
+
+def _cached_setup(rt: Any, profile: Any):
+    """The device setup of a runtime for a profile argument, resolved once."""
+    if profile is None or isinstance(profile, str):
+        pkey = profile
+    elif isinstance(profile, Profile):
+        pkey = ("Profile", profile)
+    else:
+        pkey = ("dict", json.dumps(dict(profile), sort_keys=True, default=str))
+    key = (id(rt), pkey, os.environ.get("CLATTN_PROFILE"))
+    with _lock:
+        hit = _setups.get(key)
+    if hit is None or hit[0] is not rt:
+        hit = (rt, device_setup(rt, profile))
+        with _lock:
+            _setups[key] = hit
+    return hit[1]
 
 
 def _setup_for(arrays: list, device: Any, profile: Any):
@@ -28,7 +52,7 @@ def _setup_for(arrays: list, device: Any, profile: Any):
         if any(is_host(a) for a in arrays if a is not None):
             raise TypeError("merge: mix of numpy and pyopencl arrays; pass all of one kind")
         rt = runtime.Runtime.for_device(dev_arrays[0].context)
-        return device_setup(rt, profile), dev_arrays[0].queue
+        return _cached_setup(rt, profile), dev_arrays[0].queue
     if device is None or device == "cpu":
         return None, None
     dev = runtime.select_device(device)
@@ -36,7 +60,7 @@ def _setup_for(arrays: list, device: Any, profile: Any):
         warn_cpu_fallback("no OpenCL device found")
         return None, None
     rt = runtime.Runtime.for_device(dev)
-    return device_setup(rt, profile), rt.queue
+    return _cached_setup(rt, profile), rt.queue
 
 
 def _kernel(setup, head_dim: int, dtype: str, vin: str, name: str):

@@ -46,33 +46,45 @@ inline float clattn_pair_lse(const float s, const float so)
 
 % if STRATEGY == "rows":
 ${c.raw_loads(VEC)}
+% if NATIVE_HALF:
+typedef ${"half" if VEC == 1 else "half%d" % VEC} __attribute__((aligned(2))) ldn_t;
+% endif
 <%
 FV = "float" if VEC == 1 else "float%d" % VEC
 def rload(ptr, dt):
     """A vector of storage dtype dt at ptr, as float, with no library call."""
-    return ("*(const __global ldf_t*)(%s)" % ptr) if dt == "float" else \
-        ("clattn_h2f(*(const __global ldh_t*)(%s))" % ptr)
+    if dt == "float":
+        return "*(const __global ldf_t*)(%s)" % ptr
+    if NATIVE_HALF:
+        return "convert_%s(*(const __global ldn_t*)(%s))" % (FV, ptr)
+    return "clattn_h2f(*(const __global ldh_t*)(%s))" % ptr
 def rstore(val, ptr):
     if DTYPE == "float":
         return "*(__global ldf_t*)(%s) = %s;" % (ptr, val)
+    if NATIVE_HALF:
+        return "*(__global ldn_t*)(%s) = convert_%s_rte(%s);" % (ptr, FV.replace("float", "half"), val)
     return "*(__global ldh_t*)(%s) = clattn_f2h(%s);" % (ptr, val)
 %>\
+/* CPU form: each work-item walks (state, head) rows with a grid stride (work-groups of
+   one work-item: no implicit work-item loop), head_dim unrolled into registers */
 __kernel void clattn_merge_pair(__global st_t* v, const int v_off, __global float* s, const int s_off,
                                 const __global st_t* vo, const int vo_off,
                                 const __global float* so, const int so_off, const int NH)
 {
-    const int nh = get_global_id(0);
-    if (nh >= NH) return;
     v += v_off; s += s_off; vo += vo_off; so += so_off;
-    const float a = s[nh], bb = so[nh];
-    const float2 w = clattn_pair_weights(a, bb);
-    __global st_t* vp = v + (ulong)nh * ${D};
-    const __global st_t* op = vo + (ulong)nh * ${D};
-    for (int i = 0; i < ${NV}; ++i) {
-        const ${FV} x = ${rload("vp + i * %d" % VEC, DTYPE)} * w.x + ${rload("op + i * %d" % VEC, DTYPE)} * w.y;
-        ${rstore("x", "vp + i * %d" % VEC)}
+    for (int nh = get_global_id(0); nh < NH; nh += get_global_size(0)) {
+        const float a = s[nh], bb = so[nh];
+        const float2 w = clattn_pair_weights(a, bb);
+        __global st_t* vp = v + (ulong)nh * ${D};
+        const __global st_t* op = vo + (ulong)nh * ${D};
+% for i in range(NV):
+        {
+            const ${FV} x = ${rload("vp + %d" % (i * VEC), DTYPE)} * w.x + ${rload("op + %d" % (i * VEC), DTYPE)} * w.y;
+            ${rstore("x", "vp + %d" % (i * VEC))}
+        }
+% endfor
+        s[nh] = clattn_pair_lse(a, bb);
     }
-    s[nh] = clattn_pair_lse(a, bb);
 }
 
 __kernel void clattn_merge_varlen(const __global in_t* vin, const int vin_off,
@@ -83,32 +95,37 @@ __kernel void clattn_merge_varlen(const __global in_t* vin, const int vin_off,
                                   __global float* lse, const int lse_off,
                                   const int N, const int H)
 {
-    const int nh = get_global_id(0);
-    if (nh >= N * H) return;
-    const int n = nh / H, h = nh % H;
-    vin += vin_off; sv += sv_off; out += out_off; lse += lse_off;
-    int lo, hi;
-    if (fixed_k > 0) { lo = n * fixed_k; hi = lo + fixed_k; }
-    else { indptr += indptr_off; lo = indptr[n]; hi = indptr[n + 1]; }
-    lo = clamp(lo, 0, n_states); hi = clamp(hi, lo, n_states);
-    if (skip_single && hi - lo < 2) return;
-    float mx = -INFINITY;
-    for (int k = lo; k < hi; ++k) mx = fmax(mx, sv[(ulong)k * H + h]);
-    float tot = 0.0f;
-    ${c.fv(VEC)} acc[${NV}];
-    for (int i = 0; i < ${NV}; ++i) acc[i] = 0.0f;
-    if (mx != -INFINITY) {
-        for (int k = lo; k < hi; ++k) {
-            const float w = exp2(sv[(ulong)k * H + h] - mx);
-            tot += w;
-            const __global in_t* ip = vin + ((ulong)k * H + h) * ${D};
-            for (int i = 0; i < ${NV}; ++i) acc[i] += w * ${rload("ip + i * %d" % VEC, VIN)};
+    vin += vin_off; sv += sv_off; out += out_off; lse += lse_off; indptr += indptr_off;
+    for (int nh = get_global_id(0); nh < N * H; nh += get_global_size(0)) {
+        const int n = nh / H, h = nh % H;
+        int lo = fixed_k > 0 ? n * fixed_k : indptr[n];
+        int hi = fixed_k > 0 ? lo + fixed_k : indptr[n + 1];
+        lo = lo < 0 ? 0 : (lo > n_states ? n_states : lo);
+        hi = hi < lo ? lo : (hi > n_states ? n_states : hi);
+        if (skip_single && hi - lo < 2) continue;
+        float mx = -INFINITY;
+        for (int k = lo; k < hi; ++k) { const float x = sv[(ulong)k * H + h]; mx = x > mx ? x : mx; }
+% for i in range(NV):
+        ${FV} acc${i} = 0.0f;
+% endfor
+        float tot = 0.0f;
+        if (mx != -INFINITY) {
+            for (int k = lo; k < hi; ++k) {
+                const float w = exp2(sv[(ulong)k * H + h] - mx);
+                tot += w;
+                const __global in_t* ip = vin + ((ulong)k * H + h) * ${D};
+% for i in range(NV):
+                acc${i} += w * ${rload("ip + %d" % (i * VEC), VIN)};
+% endfor
+            }
         }
+        const float inv = tot > 0.0f ? 1.0f / tot : 0.0f;
+        __global st_t* op = out + ((ulong)n * H + h) * ${D};
+% for i in range(NV):
+        ${rstore("acc%d * inv" % i, "op + %d" % (i * VEC))}
+% endfor
+        lse[(ulong)n * H + h] = tot > 0.0f ? mx + log2(tot) : -INFINITY;
     }
-    const float inv = tot > 0.0f ? 1.0f / tot : 0.0f;
-    __global st_t* op = out + ((ulong)n * H + h) * ${D};
-    for (int i = 0; i < ${NV}; ++i) { ${rstore("acc[i] * inv", "op + i * %d" % VEC)} }
-    lse[(ulong)n * H + h] = tot > 0.0f ? mx + log2(tot) : -INFINITY;
 }
 % else:
 __kernel __attribute__((reqd_work_group_size(${NV}, ${MH}, 1)))
