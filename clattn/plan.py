@@ -1,9 +1,12 @@
 """Split-KV planning (host side, once per batch, reused by every layer of a step).
 
 Rule (FlashInfer's): no split when the unsplit launch already fills the device
-(``work-groups >= compute_units * wgs_per_cu``); otherwise the smallest partition
-that fills it, rounded up to whole pages and at least ``min_partition_rows`` rows,
-with at most ``max_partitions`` partitions per sequence.
+(``work-groups >= compute_units * wgs_per_cu``) or when the batch has too little work
+to pay for the merge pass (``work-groups * longest chunk < split_min_rows``);
+otherwise the smallest partition that fills it, rounded up to whole pages and at least
+``min_partition_rows`` rows, with at most ``max_partitions`` partitions per sequence.
+CPU profiles ask for very many work-groups per unit, so long sequences are always cut
+into ``min_partition_rows`` pieces: finer pieces balance the cores (measured).
 """
 from __future__ import annotations
 
@@ -54,6 +57,9 @@ def make_plan(chunk: np.ndarray, work_groups: int, compute_units: int, profile: 
     if split is False or split is None and longest == 0:
         return _no_split(chunk, "splitting disabled" if split is False else "empty batch")
     if split is None or split is True:
+        if split is None and work_groups * longest < profile.split_min_rows:
+            return _no_split(chunk, f"{work_groups} work-groups x {longest} rows < "
+                                    f"{profile.split_min_rows}: a merge pass would cost more")
         target = max(1, compute_units) * profile.wgs_per_cu
         if work_groups >= target:
             return _no_split(chunk, f"{work_groups} work-groups fill {compute_units} compute units "

@@ -32,9 +32,11 @@ class Profile:
         to ``"local"`` on a device without sub-groups).
     native_fp16
         Load f16 with native ``half`` types where cl_khr_fp16 exists (else vload_half).
-    wgs_per_cu, min_partition_rows, max_partitions
+    wgs_per_cu, min_partition_rows, max_partitions, split_min_rows
         Split-KV planning: work-groups in flight per compute unit that "fill" the
-        device, the shortest partition worth its own work-group, and a cap.
+        device, the shortest partition worth its own work-group, a cap on partitions
+        per sequence, and the least work (work-groups x longest chunk, in rows) that
+        pays for the extra merge pass.
     merge_threads
         Work-group size of the merge kernels.
     """
@@ -52,6 +54,7 @@ class Profile:
     wgs_per_cu: int = 4
     min_partition_rows: int = 256
     max_partitions: int = 64
+    split_min_rows: int = 0
     merge_threads: int = 64
 
     def __post_init__(self) -> None:
@@ -63,10 +66,11 @@ class Profile:
         if self.vec not in (1, 2, 4, 8, 16):
             problems.append(f"vec={self.vec!r} (allowed: 1, 2, 4, 8, 16)")
         for k in ("thread_limit", "tile_rows", "wgs_per_cu", "min_partition_rows",
-                  "max_partitions", "merge_threads"):
+                  "max_partitions", "merge_threads", "split_min_rows"):
             v = getattr(self, k)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                problems.append(f"{k}={v!r} (a positive integer)")
+            low = 0 if k == "split_min_rows" else 1
+            if not isinstance(v, int) or isinstance(v, bool) or v < low:
+                problems.append(f"{k}={v!r} (an integer >= {low})")
         if self.subgroup_size is not None and (not isinstance(self.subgroup_size, int)
                                                or self.subgroup_size < 1):
             problems.append(f"subgroup_size={self.subgroup_size!r} (a positive integer or null)")
