@@ -75,7 +75,9 @@ def cmd_render(args: argparse.Namespace) -> int:
                          rope_scaling=scaling, rotary_dim=args.rotary_dim, softcap=args.softcap)
     dev = runtime.select_device(args.device) if args.device != "none" else None
     info = device_info(dev) if dev is not None else {}
-    prof, rule = resolve_profile(info, args.profile)
+    profile = json.loads(args.profile) if args.profile and args.profile.lstrip().startswith("{") \
+        else args.profile
+    prof, rule = resolve_profile(info, profile)
     prof, notes = fit(prof, info) if info else (prof, [])
     limits = Limits.from_info(info) if info else Limits()
     head = [f"clattn {args.kernel} kernel for {spec}",
@@ -114,7 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--rotary-dim", type=int)
     r.add_argument("--softcap", type=float)
     r.add_argument("--device", default=None, help="device name, 'P:D', or 'none'")
-    r.add_argument("--profile", default=None, help="profile name (default: the registry's choice)")
+    r.add_argument("--profile", default=None,
+                   help="profile name, or a JSON object of fields layered over the device's "
+                        "profile (default: the registry's choice)")
     r.set_defaults(func=cmd_render)
     try:
         from . import profiler

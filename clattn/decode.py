@@ -13,7 +13,7 @@ from .plan import Plan, make_plan
 from .rope import kernel_turns, parse_rope_scaling, rope_tables
 from .setup import DeviceSetup, device_setup, warn_cpu_fallback
 from .spec import LSE_DTYPE, AttentionSpec, default_sm_scale
-from .validate import check_decode, is_host
+from .validate import check_decode, chunk_lengths, is_host
 
 BACKENDS = ("auto", "opencl", "cpu")
 
@@ -121,21 +121,9 @@ class BatchDecode:
         ``split``: None (decide from the device), False (never), or rows per partition.
         """
         spec = self.spec
-        indptr = np.asarray(page_indptr)
-        if length_info is not None:
-            li = np.asarray(length_info)
-            if spec.sliding_window:
-                last_page_len, window_offset, sink_size = li[0], li[1], li[2]
-            else:
-                last_page_len = li
-        npages = np.diff(indptr.astype(np.int64))
-        last = np.asarray(last_page_len, dtype=np.int64)
-        stored = np.where(npages > 0, (npages - 1) * spec.page_size + last, 0)
-        chunk = stored
-        if spec.sliding_window:
-            chunk = np.where(npages > 0, stored - np.asarray(window_offset, np.int64)
-                             + np.asarray(sink_size, np.int64), 0)
-        B = len(indptr) - 1
+        chunk = chunk_lengths(spec, page_indptr, last_page_len, length_info=length_info,
+                              window_offset=window_offset, sink_size=sink_size)
+        B = len(chunk)
         if not self.setup:
             return make_plan(chunk, 1, 1, _cpu_profile(), spec.page_size, split=False)
         wg = B * spec.num_kv_heads * self.geometry.gdz

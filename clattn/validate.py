@@ -144,8 +144,8 @@ def _first_bad(mask: np.ndarray) -> int:
     return int(np.flatnonzero(mask)[0])
 
 
-def _check_table_values(spec: AttentionSpec, B: int, P: int, nnz: int, indptr: np.ndarray,
-                        indices: np.ndarray, last: np.ndarray, wo: Any, sink: Any):
+def _check_indptr(indptr: np.ndarray, nnz: int | None) -> np.ndarray:
+    """page_indptr rules; returns the pages each sequence owns."""
     if indptr[0] != 0:
         raise ValueError(f"page_indptr[0]={int(indptr[0])}: must be 0")
     d = np.diff(indptr.astype(np.int64))
@@ -153,16 +153,14 @@ def _check_table_values(spec: AttentionSpec, B: int, P: int, nnz: int, indptr: n
         i = _first_bad(d < 0)
         raise ValueError(f"page_indptr: decreases at sequence {i} ({int(indptr[i])} -> "
                          f"{int(indptr[i + 1])}); it must be non-decreasing")
-    if int(indptr[-1]) > nnz:
+    if nnz is not None and int(indptr[-1]) > nnz:
         raise ValueError(f"page_indptr[-1]={int(indptr[-1])} exceeds len(page_indices)={nnz}")
-    used = indices[: int(indptr[-1])]
-    bad = (used < 0) | (used >= P)
-    if bad.any():
-        i = _first_bad(bad)
-        seq = int(np.searchsorted(indptr, i, side="right") - 1)
-        raise ValueError(f"page_indices[{i}]={int(used[i])} (sequence {seq}) is not a page of the "
-                         f"pool: allowed 0..{P - 1}")
-    npages = d
+    return d
+
+
+def _lengths(spec: AttentionSpec, npages: np.ndarray, last: np.ndarray, wo: Any,
+             sink: Any) -> tuple[np.ndarray, np.ndarray]:
+    """(stored, attended) rows per sequence (SPEC.md), after checking the length rules."""
     owns = npages > 0
     bad = owns & ((last < 1) | (last > spec.page_size))
     if bad.any():
@@ -172,7 +170,7 @@ def _check_table_values(spec: AttentionSpec, B: int, P: int, nnz: int, indptr: n
     stored = np.where(owns, (npages - 1) * spec.page_size + last.astype(np.int64), 0)
     chunk = stored.copy()
     if spec.sliding_window:
-        wo64, sink64 = wo.astype(np.int64), sink.astype(np.int64)
+        wo64, sink64 = np.asarray(wo).astype(np.int64), np.asarray(sink).astype(np.int64)
         checks = (
             (owns & (sink64 < 0), "sink_size", sink64, "must be >= 0"),
             (owns & (wo64 > stored), "window_offset", wo64, "must be <= the stored length {s}"),
@@ -186,6 +184,44 @@ def _check_table_values(spec: AttentionSpec, B: int, P: int, nnz: int, indptr: n
                                  rule.format(s=int(stored[i]), w=int(wo64[i])))
         chunk = np.where(owns, stored - wo64 + sink64, 0)
     return stored, chunk
+
+
+def _check_table_values(spec: AttentionSpec, B: int, P: int, nnz: int, indptr: np.ndarray,
+                        indices: np.ndarray, last: np.ndarray, wo: Any, sink: Any):
+    npages = _check_indptr(indptr, nnz)
+    used = indices[: int(indptr[-1])]
+    bad = (used < 0) | (used >= P)
+    if bad.any():
+        i = _first_bad(bad)
+        seq = int(np.searchsorted(indptr, i, side="right") - 1)
+        raise ValueError(f"page_indices[{i}]={int(used[i])} (sequence {seq}) is not a page of the "
+                         f"pool: allowed 0..{P - 1}")
+    return _lengths(spec, npages, last, wo, sink)
+
+
+def chunk_lengths(spec: AttentionSpec, page_indptr: Any, last_page_len: Any = None, *,
+                  length_info: Any = None, window_offset: Any = None,
+                  sink_size: Any = None) -> np.ndarray:
+    """Attended rows per sequence from host tables (what planning needs), checked."""
+    check_array("page_indptr", page_indptr, ndim=1, dtypes=(INDEX_DTYPE,))
+    B = _shape(page_indptr)[0] - 1
+    if B < 0:
+        raise ValueError("page_indptr: needs B + 1 entries (at least one)")
+    if length_info is not None:
+        check_array("length_info", length_info, shape=(3, B) if spec.sliding_window else (B,),
+                    dtypes=(INDEX_DTYPE,))
+        if spec.sliding_window:
+            last_page_len, window_offset, sink_size = length_info
+        else:
+            last_page_len = length_info
+    for nm, arr in (("last_page_len", last_page_len),) + (
+            (("window_offset", window_offset), ("sink_size", sink_size))
+            if spec.sliding_window else ()):
+        if arr is None:
+            raise ValueError(f"{nm}: required")
+        check_array(nm, arr, ndim=1, shape=(B,), dtypes=(INDEX_DTYPE,))
+    npages = _check_indptr(np.asarray(page_indptr), None)
+    return _lengths(spec, npages, np.asarray(last_page_len), window_offset, sink_size)[1]
 
 
 def check_merge_pair(v: Any, s: Any, v_other: Any, s_other: Any) -> None:

@@ -12,7 +12,7 @@ import sys
 import numpy as np
 import pytest
 
-from clattn import cli, profiler, reference, runtime
+from clattn import checks, cli, profiler, reference, runtime, tuning
 from clattn.decode import BatchDecode
 from clattn.profiles import device_info, match
 from clattn.profiles.record import Profile
@@ -194,7 +194,7 @@ def test_ctrl_c_during_tuning_saves_nothing(tmp_path, monkeypatch, capsys):
         calls.append(1)
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(profiler.Tuner, "_time", interrupt)
+    monkeypatch.setattr(tuning.Tuner, "_time", interrupt)
     out = tmp_path / "r.json"
     rc = cli.main(["profile", "--device", "pocl", "--quick", "--save", "--out", str(out)])
     assert rc == 130 and calls
@@ -204,12 +204,12 @@ def test_ctrl_c_during_tuning_saves_nothing(tmp_path, monkeypatch, capsys):
 
 
 def _tiny_tuner(quiet=True):
-    settings = profiler.Settings(quick=True, budget_s=60, points=((1, 64),), max_kernels=4,
-                                 max_plans=1, passes=1, target_s=0.005, reps=1)
+    settings = tuning.Settings(quick=True, budget_s=60, points=((1, 64),), max_kernels=4,
+                               max_plans=1, passes=1, target_s=0.005, reps=1)
     rt = runtime.Runtime.for_device(POCL)
     info = device_info(POCL)
     base = match(info, user=False).profile
-    return profiler.Tuner(rt, info, base, settings, profiler.Progress(60, enabled=not quiet))
+    return tuning.Tuner(rt, info, base, settings, tuning.Progress(60, enabled=not quiet))
 
 
 @needs_pocl
@@ -269,7 +269,7 @@ def _fake_report():
              "default_ms": 2.0, "tuned_ms": 1.0, "speedup": 2.0, "default_gbps": 1.0,
              "tuned_gbps": 2.0, "fraction_of_read_bw": 0.2, "tuned_plan": "no split"}
             for b in (1, 8) for c in (1024, 8192)]
-    params = {k: prof[k] for k in profiler.TUNED_FIELDS}
+    params = {k: prof[k] for k in tuning.TUNED_FIELDS}
     return {
         "mode": "quick", "date": "today", "device": {"device_name": "Fake", "platform_name": "P"},
         "device_report": "  device  Fake",
@@ -319,23 +319,23 @@ def test_plot_png(tmp_path):
 def test_compare_rules():
     ref_o = np.ones((2, 2, 4), np.float32)
     ref_s = np.array([[0.5, -np.inf], [1.0, 2.0]], np.float32)
-    assert profiler.compare(ref_o, ref_s, ref_o, ref_s, "float16")[:2] == (True, 0.0)
-    ok, err, why = profiler.compare(ref_o + 0.01, ref_s, ref_o, ref_s, "float16")
+    assert checks.compare(ref_o, ref_s, ref_o, ref_s, "float16")[:2] == (True, 0.0)
+    ok, err, why = checks.compare(ref_o + 0.01, ref_s, ref_o, ref_s, "float16")
     assert not ok and math.isclose(err, 0.01, rel_tol=1e-3) and "outside" in why
     bad_s = ref_s.copy()
     bad_s[0, 1] = 3.0
-    assert "-inf" in profiler.compare(ref_o, bad_s, ref_o, ref_s, "float16")[2]
+    assert "-inf" in checks.compare(ref_o, bad_s, ref_o, ref_s, "float16")[2]
     nan_o = ref_o.copy()
     nan_o[0, 0, 0] = np.nan
-    assert "NaN" in profiler.compare(nan_o, ref_s, ref_o, ref_s, "float16")[2]
+    assert "NaN" in checks.compare(nan_o, ref_s, ref_o, ref_s, "float16")[2]
 
 
 def test_quick_settings_are_bounded():
-    s = profiler.Settings.make(True, None)
+    s = tuning.Settings.make(True, None)
     assert s.max_kernels <= 8 and s.budget_s < 60 and s.passes == 1
-    full = profiler.Settings.make(False, 120)
+    full = tuning.Settings.make(False, 120)
     assert full.budget_s == 120 and full.max_kernels > s.max_kernels
-    shapes = profiler.shapes_for(profiler.FULL_POINTS)
+    shapes = tuning.shapes_for(tuning.FULL_POINTS)
     assert len(shapes) == 8
     assert shapes == sorted(shapes, key=lambda x: (x.bytes_moved, x.key))
     llama = [x for x in shapes if x.model == "llama-3-8b" and x.batch == 1 and x.context == 1024][0]
@@ -361,7 +361,7 @@ def test_confirmation_keeps_the_default_when_the_winner_does_not_hold_up(monkeyp
     base_vec = tuner.base.vec
     # deterministic clock (a loaded machine must not prune the candidate): the default
     # really is twice as fast as the other candidate
-    monkeypatch.setattr(profiler.Tuner, "_time", lambda self, dec, *a, **kw:
+    monkeypatch.setattr(tuning.Tuner, "_time", lambda self, dec, *a, **kw:
                         1e-3 if dec.profile.vec == base_vec else 2e-3)
     try:
         default = tuner.evaluate(tuner.base, "default", force=True)

@@ -664,9 +664,24 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def source_version() -> str:
+    """The git commit of the checkout (``+dirty`` with uncommitted changes to clattn/ or kernels/)."""
+    import subprocess
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, text=True,
+                              capture_output=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "clattn", "kernels"],
+                               cwd=root, text=True, capture_output=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return (head or "unknown") + ("+dirty" if dirty else "")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     deadline = Deadline(args.budget_s)
+    version = source_version()
     t0 = time.perf_counter()
     res = {"fallback": suite_fallback, "decode": suite_decode, "split": suite_split}[args.suite](
         args, deadline)
@@ -675,7 +690,10 @@ def main(argv: list[str] | None = None) -> int:
         when = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
         cmd = "python tools/bench.py " + " ".join(sys.argv[1:] if argv is None else argv)
         print(f"## `{cmd}`\n")
-        print(f"- {when}, host {platform.node()} ({os.cpu_count()} CPUs), {elapsed:.0f} s")
+        end_version = source_version()
+        ver = version if end_version == version else f"{version} -> {end_version} (changed mid-run)"
+        print(f"- {when}, host {platform.node()} ({os.cpu_count()} CPUs), {elapsed:.0f} s, "
+              f"clattn {ver}")
         for line in res.get("header") or []:
             print(line)
         for title, rows, cols in res["sections"]:
@@ -686,6 +704,7 @@ def main(argv: list[str] | None = None) -> int:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         out = {"suite": args.suite, "args": vars(args), "elapsed_s": elapsed,
                "host": platform.node(), "time": datetime.datetime.now().isoformat(),
+               "clattn_version": version, "clattn_version_at_end": source_version(),
                "ceilings": res.get("ceilings"),
                "sections": {title: rows for title, rows, _ in res["sections"]}}
         with open(args.json, "w") as f:
