@@ -99,12 +99,38 @@ class BatchDecode:
         with self._lock:
             if self._kernel is None:
                 rt = self.setup.runtime
-                prg = rt.program(self.source())
-                self._kernel = runtime.cl().Kernel(prg, "clattn_decode")
+                self._kernel = self._fitted_decode_kernel(rt)
                 mprg = rt.program(render_merge(self.spec.head_dim, self.spec.dtype, "float32",
                                                self.merge_geometry))
                 self._merge = runtime.cl().Kernel(mprg, "clattn_merge_varlen")
             return self._kernel, self._merge
+
+    def _fitted_decode_kernel(self, rt: Any) -> Any:
+        """Build the decode kernel; if the compiled kernel allows fewer work-items than
+        the geometry asks (CL_KERNEL_WORK_GROUP_SIZE: registers, private memory), shrink
+        the thread limit and rebuild, with one warning, instead of failing at launch."""
+        cl = runtime.cl()
+        while True:
+            kernel = cl.Kernel(rt.program(self.source()), "clattn_decode")
+            want = int(np.prod(self.geometry.local_size()))
+            try:
+                allowed = int(kernel.get_work_group_info(
+                    cl.kernel_work_group_info.WORK_GROUP_SIZE, rt.device))
+            except Exception:  # noqa: BLE001 - a driver without the query: trust the build
+                return kernel
+            if allowed >= want or self.geometry.strategy != "tiled":
+                return kernel
+            limit = 1 << (max(allowed, self.geometry.bdx).bit_length() - 1)
+            prof = self.setup.profile
+            prof = prof.with_(thread_limit=min(limit, prof.thread_limit // 2))
+            geometry = decode_geometry(self.spec, prof, self.setup.limits)
+            if int(np.prod(geometry.local_size())) >= want:
+                raise RuntimeError(f"decode kernel needs {want} work-items per group; "
+                                   f"{rt.device.name!r} allows {allowed} for it")
+            warnings.warn(f"clattn: the decode kernel allows {allowed} work-items per group on "
+                          f"{rt.device.name!r}, the profile asked for {want}: thread_limit "
+                          f"reduced to {prof.thread_limit}", RuntimeWarning, stacklevel=4)
+            self.setup.profile, self.geometry = prof, geometry
 
     def build(self) -> "BatchDecode":
         """Compile now (otherwise the first run compiles)."""
