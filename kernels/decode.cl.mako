@@ -342,16 +342,24 @@ ${rotate_row("f")}
 %   endfor
         }
 % endfor
-        /* V: one head_dim chunk at a time over the block's rows, so the G accumulators of
-           the chunk stay in registers */
+        /* V: CB head_dim chunks at a time over the block's rows, so their CB x G
+           accumulators stay in registers and each weight is loaded once per CB chunks */
+<% CB = 2 if (NV % 2 == 0 and 2 * G + 3 <= 16) else 1 %>\
         const __global st_t* vrow[${TILE}];
         for (int j = 0; j < n; ++j)
             vrow[j] = pages + clattn_row_at(page_indices, p0, r0 + j, sink, wo, kvh, num_pages, 1);
-% for i in range(NV):
+% for i0 in range(0, NV, CB):
         for (int j = 0; j < n; ++j) {
-            const ${FV} v = ${ld("vrow[j] + %d" % (i * V))};
+%   for i in range(i0, i0 + CB):
+            const ${FV} v${i - i0} = ${ld("vrow[j] + %d" % (i * V))};
+%   endfor
 %   for g in range(G):
-            a${g}_${i} += s${g}[j] * v;
+            {
+                const float p = s${g}[j];
+%     for i in range(i0, i0 + CB):
+                a${g}_${i} += p * v${i - i0};
+%     endfor
+            }
 %   endfor
         }
 % endfor
