@@ -182,9 +182,13 @@ def merge_geometry(head_dim: int, dtype: str, profile: Profile, limits: Limits) 
     if profile.strategy == "rows":
         return MergeGeometry("rows", vec, threads=limit, native_fp16=native,
                              denorms=limits.denorms)
-    while head_dim // vec > min(limit, limits.max_work_item_sizes[0]) and head_dim % (vec * 2) == 0:
+    while head_dim // vec > min(limit, limits.max_work_item_sizes[0]) and vec < 16 and \
+            head_dim % (vec * 2) == 0:
         vec *= 2
     nv = head_dim // vec
+    if nv > min(limits.max_work_group_size, limits.max_work_item_sizes[0]):
+        raise ValueError(f"head_dim={head_dim} needs {nv} work-items at vec={vec} for the merge, "
+                         f"more than the device's work-group limit")
     mh = max(1, min(limit // nv, limits.max_work_item_sizes[1]))
     return MergeGeometry("tiled", vec, mh=mh, native_fp16=native)
 

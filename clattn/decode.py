@@ -33,6 +33,10 @@ def _buf(a: Any, dummy: Any = None) -> tuple[Any, int]:
     item = np.dtype(a.dtype).itemsize
     if a.offset % item:
         raise ValueError("array view offset is not a whole number of elements")
+    if a.offset // item >= 2**31:
+        raise ValueError(f"array view starts {a.offset // item} elements into its buffer; "
+                         f"views beyond 2**31 elements are not supported: pass the buffer "
+                         f"nearer its start")
     return a.base_data, a.offset // item
 
 
@@ -276,12 +280,12 @@ class BatchDecode:
                 if plan.split:
                     mg, ml = self.merge_geometry.sizes(B * H, D)
                     evt = merge(queue, mg, ml, ws_o, i32(0), ws_s, i32(0), pindptr.data, i32(0),
-                                i32(0), i32(1), i32(plan.n_ws), ob[0], i32(ob[1]), sb[0],
+                                i32(-1), i32(1), i32(plan.n_ws), ob[0], i32(ob[1]), sb[0],
                                 i32(sb[1]), i32(B), i32(H), wait_for=[evt])
                     self._ws_event = evt
             dout.add_event(evt)
             dlse.add_event(evt)
-        if host_mode or (out is not None and is_host(out)):
+        if host_mode or (out is not None and is_host(out)) or (lse is not None and is_host(lse)):
             o = dout.get(queue=queue) if B > 0 else np.zeros((B, H, D), spec.np_dtype)
             s = dlse.get(queue=queue) if B > 0 else np.zeros((B, H), LSE_DTYPE)
             if out is not None and is_host(out):
@@ -310,6 +314,8 @@ class BatchDecode:
             return rt.dummy_int(), 2**31 - 1, 1.0
         key = (float(theta), float(scale))
         if key not in self._turns:
+            while len(self._turns) >= 16:  # a caller varying rope_scale per call: stay bounded
+                self._turns.pop(next(iter(self._turns)))
             cl = runtime.cl()
             spec = self.spec
             scaling = parse_rope_scaling(spec.rope_scaling, spec.max_position_embeddings)

@@ -52,7 +52,7 @@ def _setup_for(arrays: list, device: Any, profile: Any):
         if any(is_host(a) for a in arrays if a is not None):
             raise TypeError("merge: mix of numpy and pyopencl arrays; pass all of one kind")
         rt = runtime.Runtime.for_device(dev_arrays[0].context)
-        return _cached_setup(rt, profile), dev_arrays[0].queue
+        return _cached_setup(rt, profile), dev_arrays[0].queue or rt.queue
     if device is None or device == "cpu":
         return None, None
     dev = runtime.select_device(device)
@@ -73,7 +73,10 @@ def _kernel(setup, head_dim: int, dtype: str, vin: str, name: str):
         return _kernels[key]
 
 
-def _buf(a: Any) -> tuple[Any, np.int32]:
+def _buf(a: Any, dummy: Any = None) -> tuple[Any, np.int32]:
+    """(buffer, element offset); a zero-size array (no buffer) gets ``dummy``."""
+    if a.base_data is None:
+        return dummy, np.int32(0)
     return a.base_data, np.int32(a.offset // np.dtype(a.dtype).itemsize)
 
 
@@ -140,7 +143,8 @@ def merge_states(v: Any, s: Any, *, out: Any = None, lse: Any = None, device: An
                                     for e in (getattr(a, "events", []) or [])]
     evt = None
     if N * H:
-        evt = knl(queue, gsz, lsz, *_buf(dv), *_buf(ds), setup.runtime.dummy_int(), np.int32(0),
+        dummy = setup.runtime.dummy_int()
+        evt = knl(queue, gsz, lsz, *_buf(dv, dummy), *_buf(ds, dummy), dummy, np.int32(0),
                   np.int32(K), np.int32(0), np.int32(N * K), *_buf(dout), *_buf(dlse),
                   np.int32(N), np.int32(H), wait_for=waits or None)
     if evt is not None:

@@ -41,8 +41,9 @@ class Plan:
 
 
 def _no_split(chunk: np.ndarray, reason: str) -> Plan:
-    B = len(chunk)
-    return Plan(0, 1, np.arange(B + 1, dtype=np.int32), 0, chunk, reason)
+    indptr = np.arange(len(chunk) + 1, dtype=np.int32)
+    indptr.setflags(write=False)
+    return Plan(0, 1, indptr, 0, chunk, reason)
 
 
 def make_plan(chunk: np.ndarray, work_groups: int, compute_units: int, profile: Profile,
@@ -79,4 +80,5 @@ def make_plan(chunk: np.ndarray, work_groups: int, compute_units: int, profile: 
     if int(parts.max()) <= 1:
         return _no_split(chunk, f"every sequence fits one partition of {rows} rows")
     indptr = np.concatenate([[0], np.cumsum(parts)]).astype(np.int32)
+    indptr.setflags(write=False)  # a plan is cached on the device: it must not change
     return Plan(int(rows), int(parts.max()), indptr, int(indptr[-1]), chunk, reason)

@@ -130,7 +130,11 @@ def merge_states(v: np.ndarray, s: np.ndarray, out: np.ndarray | None = None,
                  lse: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Merge K states at once: ``v [N, K, H, D]``, ``s [N, K, H]`` -> ``[N, H, D]``, ``[N, H]``."""
     check_merge_k(v, s, out, lse)
-    vo, so = _merge_arrays(v, s, 1)
+    if v.shape[1] == 0:  # no states: the empty state
+        vo = np.zeros((v.shape[0],) + v.shape[2:], np.float32)
+        so = np.full((s.shape[0], s.shape[2]), -np.inf, np.float32)
+    else:
+        vo, so = _merge_arrays(v, s, 1)
     if out is None:
         out = np.empty(vo.shape, dtype=v.dtype)
     if lse is None:

@@ -113,7 +113,7 @@ if (rotary_mode) {
     const int chunk = stored - wo + sink; \
     const int nparts_b = split ? max(part_indptr[b + 1] - part_indptr[b], 1) : 1; \
     const int r_lo = nparts_b > 1 ? min(part * part_rows, chunk) : 0; \
-    const int r_hi = nparts_b > 1 ? min(r_lo + part_rows, chunk) : chunk; \
+    const int r_hi = (nparts_b > 1 && part < nparts_b - 1) ? min(r_lo + part_rows, chunk) : chunk; \
     const int ws_at = nparts_b > 1 ? part_indptr[b] + part : -1; \
     const int direct = nparts_b <= 1; \
     const int valid_part = part < nparts_b && (direct || (ws_at >= 0 && ws_at < n_ws)); \
@@ -174,7 +174,8 @@ def hred(v, op, n):
     """Reduce a float<n> expression to a float with a tree of .lo/.hi halves."""
     while n > 1:
         a, b = "(%s).lo" % v, "(%s).hi" % v
-        v = ("(%s + %s)" % (a, b)) if op == "+" else ("max(%s, %s)" % (a, b))
+        # max() is undefined for infinities in OpenCL C: compare and select instead
+        v = ("(%s + %s)" % (a, b)) if op == "+" else ("(%s > %s ? %s : %s)" % (a, b, a, b))
         n //= 2
     return v
 %>\

@@ -7,7 +7,8 @@ work-group, tiled).
 
 clattn_merge_pair   in place: v, s <- merge(v, s, v_other, s_other); v, s : [N, H(, D)]
 clattn_merge_varlen out[n], lse[n] <- merge of states [lo, hi) where lo/hi come from
-                    indptr (or n*K .. n*K+K when fixed_k > 0); with skip_single, groups of
+                    indptr (or n*K .. n*K+K when fixed_k >= 0, K = 0 giving empty states); with
+                    skip_single, groups of
                     fewer than two states are left alone (split-KV: written directly).
 
 rows : one work-item per (n, h) walks all of D.
@@ -98,8 +99,8 @@ __kernel void clattn_merge_varlen(const __global in_t* vin, const int vin_off,
     vin += vin_off; sv += sv_off; out += out_off; lse += lse_off; indptr += indptr_off;
     for (int nh = get_global_id(0); nh < N * H; nh += get_global_size(0)) {
         const int n = nh / H, h = nh % H;
-        int lo = fixed_k > 0 ? n * fixed_k : indptr[n];
-        int hi = fixed_k > 0 ? lo + fixed_k : indptr[n + 1];
+        int lo = fixed_k >= 0 ? n * fixed_k : indptr[n];
+        int hi = fixed_k >= 0 ? lo + fixed_k : indptr[n + 1];
         lo = lo < 0 ? 0 : (lo > n_states ? n_states : lo);
         hi = hi < lo ? lo : (hi > n_states ? n_states : hi);
         if (skip_single && hi - lo < 2) continue;
@@ -162,7 +163,7 @@ void clattn_merge_varlen(const __global in_t* vin, const int vin_off,
     const int n = nh / H, h = nh % H;
     vin += vin_off; sv += sv_off; out += out_off; lse += lse_off;
     int lo, hi;
-    if (fixed_k > 0) { lo = n * fixed_k; hi = lo + fixed_k; }
+    if (fixed_k >= 0) { lo = n * fixed_k; hi = lo + fixed_k; }
     else { indptr += indptr_off; lo = indptr[n]; hi = indptr[n + 1]; }
     lo = clamp(lo, 0, n_states); hi = clamp(hi, lo, n_states);
     if (skip_single && hi - lo < 2) return;

@@ -65,3 +65,49 @@ def test_f16_merge_roundtrip_and_rounding(device, profile):
                         profile=profile)
     np.testing.assert_array_equal(va.view(np.uint16), ref.view(np.uint16))
     np.testing.assert_allclose(sa, 1.0)
+
+
+def test_merge_of_zero_states_is_the_empty_state(device):
+    import clattn
+
+    v = np.zeros((5, 0, 3, 16), np.float32)
+    s = np.zeros((5, 0, 3), np.float32)
+    for dev in (device, None):  # the kernel and the CPU fallback
+        out, lse = clattn.merge_states(v, s, device=dev)
+        assert out.shape == (5, 3, 16) and (out == 0).all() and np.isneginf(lse).all()
+
+
+def test_stale_plan_with_device_tables_still_attends_every_row(device, cl_queue):
+    """A plan made for shorter sequences, reused with longer device-side tables: the last
+    partition runs to the end of the chunk, so no row is dropped."""
+    import pyopencl.array as cla
+
+    from cases import compare, decode_args, make_case
+    from conftest import get_decoder
+    from naive import naive_decode
+
+    spec = AttentionSpec(4, 2, 16, page_size=4, dtype="float32")
+    dec = get_decoder(spec, device)
+    old = make_case(spec, [9, 8], seed=1)
+    plan = dec.plan(old["page_indptr"], old["last_page_len"], split=4)
+    assert plan.split
+    case = make_case(spec, [9, 30], seed=2)
+    args, kw = decode_args(case)
+    queue = cl_queue(device)
+    dargs = [cla.to_device(queue, a) for a in args]
+    res = dec.run(*dargs, **kw, plan=plan)
+    compare(res.out.get(), res.lse.get(), *naive_decode(*args, **kw), "float32")
+
+
+def test_host_lse_with_device_q_is_written(device, cl_queue):
+    import pyopencl.array as cla
+
+    from cases import decode_args, make_case
+    from conftest import get_decoder
+
+    spec = AttentionSpec(4, 2, 16, page_size=4, dtype="float32")
+    dec = get_decoder(spec, device)
+    args, kw = decode_args(make_case(spec, [5, 0], seed=3))
+    lse = np.full((2, 4), 123.0, np.float32)
+    res = dec.run(*[cla.to_device(cl_queue(device), a) for a in args], **kw, lse=lse)
+    assert res.lse is lse and np.isneginf(lse[1]).all() and np.isfinite(lse[0]).all()
