@@ -238,7 +238,6 @@ def fill_random(rt_or_device: Any, buf: Any, *, dtype: Any = np.float32, seed: i
     from the array when one is given). Returns the event.
     """
     rt = as_runtime(rt_or_device)
-    cl = runtime.cl()
     if hasattr(buf, "base_data"):  # a pyopencl array
         dtype = buf.dtype
         if buf.offset or not buf.flags.forc:

@@ -28,18 +28,16 @@ import dataclasses
 import datetime as _dt
 import json
 import math
-import os
 import re
 import sys
-import tempfile
 import time
-from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
 
 from . import runtime
 from .checks import correctness
+from .fileio import write_atomic
 from .profiles.record import Profile
 from .tuning import Candidate, Progress, Settings, Tuner, _first_line, _params_text
 
@@ -70,19 +68,6 @@ def _jsonable(obj: Any) -> Any:
     return str(obj)
 
 
-def _write_atomic(path: str | os.PathLike[str], text: str) -> Path:
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, target)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    return target
 
 
 # -- the whole profile ---------------------------------------------------------------------
@@ -463,7 +448,7 @@ def run(args: argparse.Namespace) -> int:
         else:
             rep["plot"] = args.plot
     if args.out:
-        _write_atomic(args.out, json.dumps(_jsonable(rep), indent=2) + "\n")
+        write_atomic(args.out, json.dumps(_jsonable(rep), indent=2) + "\n")
     if args.json:
         print(json.dumps(_jsonable(rep), indent=2))
     else:

@@ -6,8 +6,6 @@ blocks, merging block states exactly as the kernels merge partitions.
 """
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 
 from . import rope as _rope

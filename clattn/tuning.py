@@ -227,7 +227,6 @@ class _Workload:
     def __init__(self, rt: Any, shape: Shape, seed: int) -> None:
         from . import bandwidth
         cl = runtime.cl()
-        import pyopencl.array  # noqa: F401
         q = rt.queue
         rng = np.random.default_rng(seed)
         ps = shape.page_size

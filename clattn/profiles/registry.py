@@ -23,12 +23,12 @@ from __future__ import annotations
 import json
 import os
 import re
-import tempfile
 from dataclasses import dataclass, field, fields, replace
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
+from ..fileio import write_atomic
 from .device_info import architecture, device_type, fp16_support, subgroup_support
 from .record import Profile
 
@@ -434,20 +434,7 @@ def save_user_profile(entry: Mapping[str, Any], path: str | os.PathLike[str] | N
         target = user_profile_dir() / f"{e.name}.json"
     others = [u for u in _user_entries() if u.name != e.name]
     _Resolver(others + [e]).profile(e.name)   # base, values and types check out
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(dict(entry), f, indent=2)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    return target
+    return write_atomic(target, json.dumps(dict(entry), indent=2) + "\n")
 
 
 def _levels_text(e: _Entry) -> str:
