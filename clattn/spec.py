@@ -27,15 +27,6 @@ def default_sm_scale(head_dim: int) -> float:
     return 1.0 / math.sqrt(head_dim)
 
 
-def _freeze(obj: Any) -> Any:
-    """A hashable copy of a JSON-like value (dicts become sorted item tuples)."""
-    if isinstance(obj, Mapping):
-        return tuple(sorted((str(k), _freeze(v)) for k, v in obj.items()))
-    if isinstance(obj, (list, tuple)):
-        return tuple(_freeze(v) for v in obj)
-    return obj
-
-
 @dataclass(frozen=True)
 class AttentionSpec:
     """What one decode kernel is built for (everything fixed at build time).
@@ -83,10 +74,11 @@ class AttentionSpec:
             object.__setattr__(self, "softcap", float(self.softcap))
         scaling = dict(self.rope_scaling) if self.rope_scaling else None
         object.__setattr__(self, "rope_scaling", scaling)
-        # validates the scaling dict now (raises on unknown or dynamic types)
+        # validates the scaling dict now (raises on unknown or dynamic types); the parsed,
+        # hashable form is what equality and hashing compare
         from .rope import parse_rope_scaling
-        parse_rope_scaling(scaling, self.max_position_embeddings)
-        object.__setattr__(self, "_rope_key", _freeze(scaling))
+        object.__setattr__(self, "_rope_key",
+                           parse_rope_scaling(scaling, self.max_position_embeddings))
 
     def __hash__(self) -> int:  # rope_scaling is a dict: hash its frozen form instead
         return hash((self.num_qo_heads, self.num_kv_heads, self.head_dim, self.page_size,

@@ -176,3 +176,22 @@ def rope_angle_tol(dtype, max_pos, tol=None):
 
 
 __all__ = ["make_case", "compare", "decode_args", "naive_kwargs", "rope_angle_tol", "TOLERANCE"]
+
+
+def merge_cases(rng, N, H, D, dtype, K=3):
+    """Random states for merge tests, with empty (-inf) sides in every pattern.
+
+    Returns ``(v, s, v_other, s_other)`` for a pairwise merge (one side empty, both sides
+    empty) and ``(vk, sk)`` for a K-way merge (all empty, some empty).
+    """
+    v = rng.standard_normal((N, H, D)).astype(dtype)
+    s = (rng.standard_normal((N, H)) * 4).astype(np.float32)
+    vo = rng.standard_normal((N, H, D)).astype(dtype)
+    so = (rng.standard_normal((N, H)) * 4).astype(np.float32)
+    s[0, 0] = so[1, 1] = -np.inf
+    s[2, :] = so[2, :] = -np.inf
+    vk = rng.standard_normal((N, K, H, D)).astype(dtype)
+    sk = (rng.standard_normal((N, K, H)) * 4).astype(np.float32)
+    sk[0] = -np.inf
+    sk[1, :2] = -np.inf
+    return (v, s, vo, so), (vk, sk)

@@ -84,27 +84,18 @@ def decode_variant(profile, spec_kw, lengths, *, window=None, sinks=None, rope=F
 
 def merge_variant(profile, dtype, D=16):
     import clattn
-    from cases import compare
+    from cases import compare, merge_cases
     from naive import naive_merge, naive_merge_k
     cl = _cl()
     dev = _device()
     rng = np.random.default_rng(1)
     N, H, K = 5, 3, 3
-    v = rng.standard_normal((N, H, D)).astype(dtype)
-    s = (rng.standard_normal((N, H)) * 4).astype(np.float32)
-    vo = rng.standard_normal((N, H, D)).astype(dtype)
-    so = (rng.standard_normal((N, H)) * 4).astype(np.float32)
-    s[0, 0] = so[1, 1] = -np.inf
-    s[2, :] = so[2, :] = -np.inf
+    (v, s, vo, so), (vk, sk) = merge_cases(rng, N, H, D, dtype, K)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         a, b = v.copy(), s.copy()
         clattn.merge_state_(a, b, vo, so, device=dev, profile=profile)
         compare(a, b, *naive_merge(v, s, vo, so), dtype, what="merge_state_: ")
-        vk = rng.standard_normal((N, K, H, D)).astype(dtype)
-        sk = (rng.standard_normal((N, K, H)) * 4).astype(np.float32)
-        sk[0] = -np.inf
-        sk[1, :2] = -np.inf
         out, lse = clattn.merge_states(vk, sk, device=dev, profile=profile)
         compare(out, lse, *naive_merge_k(vk, sk), dtype, what="merge_states: ")
         # device arrays that are views (non-zero offsets)

@@ -16,7 +16,7 @@ import clattn
 from clattn.profiles import builtin_profiles
 from clattn.profiles.device_info import subgroup_support
 
-from cases import compare, decode_args, make_case, naive_kwargs
+from cases import compare, decode_args, make_case, merge_cases, naive_kwargs
 from model_configs import model, rope_scaling_of
 from naive import naive_decode, naive_merge, naive_merge_k
 
@@ -101,20 +101,10 @@ def test_builtin_profile_merges_on_device(device, name):
     """merge_state_ (pair) and merge_states (K-way) with each profile's merge geometry."""
     rng = np.random.default_rng(7)
     for dtype, D in (("float16", 64), ("float32", 96)):
-        N, H = 5, 3
-        v = rng.standard_normal((N, H, D)).astype(dtype)
-        s = (rng.standard_normal((N, H)) * 4).astype(np.float32)
-        vo = rng.standard_normal((N, H, D)).astype(dtype)
-        so = (rng.standard_normal((N, H)) * 4).astype(np.float32)
-        s[0, 0] = so[1, 1] = -np.inf
-        s[2, :] = so[2, :] = -np.inf
+        (v, s, vo, so), (vk, sk) = merge_cases(rng, 5, 3, D, dtype)
         a, b = v.copy(), s.copy()
         clattn.merge_state_(a, b, vo, so, device=device, profile=name)
         compare(a, b, *naive_merge(v, s, vo, so), dtype, what=f"{name} merge_state_: ")
-        vk = rng.standard_normal((N, 3, H, D)).astype(dtype)
-        sk = (rng.standard_normal((N, 3, H)) * 4).astype(np.float32)
-        sk[0] = -np.inf
-        sk[1, :2] = -np.inf
         out, lse = clattn.merge_states(vk, sk, device=device, profile=name)
         compare(out, lse, *naive_merge_k(vk, sk), dtype, what=f"{name} merge_states: ")
 
