@@ -13,17 +13,16 @@ from typing import Any
 
 import numpy as np
 
-from . import reference, runtime
-from .codegen import merge_geometry, render_merge
+from . import cpu_backend, runtime, signatures
+from .codegen import render_merge
+from .fit import merge_geometry
 from .profiles.record import Profile
-from .setup import device_setup, warn_cpu_fallback
+from .device import device_setup, warn_cpu_fallback
 from .spec import LSE_DTYPE
+from .staging import Call
 from .validate import check_merge_k, check_merge_pair, is_host
 
 _lock = threading.Lock()
-_kernels: dict = {}
-
-
 _setups: dict = {}
 
 
@@ -63,58 +62,67 @@ def _setup_for(arrays: list, device: Any, profile: Any):
     return _cached_setup(rt, profile), rt.queue
 
 
-def _kernel(setup, head_dim: int, dtype: str, vin: str, name: str):
+def _launcher(setup: Any, head_dim: int, dtype: str, table: Any) -> tuple[Any, Any]:
+    """(launcher, geometry) of a merge kernel for states of ``dtype`` on ``setup``."""
     geom = merge_geometry(head_dim, dtype, setup.profile, setup.limits)
-    key = (id(setup.runtime), head_dim, dtype, vin, geom, name)
-    with _lock:
-        if key not in _kernels:
-            prg = setup.runtime.program(render_merge(head_dim, dtype, vin, geom))
-            _kernels[key] = (runtime.cl().Kernel(prg, name), geom)
-        return _kernels[key]
-
-
-def _buf(a: Any, dummy: Any = None) -> tuple[Any, np.int32]:
-    """(buffer, element offset); a zero-size array (no buffer) gets ``dummy``."""
-    if a.base_data is None:
-        return dummy, np.int32(0)
-    return a.base_data, np.int32(a.offset // np.dtype(a.dtype).itemsize)
+    launcher = setup.runtime.launcher(
+        ("merge", head_dim, dtype, geom), table,
+        lambda: render_merge(head_dim, dtype, dtype, geom))
+    return launcher, geom
 
 
 def merge_state_(v: Any, s: Any, v_other: Any, s_other: Any, *, device: Any = None,
                  profile: Any = None, queue: Any = None, wait_for: list | None = None) -> Any:
-    """``v, s <- merge((v, s), (v_other, s_other))`` in place; returns the event (or None).
+    """Merge ``(v_other, s_other)`` into ``(v, s)`` in place.
 
-    ``v [N, H, D]`` f16/f32, ``s [N, H]`` f32. An empty side passes the other through;
-    both empty gives ``v = 0, s = -inf``.
+    Parameters
+    ----------
+    v, v_other : array of float16 or float32, shape [N, H, D]
+        Attention outputs of two disjoint parts of the same chunks.
+    s, s_other : float32 array, shape [N, H]
+        Their base-2 log-sum-exps; ``-inf`` marks an empty state (its ``v`` is ignored).
+    device : None, str or pyopencl device
+        For numpy arrays: None runs the CPU backend, a device name runs OpenCL there
+        (arrays copied in and back). pyopencl arrays run on their own context.
+    profile : None, str, Profile or dict
+        As for :class:`~clattn.BatchDecode`.
+    queue : pyopencl.CommandQueue, optional
+    wait_for : list of pyopencl.Event, optional
+
+    Returns
+    -------
+    pyopencl.Event or None
+        The merge's event (None on the CPU backend or when N x H is 0).
+
+    Examples
+    --------
+    >>> merge_state_(v, s, v2, s2)   # doctest: +SKIP
     """
     check_merge_pair(v, s, v_other, s_other)
     setup, q0 = _setup_for([v, s, v_other, s_other], device, profile)
     if setup is None:
-        reference.merge_state_(*[a if is_host(a) else a.get() for a in (v, s, v_other, s_other)])
+        cpu_backend.merge_state_(*[a if is_host(a) else a.get() for a in (v, s, v_other, s_other)])
         return None
-    cl = runtime.cl()
-    host = is_host(v)
-    queue = queue or q0
-    arrs = [cl.array.to_device(queue, a) if host else a for a in (v, s, v_other, s_other)]
     N, H, D = v.shape
-    knl, geom = _kernel(setup, D, str(np.dtype(v.dtype)), str(np.dtype(v.dtype)), "clattn_merge_pair")
-    gsz, lsz = geom.sizes(N * H, D)
-    waits = list(wait_for or []) + [e for a in arrs for e in (getattr(a, "events", []) or [])]
-    evt = None
+    call = Call(setup.runtime, queue or q0, wait_for)
+    host = is_host(v)
+    dv = call.output("v", v, v.shape, v.dtype) if not host else call.input("v", v)
+    ds = call.output("s", s, s.shape, s.dtype) if not host else call.input("s", s)
+    knl, geom = _launcher(setup, D, str(np.dtype(v.dtype)), signatures.MERGE_PAIR)
+    events = []
     if N * H:
-        evt = knl(queue, gsz, lsz, *_buf(arrs[0]), *_buf(arrs[1]), *_buf(arrs[2]), *_buf(arrs[3]),
-                  np.int32(N * H), wait_for=waits or None)
-    if evt is not None:
-        arrs[0].add_event(evt)
-        arrs[1].add_event(evt)
-        if host:  # get() waits for the arrays' events
-            v[...] = arrs[0].get(queue=queue)
-            s[...] = arrs[1].get(queue=queue)
-    return evt
+        gsz, lsz = geom.sizes(N * H, D)
+        events.append(knl(call.queue, gsz, lsz, call.wait_list(), v=dv, s=ds,
+                          vo=call.input("v_other", v_other), so=call.input("s_other", s_other),
+                          NH=N * H))
+    res = call.finish([dv, ds], events, host=host)
+    if host and events:
+        v[...], s[...] = res
+    return events[-1] if events else None
 
 
 def merge_state(v: Any, s: Any, v_other: Any, s_other: Any, **kw: Any) -> tuple[Any, Any]:
-    """Out-of-place :func:`merge_state_`: returns new ``(v, s)``."""
+    """Out-of-place :func:`merge_state_`: returns new ``(v, s)``; keywords as there."""
     v2, s2 = v.copy(), s.copy()
     merge_state_(v2, s2, v_other, s_other, **kw)
     return v2, s2
@@ -123,41 +131,45 @@ def merge_state(v: Any, s: Any, v_other: Any, s_other: Any, **kw: Any) -> tuple[
 def merge_states(v: Any, s: Any, *, out: Any = None, lse: Any = None, device: Any = None,
                  profile: Any = None, queue: Any = None,
                  wait_for: list | None = None) -> tuple[Any, Any]:
-    """Merge K states at once: ``v [N, K, H, D]``, ``s [N, K, H]`` -> ``(out [N, H, D], lse [N, H])``."""
+    """Merge K states per row at once.
+
+    Parameters
+    ----------
+    v : array of float16 or float32, shape [N, K, H, D]
+        K attention outputs per row (disjoint parts of the same chunk).
+    s : float32 array, shape [N, K, H]
+        Their base-2 log-sum-exps (``-inf``: empty, its ``v`` ignored).
+    out : array of v's dtype, shape [N, H, D], optional
+    lse : float32 array, shape [N, H], optional
+        Written in place when given.
+    device, profile, queue, wait_for
+        As for :func:`merge_state_`.
+
+    Returns
+    -------
+    (out, lse)
+        ``out [N, H, D]`` and ``lse [N, H]``; K = 0 gives ``(0, -inf)``.
+
+    Examples
+    --------
+    >>> out, lse = merge_states(v, s)   # doctest: +SKIP
+    """
     check_merge_k(v, s, out, lse)
     setup, q0 = _setup_for([v, s, out, lse], device, profile)
     if setup is None:
-        return reference.merge_states(*[a if a is None or is_host(a) else a.get()
-                                        for a in (v, s, out, lse)])
-    cl = runtime.cl()
-    host = is_host(v)
-    queue = queue or q0
+        return cpu_backend.merge_states(*[a if a is None or is_host(a) else a.get()
+                                          for a in (v, s, out, lse)])
     N, K, H, D = v.shape
-    dv, ds = (cl.array.to_device(queue, a) if host else a for a in (v, s))
-    dout = out if out is not None and not host else cl.array.empty(queue, (N, H, D), v.dtype)
-    dlse = lse if lse is not None and not host else cl.array.empty(queue, (N, H), LSE_DTYPE)
-    dt = str(np.dtype(v.dtype))
-    knl, geom = _kernel(setup, D, dt, dt, "clattn_merge_varlen")
-    gsz, lsz = geom.sizes(N * H, D)
-    waits = list(wait_for or []) + [e for a in (dv, ds, dout, dlse)
-                                    for e in (getattr(a, "events", []) or [])]
-    evt = None
+    call = Call(setup.runtime, queue or q0, wait_for)
+    dv, ds = call.input("v", v), call.input("s", s)
+    dout = call.output("out", out, (N, H, D), v.dtype)
+    dlse = call.output("lse", lse, (N, H), LSE_DTYPE)
+    knl, geom = _launcher(setup, D, str(np.dtype(v.dtype)), signatures.MERGE_VARLEN)
+    events = []
     if N * H:
-        dummy = setup.runtime.dummy_int()
-        evt = knl(queue, gsz, lsz, *_buf(dv, dummy), *_buf(ds, dummy), dummy, np.int32(0),
-                  np.int32(K), np.int32(0), np.int32(N * K), *_buf(dout), *_buf(dlse),
-                  np.int32(N), np.int32(H), wait_for=waits or None)
-    if evt is not None:
-        dout.add_event(evt)
-        dlse.add_event(evt)
-    if host:  # get() waits for the arrays' events
-        o = dout.get(queue=queue) if evt is not None else np.zeros((N, H, D), v.dtype)
-        l_ = dlse.get(queue=queue) if evt is not None else np.zeros((N, H), LSE_DTYPE)
-        if out is not None:
-            out[...] = o
-            o = out
-        if lse is not None:
-            lse[...] = l_
-            l_ = lse
-        return o, l_
-    return dout, dlse
+        gsz, lsz = geom.sizes(N * H, D)
+        events.append(knl(call.queue, gsz, lsz, call.wait_list(), vin=dv, sv=ds, indptr=None,
+                          fixed_k=K, skip_single=0, n_states=N * K, out=dout, lse=dlse,
+                          N=N, H=H))
+    o, l_ = call.finish([dout, dlse], events, host=is_host(v))
+    return o, l_

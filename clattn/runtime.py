@@ -24,6 +24,8 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from .launch import Launcher
+
 _ICD_DONE = False
 
 
@@ -174,6 +176,7 @@ class Runtime:
         self.queue = queue or pcl.CommandQueue(
             self.context, properties=pcl.command_queue_properties.PROFILING_ENABLE)
         self._programs: dict = {}
+        self._launchers: dict = {}
         self._plock = threading.Lock()
         self._dummies: dict = {}
 
@@ -192,6 +195,15 @@ class Runtime:
                 cls._instances[key] = rt
             return rt
 
+    @classmethod
+    def for_argument(cls, argument: Any, device: Any) -> "Runtime":
+        """The runtime for a ``device=`` argument: a caller's queue is used as given
+        (with its context), a context or device gets the shared runtime."""
+        pcl = cl()
+        if isinstance(argument, pcl.CommandQueue):
+            return cls(device, argument.context, argument)
+        return cls.for_device(argument if isinstance(argument, pcl.Context) else device)
+
     def program(self, source: str, options: tuple = ()) -> Any:
         """Build (once) and return the program for ``source``."""
         key = (hashlib.sha256(source.encode()).hexdigest(), options)
@@ -201,6 +213,18 @@ class Runtime:
                 prg = self._build(source, list(options))
                 self._programs[key] = prg
             return prg
+
+    def launcher(self, key: Any, table: Any, source: Any) -> Any:
+        """The :class:`clattn.launch.Launcher` of kernel ``table.kernel`` built from
+        ``source()`` (called once per ``key``), cached on this runtime."""
+        full = (key, table.kernel)
+        with self._plock:
+            hit = self._launchers.get(full)
+        if hit is None:
+            hit = Launcher(self.program(source()), table, self.dummy_int())
+            with self._plock:
+                hit = self._launchers.setdefault(full, hit)
+        return hit
 
     def _build(self, source: str, options: list) -> Any:
         pcl = cl()

@@ -1,4 +1,4 @@
-"""Every input rule of SPEC.md, checked once, before anything is launched or modified.
+"""Every input rule of docs/contract.md, checked once, before anything is launched or modified.
 
 Each rule raises ``ValueError`` or ``TypeError`` naming the argument, the offending
 sequence and value where there is one, and what is allowed. Table *values* are
@@ -160,7 +160,7 @@ def _check_indptr(indptr: np.ndarray, nnz: int | None) -> np.ndarray:
 
 def _lengths(spec: AttentionSpec, npages: np.ndarray, last: np.ndarray, wo: Any,
              sink: Any) -> tuple[np.ndarray, np.ndarray]:
-    """(stored, attended) rows per sequence (SPEC.md), after checking the length rules."""
+    """(stored, attended) rows per sequence (docs/contract.md), after checking the length rules."""
     owns = npages > 0
     bad = owns & ((last < 1) | (last > spec.page_size))
     if bad.any():

@@ -21,10 +21,10 @@ def test_wheel_ships_kernels(tmp_path):
     # run-time dependencies come from this interpreter's site-packages (PYTHONPATH), while
     # clattn itself must come from the fresh venv (no source tree on the path)
     deps = sysconfig.get_paths()["purelib"]
-    code = ("import clattn, clattn.codegen as c; from clattn.spec import AttentionSpec; "
-            "from clattn.profiles import get_profile; "
-            "d = c.kernels_dir(); print(clattn.__file__); print(d); "
-            "g = c.decode_geometry(AttentionSpec(8, 2, 64), get_profile('generic'), c.Limits()); "
+    code = ("import clattn, clattn.codegen as c, clattn.fit as f; "
+            "from clattn.spec import AttentionSpec; from clattn.profiles import get_profile; "
+            "d = c.KERNELS_DIR; print(clattn.__file__); print(d); "
+            "g = f.decode_geometry(AttentionSpec(8, 2, 64), get_profile('generic'), f.Limits()); "
             "print(len(c.render_decode(AttentionSpec(8, 2, 64), g)))")
     res = subprocess.run([str(py), "-c", code], cwd=tmp_path, capture_output=True, text=True,
                          env={**os.environ, "PYTHONPATH": deps})

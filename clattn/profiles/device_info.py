@@ -178,7 +178,7 @@ def device_type(info: Mapping[str, Any]) -> tuple[str | None, str]:
     return "GPU", "not reported; taken as GPU"
 
 
-def _extensions(info: Mapping[str, Any]) -> tuple[set[str], bool]:
+def extension_names(info: Mapping[str, Any]) -> tuple[set[str], bool]:
     """(known extension names, whether an absent name is really absent)."""
     names = set(info.get("device_extensions") or ()) | set(info.get("subgroup_extensions") or ())
     listed = any(info.get(k) is not None for k in ("device_extensions", "subgroup_extensions"))
@@ -187,7 +187,7 @@ def _extensions(info: Mapping[str, Any]) -> tuple[set[str], bool]:
 
 def subgroup_support(info: Mapping[str, Any]) -> bool | None:
     """True/False when known: a sub-group extension, or OpenCL 2.1+/3.0 max sub-groups > 0."""
-    names, complete = _extensions(info)
+    names, complete = extension_names(info)
     if names & SUBGROUP_EXTENSIONS:
         return True
     max_sgs = info.get("max_sub_groups_per_work_group")
@@ -200,7 +200,7 @@ def fp16_support(info: Mapping[str, Any]) -> bool | None:
     """Whether cl_khr_fp16 is there (None when no extension list was seen)."""
     if info.get("has_fp16") is not None:
         return bool(info["has_fp16"])
-    names, complete = _extensions(info)
+    names, complete = extension_names(info)
     if "cl_khr_fp16" in names:
         return True
     return False if complete and info.get("device_extensions") is not None else None

@@ -5,7 +5,7 @@ import warnings
 from dataclasses import dataclass, replace
 from typing import Any, Mapping
 
-from .codegen import Limits
+from .fit import Limits
 from .profiles.record import Profile
 from .runtime import cl as _cl
 

@@ -1,9 +1,12 @@
 ## Shared pieces of the clattn kernels: typed loads/stores and the RoPE angle.
-## Parameters: DTYPE ("half"|"float"), NATIVE_HALF (bool)
+## Parameters: DTYPE ("half"|"float"), NATIVE_HALF (bool), PRAGMAS (extensions to enable)
 <%def name="prelude()">
 % if NATIVE_HALF:
 #pragma OPENCL EXTENSION cl_khr_fp16 : enable
 % endif
+% for ext in PRAGMAS:
+#pragma OPENCL EXTENSION ${ext} : enable
+% endfor
 #define CLATTN_LOG2E 1.4426950408889634f
 #define CLATTN_TWO_PI 6.283185307179586f
 

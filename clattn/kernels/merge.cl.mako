@@ -1,9 +1,10 @@
 <%doc>
-clattn attention-state merges (SPEC.md "Merging attention states").
+clattn attention-state merges (docs/contract.md, "Merging").
 
 Template parameters: D, DTYPE (storage of v/out), VIN ("half"|"float": storage of the
-states being merged), NATIVE_HALF, STRATEGY ("rows" | "tiled"), VEC, MH (heads per
-work-group, tiled).
+states being merged), NATIVE_HALF, DENORMS, STRATEGY ("rows" | "tiled"), VEC, MH (heads
+per work-group, tiled), PAIR_SIGNATURE/PAIR_FIXUP and VARLEN_SIGNATURE/VARLEN_FIXUP (from
+the argument tables clattn.signatures.MERGE_PAIR and MERGE_VARLEN).
 
 clattn_merge_pair   in place: v, s <- merge(v, s, v_other, s_other); v, s : [N, H(, D)]
 clattn_merge_varlen out[n], lse[n] <- merge of states [lo, hi) where lo/hi come from
@@ -68,11 +69,9 @@ def rstore(val, ptr):
 %>\
 /* CPU form: each work-item walks (state, head) rows with a grid stride (work-groups of
    one work-item: no implicit work-item loop), head_dim unrolled into registers */
-__kernel void clattn_merge_pair(__global st_t* v, const int v_off, __global float* s, const int s_off,
-                                const __global st_t* vo, const int vo_off,
-                                const __global float* so, const int so_off, const int NH)
+__kernel void clattn_merge_pair(${PAIR_SIGNATURE})
 {
-    v += v_off; s += s_off; vo += vo_off; so += so_off;
+    ${PAIR_FIXUP}
     for (int nh = get_global_id(0); nh < NH; nh += get_global_size(0)) {
         const float a = s[nh], bb = so[nh];
         const float2 w = clattn_pair_weights(a, bb);
@@ -88,15 +87,9 @@ __kernel void clattn_merge_pair(__global st_t* v, const int v_off, __global floa
     }
 }
 
-__kernel void clattn_merge_varlen(const __global in_t* vin, const int vin_off,
-                                  const __global float* sv, const int sv_off,
-                                  const __global int* indptr, const int indptr_off,
-                                  const int fixed_k, const int skip_single, const int n_states,
-                                  __global st_t* out, const int out_off,
-                                  __global float* lse, const int lse_off,
-                                  const int N, const int H)
+__kernel void clattn_merge_varlen(${VARLEN_SIGNATURE})
 {
-    vin += vin_off; sv += sv_off; out += out_off; lse += lse_off; indptr += indptr_off;
+    ${VARLEN_FIXUP}
     for (int nh = get_global_id(0); nh < N * H; nh += get_global_size(0)) {
         const int n = nh / H, h = nh % H;
         int lo = fixed_k >= 0 ? n * fixed_k : indptr[n];
@@ -130,13 +123,11 @@ __kernel void clattn_merge_varlen(const __global in_t* vin, const int vin_off,
 }
 % else:
 __kernel __attribute__((reqd_work_group_size(${NV}, ${MH}, 1)))
-void clattn_merge_pair(__global st_t* v, const int v_off, __global float* s, const int s_off,
-                       const __global st_t* vo, const int vo_off,
-                       const __global float* so, const int so_off, const int NH)
+void clattn_merge_pair(${PAIR_SIGNATURE})
 {
     const int tx = get_local_id(0);
     const int nh = get_global_id(1);
-    v += v_off; s += s_off; vo += vo_off; so += so_off;
+    ${PAIR_FIXUP}
     float a = 0.0f, bb = 0.0f;
     if (nh < NH) { a = s[nh]; bb = so[nh]; }
     barrier(CLK_GLOBAL_MEM_FENCE);   /* every reader of s[nh] is done before it is rewritten */
@@ -149,22 +140,16 @@ void clattn_merge_pair(__global st_t* v, const int v_off, __global float* s, con
 }
 
 __kernel __attribute__((reqd_work_group_size(${NV}, ${MH}, 1)))
-void clattn_merge_varlen(const __global in_t* vin, const int vin_off,
-                         const __global float* sv, const int sv_off,
-                         const __global int* indptr, const int indptr_off,
-                         const int fixed_k, const int skip_single, const int n_states,
-                         __global st_t* out, const int out_off,
-                         __global float* lse, const int lse_off,
-                         const int N, const int H)
+void clattn_merge_varlen(${VARLEN_SIGNATURE})
 {
     const int tx = get_local_id(0);
     const int nh = get_global_id(1);
     if (nh >= N * H) return;
     const int n = nh / H, h = nh % H;
-    vin += vin_off; sv += sv_off; out += out_off; lse += lse_off;
+    ${VARLEN_FIXUP}
     int lo, hi;
     if (fixed_k >= 0) { lo = n * fixed_k; hi = lo + fixed_k; }
-    else { indptr += indptr_off; lo = indptr[n]; hi = indptr[n + 1]; }
+    else { lo = indptr[n]; hi = indptr[n + 1]; }
     lo = clamp(lo, 0, n_states); hi = clamp(hi, lo, n_states);
     if (skip_single && hi - lo < 2) return;
     float mx = -INFINITY;

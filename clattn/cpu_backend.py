@@ -1,4 +1,4 @@
-"""The CPU fallback: SPEC.md's semantics in vectorised numpy (f32 accumulation).
+"""The CPU fallback: docs/contract.md's semantics in vectorised numpy (f32 accumulation).
 
 This is the product's fallback when no OpenCL device is present, not only a test
 oracle. Per sequence it gathers the chunk's rows page-wise and processes them in
@@ -16,7 +16,7 @@ BLOCK_ROWS = 4096  # rows gathered at once per sequence (bounds temporary memory
 
 
 def chunk_offsets(stored: int, window_offset: int, sink_size: int) -> np.ndarray:
-    """Sequence offsets of the attended chunk's rows, in row order (SPEC.md)."""
+    """Sequence offsets of the attended chunk's rows, in row order (docs/contract.md)."""
     if stored <= 0:
         return np.zeros(0, dtype=np.int64)
     return np.concatenate([np.arange(sink_size, dtype=np.int64),

@@ -1,0 +1,277 @@
+"""Fitting a profile to a spec and a device: (spec, profile, device limits) -> geometry.
+
+The geometry is everything a kernel template and its launch need besides the spec;
+both the template parameters and the launch grid come from it, so they cannot disagree.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from .profiles.device_info import extension_names, subgroup_support
+from .profiles.record import Profile
+from .rope import parse_rope_scaling
+from .spec import AttentionSpec
+
+FLOAT = 4  # bytes of an f32 in local memory
+
+
+#: how a kernel can ask for a sub-group size: the extension, its attribute, its pragma
+SUBGROUP_REQUESTS = {
+    "intel": ("cl_intel_required_subgroup_size", "intel_reqd_sub_group_size({n})", None),
+    "qcom": ("cl_qcom_reqd_sub_group_size", 'qcom_reqd_sub_group_size("{mode}")',
+             "cl_qcom_reqd_sub_group_size"),
+}
+#: Adreno's two wave modes and their sub-group sizes (Adreno 6xx and later)
+QCOM_WAVES = {64: "half", 128: "full"}
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The device facts the geometry must respect.
+
+    ``subgroups``: ``"intel"`` or ``"qcom"`` (sub-group functions and a way to require
+    the size, ``subgroup_sizes`` listing the sizes that can be required), ``"free"``
+    (sub-group functions, the size chosen by the compiler), ``"none"``, or ``"unknown"``
+    (the device record lists no extensions).
+    """
+
+    max_work_group_size: int = 256
+    max_work_item_sizes: tuple = (256, 256, 256)
+    local_mem_size: int = 32768
+    has_fp16: bool = False
+    subgroups: str = "none"
+    subgroup_sizes: tuple = ()
+    khr_subgroups: bool = False  # cl_khr_subgroups: its pragma enables the functions
+    denorms: bool = False  # single precision keeps subnormals (CL_FP_DENORM)
+
+    @classmethod
+    def from_info(cls, info: Mapping[str, Any]) -> "Limits":
+        """From a device-info dict (``clattn.profiles.device_info``'s field names)."""
+        names, complete = extension_names(info)
+        support = subgroup_support(info)
+        sizes: tuple = ()
+        if support is None:
+            kind = "unknown"
+        elif not support:
+            kind = "none"
+        elif SUBGROUP_REQUESTS["intel"][0] in names:
+            kind = "intel"
+            sizes = tuple(int(s) for s in (info.get("sub_group_sizes") or ()))
+        elif SUBGROUP_REQUESTS["qcom"][0] in names:
+            kind, sizes = "qcom", tuple(QCOM_WAVES)
+        else:
+            kind = "free"
+        return cls(
+            max_work_group_size=int(info.get("max_work_group_size") or 256),
+            max_work_item_sizes=tuple(int(x) for x in (info.get("max_work_item_sizes") or (256,) * 3)),
+            local_mem_size=int(info.get("local_mem_size_bytes") or 16384),
+            has_fp16=bool(info.get("has_fp16")),
+            subgroups=kind, subgroup_sizes=sizes, khr_subgroups="cl_khr_subgroups" in names,
+        )
+
+
+@dataclass(frozen=True)
+class DecodeGeometry:
+    """Everything the decode template and its launch need besides the spec.
+
+    ``vec`` floats per load; ``tile`` rows per block (rows) or per (ty, tz) per step
+    (tiled). rows only: ``vec_rope`` (keys rotated a vector at a time) and ``v_chunks``
+    (head_dim chunks of V accumulated per pass). tiled only: the work-group shape
+    ``bdx x bdy x bdz`` (head_dim lanes x query heads x row slices), ``gdz`` head slices
+    per KV head, ``use_local`` (K/V staged in local memory), ``reduction`` and the
+    required ``subgroup_size`` with the ``subgroup_attr`` and ``pragmas`` that request it.
+    ``notes``: every wish of the profile that was cut, with its reason.
+    """
+
+    strategy: str
+    vec: int
+    tile: int
+    bdx: int = 1
+    bdy: int = 1
+    bdz: int = 1
+    gdz: int = 1
+    use_local: bool = False
+    reduction: str = "local"
+    subgroup_size: int | None = None
+    subgroup_attr: str = ""
+    pragmas: tuple = ()
+    native_fp16: bool = False
+    local_mem_bytes: int = 0
+    denorms: bool = False
+    vec_rope: bool = False
+    v_chunks: int = 1
+    notes: tuple = field(default=(), compare=False)
+
+    def local_size(self) -> tuple[int, int, int]:
+        return (1, 1, 1) if self.strategy == "rows" else (self.bdx, self.bdy, self.bdz)
+
+    def global_size(self, batch: int, num_kv_heads: int, num_parts: int) -> tuple[int, int, int]:
+        if self.strategy == "rows":
+            return (batch, num_kv_heads, num_parts)
+        return (batch * self.bdx, num_kv_heads * self.gdz * self.bdy, num_parts * self.bdz)
+
+    @property
+    def threads(self) -> int:
+        """Work-items per work-group."""
+        return self.bdx * self.bdy * self.bdz
+
+
+def _vec_for(d: int, want: int) -> int:
+    v = want
+    while v > 1 and d % v:
+        v //= 2
+    return v
+
+
+def _tiled_local_bytes(d: int, bdx: int, bdy: int, bdz: int, tile: int, use_local: bool,
+                       reduction: str) -> int:
+    rows = bdy * bdz * tile
+    total = bdz * bdy * d + bdz * bdy * 2  # o_red, md_red
+    if use_local:
+        total += 2 * rows * d
+    if reduction != "subgroup":
+        total += bdz * bdy * (bdy * tile) * bdx
+    return total * FLOAT
+
+
+def _rows_geometry(spec: AttentionSpec, profile: Profile, limits: Limits,
+                   native: bool) -> DecodeGeometry:
+    tile = 1 << (min(max(1, profile.tile_rows), 16).bit_length() - 1)  # 1, 2, 4, 8 or 16
+    vec = _vec_for(spec.head_dim, profile.vec)
+    notes = [] if vec == profile.vec else [f"vec {profile.vec} -> {vec}: head_dim {spec.head_dim}"]
+    if tile != profile.tile_rows:
+        notes.append(f"tile_rows {profile.tile_rows} -> {tile}: the rows kernel takes a power of "
+                     f"two up to 16")
+    interleaved = parse_rope_scaling(spec.rope_scaling, spec.max_position_embeddings).interleaved
+    half = spec.rotary_dim // 2
+    vec_rope = (not interleaved and half % vec == 0) or \
+        (interleaved and vec % 2 == 0 and spec.rotary_dim % vec == 0)
+    nv = spec.head_dim // vec
+    # two chunks per pass while 2 x G accumulators + the loads fit 16 vector registers
+    v_chunks = 2 if nv % 2 == 0 and 2 * spec.group_size + 3 <= 16 else 1
+    return DecodeGeometry("rows", vec, tile, native_fp16=native, denorms=limits.denorms,
+                          vec_rope=vec_rope, v_chunks=v_chunks, notes=tuple(notes))
+
+
+def _subgroup_choice(profile: Profile, limits: Limits, D: int, vec: int,
+                     limit: int) -> tuple[int, int | None, str, tuple, str | None]:
+    """(vec, sub-group size, attribute, pragmas, reason it was cut or None).
+
+    The reduction sums one row's BDX = D / vec lanes with ``sub_group_reduce_add``, so a
+    sub-group must be exactly those lanes: its size must be required, and equal BDX.
+    """
+    if limits.subgroups in ("none", "unknown"):
+        why = "the device reports no sub-group functions" if limits.subgroups == "none"             else "the device's extensions are unknown"
+        return vec, None, "", (), why
+    if limits.subgroups == "free":
+        return vec, None, "", (), ("the device cannot require a sub-group size (no "
+                                   "cl_intel_required_subgroup_size / cl_qcom_reqd_sub_group_size)")
+    want = [profile.subgroup_size] if profile.subgroup_size else \
+        [D // v for v in (vec, 1, 2, 4, 8, 16) if D % v == 0]
+    for n in want:
+        if n in limits.subgroup_sizes and D % n == 0 and D // n in (1, 2, 4, 8, 16) and \
+                n <= limit:
+            ext, attr, pragma = SUBGROUP_REQUESTS[limits.subgroups]
+            pragmas = tuple(p for p in (pragma, "cl_khr_subgroups" if limits.khr_subgroups
+                                        else None) if p)
+            text = attr.format(n=n, mode=QCOM_WAVES.get(n, ""))
+            return D // n, n, f"__attribute__(({text}))", pragmas, None
+    return vec, None, "", (), (f"no sub-group size in {want} can be required for head_dim {D} "
+                               f"(device sizes {list(limits.subgroup_sizes) or 'unknown'}, "
+                               f"work-group limit {limit})")
+
+
+def decode_geometry(spec: AttentionSpec, profile: Profile, limits: Limits) -> DecodeGeometry:
+    """Fit the profile's wishes to the spec and the device's limits.
+
+    Every wish that is not honoured (vector width, sub-group reduction, local staging,
+    thread count) is listed in ``notes`` with its reason; an impossible fit raises.
+    """
+    notes: list[str] = []
+    native = bool(profile.native_fp16 and limits.has_fp16 and spec.dtype == "float16")
+    if profile.strategy == "rows":
+        return _rows_geometry(spec, profile, limits, native)
+    D, G = spec.head_dim, spec.group_size
+    limit = max(1, min(profile.thread_limit, limits.max_work_group_size))
+    if limit < profile.thread_limit:
+        notes.append(f"thread_limit {profile.thread_limit} -> {limit}: the device (or the "
+                     f"compiled kernel) allows {limits.max_work_group_size} work-items")
+    vec = _vec_for(D, profile.vec)
+    while D // vec > min(limit, limits.max_work_item_sizes[0]) and vec < 16 and D % (vec * 2) == 0:
+        vec *= 2
+    reduction, sgs, attr, pragmas = "local", None, "", ()
+    if profile.reduction == "subgroup":
+        vec, sgs, attr, pragmas, why = _subgroup_choice(profile, limits, D, vec, limit)
+        if why:
+            notes.append(f"reduction subgroup -> local: {why}")
+        else:
+            reduction = "subgroup"
+    if vec != profile.vec:
+        notes.append(f"vec {profile.vec} -> {vec}: head_dim {D} over "
+                     + (f"one sub-group of {sgs}" if sgs else f"at most {limit} work-items"))
+    bdx = D // vec
+    if bdx > limit:
+        raise ValueError(f"head_dim={D} needs {bdx} work-items at vec={vec}, more than the "
+                         f"device's work-group limit {limit}")
+    bdy = max(1, min(G, limit // bdx, limits.max_work_item_sizes[1]))
+    gdz = math.ceil(G / bdy)
+    bdy = math.ceil(G / gdz)  # balance the head slices (G=7 over 2 slices: 4 + 3)
+    bdz = max(1, min(limit // (bdx * bdy), limits.max_work_item_sizes[2]))
+    tile = max(1, profile.tile_rows) if G == 1 else 1
+    use_local = profile.use_local_kv
+
+    def need() -> int:
+        return _tiled_local_bytes(D, bdx, bdy, bdz, tile, use_local, reduction)
+
+    while need() > limits.local_mem_size and (bdz > 1 or tile > 1 or use_local):
+        if tile > 1:
+            tile //= 2
+        elif bdz > 1:
+            bdz //= 2
+        else:
+            use_local = False
+            notes.append("use_local_kv on -> off: K/V tiles do not fit local memory")
+    if need() > limits.local_mem_size:
+        raise ValueError(f"decode kernel for head_dim={D}, group={G} needs {need()} bytes of "
+                         f"local memory; the device has {limits.local_mem_size}")
+    return DecodeGeometry("tiled", vec, tile, bdx=bdx, bdy=bdy, bdz=bdz, gdz=gdz,
+                          use_local=use_local, reduction=reduction, subgroup_size=sgs,
+                          subgroup_attr=attr, pragmas=pragmas, native_fp16=native,
+                          local_mem_bytes=need(), notes=tuple(notes))
+
+
+@dataclass(frozen=True)
+class MergeGeometry:
+    strategy: str
+    vec: int
+    mh: int = 1  # heads per work-group (tiled)
+    threads: int = 64  # work-items striding over the rows (rows)
+    native_fp16: bool = False
+    denorms: bool = False
+
+    def sizes(self, nh: int, head_dim: int) -> tuple[tuple, tuple]:
+        """(global, local) sizes for ``nh`` (state, head) pairs."""
+        if self.strategy == "rows":  # work-groups of one, each striding over rows
+            return (max(1, min(nh, self.threads)),), (1,)
+        nv = head_dim // self.vec
+        return (nv, math.ceil(max(nh, 1) / self.mh) * self.mh), (nv, self.mh)
+
+
+def merge_geometry(head_dim: int, dtype: str, profile: Profile, limits: Limits) -> MergeGeometry:
+    limit = max(1, min(profile.merge_threads, limits.max_work_group_size))
+    native = bool(profile.native_fp16 and limits.has_fp16 and dtype == "float16")
+    vec = _vec_for(head_dim, profile.vec)
+    if profile.strategy == "rows":
+        return MergeGeometry("rows", vec, threads=limit, native_fp16=native,
+                             denorms=limits.denorms)
+    while head_dim // vec > min(limit, limits.max_work_item_sizes[0]) and vec < 16 and \
+            head_dim % (vec * 2) == 0:
+        vec *= 2
+    nv = head_dim // vec
+    if nv > min(limits.max_work_group_size, limits.max_work_item_sizes[0]):
+        raise ValueError(f"head_dim={head_dim} needs {nv} work-items at vec={vec} for the merge, "
+                         f"more than the device's work-group limit")
+    mh = max(1, min(limit // nv, limits.max_work_item_sizes[1]))
+    return MergeGeometry("tiled", vec, mh=mh, native_fp16=native)

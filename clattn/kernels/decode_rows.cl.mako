@@ -1,0 +1,303 @@
+<%doc>
+clattn paged-KV decode attention, "rows" strategy (CPU drivers): one work-item per
+(sequence b, KV head, partition p); global (B, HKV, NP), local (1, 1, 1). Blocks of TILE
+rows; private accumulators for all G query heads of the KV head, every loop over
+head_dim chunks (NV = D / VEC) and heads unrolled, so a CPU compiler keeps them in
+registers. The semantics are docs/contract.md's.
+
+Template parameters (clattn.codegen.render_decode, from clattn.fit.DecodeGeometry):
+  D, HQO, HKV, G, PS   head_dim, query heads, KV heads, group size, page size
+  ROT, INTERLEAVED     rotary dims; GPT-J pairs (2i, 2i+1) instead of halves (i, i + ROT/2)
+  SLIDING, SOFTCAP     window + sinks compiled in; soft-cap value or None
+  DTYPE, NATIVE_HALF   storage type; convert half vectors natively (cl_khr_fp16)
+  DENORMS              the device keeps f32 subnormals (cheaper exact f16 conversion)
+  VEC, TILE            floats per vector load; rows scored per block
+  VEC_ROPE             keys rotated VEC lanes at a time (else through a private row)
+  V_CHUNKS             head_dim chunks of V accumulated per pass over a block's rows
+  SIGNATURE, FIXUP     parameter list and pointer fix-up from clattn.signatures.DECODE
+Every index read from the page table is clamped: no input makes the kernel read or
+write out of bounds.
+</%doc>
+<%namespace name="c" file="common.clh.mako"/>
+<%namespace name="d" file="decode_common.clh.mako"/>
+${c.prelude()}
+${d.setup()}
+<% NV = D // VEC %>\
+<%
+def hsum(v):
+    return d.attr.hsum(v, VEC)
+def score(x):
+    return d.attr.score(x, SOFTCAP)
+%>\
+## rotate the private float array f[D] (a row of q or k) at position pos
+<%def name="rotate_row(f, pos=None)">
+        {
+            const __global float2* tt = rope_turns + rope_table * ${ROT // 2};
+            for (int i = 0; i < ${ROT // 2}; ++i) {
+                float cs, sn;
+% if pos is None:
+                /* angle of row r0 + j = angle(r0) + angle(j): compose two exact rotations */
+                cs = cb[i] * cj[j][i] - sb[i] * sj[j][i];
+                sn = sb[i] * cj[j][i] + cb[i] * sj[j][i];
+% else:
+                sn = sincos(clattn_rope_angle(${pos}, tt[i]), &cs);
+% endif
+% if INTERLEAVED:
+                const float a = ${f}[2 * i], bb = ${f}[2 * i + 1];
+                ${f}[2 * i] = (a * cs - bb * sn) * rope_att;
+                ${f}[2 * i + 1] = (bb * cs + a * sn) * rope_att;
+% else:
+                const float a = ${f}[i], bb = ${f}[i + ${ROT // 2}];
+                ${f}[i] = (a * cs - bb * sn) * rope_att;
+                ${f}[i + ${ROT // 2}] = (bb * cs + a * sn) * rope_att;
+% endif
+            }
+        }
+</%def>
+<%
+# Straight-line code: every loop over head_dim chunks (NV) and group heads (G) is
+# unrolled here, so the accumulators are plain variables a CPU compiler keeps in
+# registers; the loads are unaligned vector loads through a typedef (no vload
+# library calls, which some CPU drivers do not inline).
+V = VEC
+FV = "float" if V == 1 else "float%d" % V
+UV = "ushort" if V == 1 else "ushort%d" % V
+UI = "uint" if V == 1 else "uint%d" % V
+IV = "int" if V == 1 else "int%d" % V
+HALF = ROT // 2
+NRV = (HALF // V if not INTERLEAVED else ROT // V) if VEC_ROPE else 0  # rotated vectors
+SWAP = "" if V == 1 else ".s" + "".join("%x" % (i ^ 1) for i in range(V))
+SIGN = "(%s)(%s)" % (FV, ", ".join("-1.0f" if i % 2 == 0 else "1.0f" for i in range(V))) if V > 1 else "1.0f"
+def ld(ptr):
+    if DTYPE == "float":
+        return "*(const __global ld_t*)(%s)" % ptr
+    if NATIVE_HALF:  # the device converts half vectors itself (e.g. x86 F16C)
+        return "convert_%s(*(const __global ldn_t*)(%s))" % (FV, ptr)
+    return "clattn_h2f(*(const __global ld_t*)(%s))" % ptr
+%>\
+${c.raw_loads(V)}
+% if NATIVE_HALF and DTYPE == "half":
+typedef ${"half" if V == 1 else "half%d" % V} __attribute__((aligned(2))) ldn_t;
+% endif
+
+
+<%
+FT = "float" if TILE == 1 else "float%d" % TILE
+IT = "int" if TILE == 1 else "int%d" % TILE
+def hred(v, op, n):
+    """Reduce a float<n> expression to a float with a tree of .lo/.hi halves."""
+    while n > 1:
+        a, b = "(%s).lo" % v, "(%s).hi" % v
+        # max() is undefined for infinities in OpenCL C: compare and select instead
+        v = ("(%s + %s)" % (a, b)) if op == "+" else ("(%s > %s ? %s : %s)" % (a, b, a, b))
+        n //= 2
+    return v
+%>\
+% for T, TT, TI in ((1, "float", "int"), (TILE, FT, IT)) if TILE > 1 else ((1, "float", "int"),):
+/* 2^x for x <= 0 (-inf gives 0) without library calls: round-to-nearest by the
+   1.5 * 2^23 trick, 2^f on [-1/2, 1/2] by its degree-6 Taylor polynomial (error
+   below 2e-7 relative), 2^n as two exponent-field scalings (n down to -150) */
+inline ${TT} clattn_exp2_${T}(${TT} x)
+{
+    x = x < -150.0f ? (${TT})(-150.0f) : x;
+    const ${TT} t = x + 12582912.0f;
+    const ${TI} n = as_${TI}(t) - 0x4B400000;
+    const ${TT} f = x - (t - 12582912.0f);
+    ${TT} p = 1.5403530e-4f;
+    p = p * f + 1.3333558e-3f;
+    p = p * f + 9.6181291e-3f;
+    p = p * f + 5.5504109e-2f;
+    p = p * f + 2.4022651e-1f;
+    p = p * f + 6.9314718e-1f;
+    p = p * f + 1.0f;
+    const ${TI} n1 = n >> 1;
+    return p * as_${TT}((n1 + 127) << 23) * as_${TT}((n - n1 + 127) << 23);
+}
+% endfor
+
+__kernel void clattn_decode(${SIGNATURE})
+{
+    const int b = get_global_id(0);
+    const int kvh = get_global_id(1);
+    const int part = get_global_id(2);
+    SEQ_SETUP
+    if (!valid_part) return;
+
+    /* q of the G heads of this KV head: rotated, scaled, in registers */
+% for g in range(G):
+%   for i in range(NV):
+    ${FV} q${g}_${i};
+%   endfor
+% endfor
+    {
+        const float qscale = sm_scale${" * CLATTN_LOG2E" if SOFTCAP is None else ""};
+        float f[${D}];
+% for g in range(G):
+        {
+            const __global st_t* qp = q + ((ulong)b * ${HQO} + kvh * ${G} + ${g}) * ${D};
+            for (int i = 0; i < ${D}; ++i) f[i] = ${c.loadv(1, "qp + i")};
+            if (rotary_mode) {
+${rotate_row("f", "q_pos[b]")}
+            }
+%   for i in range(NV):
+            q${g}_${i} = ${("f[%d]" % i) if V == 1 else "vload%d(0, f + %d)" % (V, i * V)} * qscale;
+%   endfor
+        }
+% endfor
+    }
+% for g in range(G):
+    float m${g} = -INFINITY, l${g} = 0.0f;
+%   for i in range(NV):
+    ${FV} a${g}_${i} = 0.0f;
+%   endfor
+% endfor
+    const int kpos0 = rotary_mode ? k_pos_offset[b] : 0;
+    const __global float2* tt = rope_turns + rope_table * ${HALF};
+% if VEC_ROPE:
+    /* RoPE of the keys, vectorised: cos/sin of the block start (per block) composed with
+       those of 0..TILE-1 positions (once) */
+    ${FV} cjv[${TILE}][${NRV}], sjv[${TILE}][${NRV}], cbv[${NRV}], sbv[${NRV}];
+    if (rotary_mode) {
+        for (int j = 0; j < ${TILE}; ++j)
+            for (int cc = 0; cc < ${NRV}; ++cc)
+                for (int e = 0; e < ${V}; ++e) {
+                    const int fi = ${"cc * %d + e" % V if not INTERLEAVED else "(cc * %d + e) / 2" % V};
+                    float cs;
+                    ((float*)&sjv[j][cc])[e] = sincos(clattn_rope_angle(j, tt[fi]), &cs);
+                    ((float*)&cjv[j][cc])[e] = cs;
+                }
+    }
+% else:
+    float cj[${TILE}][${HALF}], sj[${TILE}][${HALF}], cb[${HALF}], sb[${HALF}];
+    if (rotary_mode) {
+        for (int j = 0; j < ${TILE}; ++j)
+            for (int i = 0; i < ${HALF}; ++i) sj[j][i] = sincos(clattn_rope_angle(j, tt[i]), &cj[j][i]);
+    }
+% endif
+
+    for (int r0 = r_lo; r0 < r_hi; r0 += ${TILE}) {
+        const int n = min(${TILE}, r_hi - r0);
+% for g in range(G):
+        float s${g}[${TILE}] __attribute__((aligned(64)));
+% endfor
+        if (n < ${TILE}) {
+            for (int j = n; j < ${TILE}; ++j) {
+% for g in range(G):
+                s${g}[j] = -INFINITY;
+% endfor
+            }
+        }
+        if (rotary_mode) {
+% if VEC_ROPE:
+            for (int cc = 0; cc < ${NRV}; ++cc)
+                for (int e = 0; e < ${V}; ++e) {
+                    const int fi = ${"cc * %d + e" % V if not INTERLEAVED else "(cc * %d + e) / 2" % V};
+                    float cs;
+                    ((float*)&sbv[cc])[e] = sincos(clattn_rope_angle(kpos0 + r0, tt[fi]), &cs);
+                    ((float*)&cbv[cc])[e] = cs;
+                }
+% else:
+            for (int i = 0; i < ${HALF}; ++i) sb[i] = sincos(clattn_rope_angle(kpos0 + r0, tt[i]), &cb[i]);
+% endif
+        }
+        for (int j = 0; j < n; ++j) {
+            const __global st_t* kp = pages + clattn_row_at(page_indices, p0, r0 + j, sink, wo, kvh, num_pages, 0);
+% for i in range(NV):
+            ${FV} k${i} = ${ld("kp + %d" % (i * V))};
+% endfor
+            if (rotary_mode) {
+% if VEC_ROPE:
+%   for cc in range(NRV):
+                {
+                    const ${FV} cs = cbv[${cc}] * cjv[j][${cc}] - sbv[${cc}] * sjv[j][${cc}];
+                    const ${FV} sn = sbv[${cc}] * cjv[j][${cc}] + cbv[${cc}] * sjv[j][${cc}];
+%     if INTERLEAVED:
+                    k${cc} = (k${cc} * cs + k${cc}${SWAP} * (sn * ${SIGN})) * rope_att;
+%     else:
+                    const ${FV} x = k${cc}, y = k${cc + NRV};
+                    k${cc} = (x * cs - y * sn) * rope_att;
+                    k${cc + NRV} = (y * cs + x * sn) * rope_att;
+%     endif
+                }
+%   endfor
+% else:
+                float f[${D}];
+%   for i in range(NV):
+                ${"f[%d] = k%d;" % (i, i) if V == 1 else "vstore%d(k%d, 0, f + %d);" % (V, i, i * V)}
+%   endfor
+${rotate_row("f")}
+%   for i in range(NV):
+                k${i} = ${("f[%d]" % i) if V == 1 else "vload%d(0, f + %d)" % (V, i * V)};
+%   endfor
+% endif
+            }
+% for g in range(G):
+            {
+                ${FV} t = q${g}_0 * k0;
+%   for i in range(1, NV):
+                t += q${g}_${i} * k${i};
+%   endfor
+                s${g}[j] = ${score(hsum("t"))};
+            }
+% endfor
+        }
+% for g in range(G):
+        {
+            const ${FT} sv = *(${FT}*)s${g};
+            const float bm = ${hred("sv", "max", TILE)};
+            const float mx = bm > m${g} ? bm : m${g};
+            const float alpha = clattn_exp2_1(m${g} - mx);
+            const ${FT} pv = clattn_exp2_${TILE}(sv - mx);
+            *(${FT}*)s${g} = pv;
+            const float sum = l${g} * alpha + ${hred("pv", "+", TILE)};
+            m${g} = mx;
+            l${g} = sum;
+%   for i in range(NV):
+            a${g}_${i} *= alpha;
+%   endfor
+        }
+% endfor
+        /* V: V_CHUNKS head_dim chunks at a time over the block's rows, so their
+           V_CHUNKS x G accumulators stay in registers and each weight is loaded once
+           per V_CHUNKS chunks */
+        const __global st_t* vrow[${TILE}];
+        for (int j = 0; j < n; ++j)
+            vrow[j] = pages + clattn_row_at(page_indices, p0, r0 + j, sink, wo, kvh, num_pages, 1);
+% for i0 in range(0, NV, V_CHUNKS):
+        for (int j = 0; j < n; ++j) {
+%   for i in range(i0, i0 + V_CHUNKS):
+            const ${FV} v${i - i0} = ${ld("vrow[j] + %d" % (i * V))};
+%   endfor
+%   for g in range(G):
+            {
+                const float p = s${g}[j];
+%     for i in range(i0, i0 + V_CHUNKS):
+                a${g}_${i} += p * v${i - i0};
+%     endfor
+            }
+%   endfor
+        }
+% endfor
+    }
+
+% for g in range(G):
+    {
+        const int h = kvh * ${G} + ${g};
+        const float inv = l${g} > 0.0f ? 1.0f / l${g} : 0.0f;
+        const float st = l${g} > 0.0f ? m${g} + log2(l${g}) : -INFINITY;
+        if (direct) {
+            __global st_t* op = out + ((ulong)b * ${HQO} + h) * ${D};
+%   for i in range(NV):
+            ${c.storev(V, "a%d_%d * inv" % (g, i), "op + %d" % (i * V))}
+%   endfor
+            lse[(ulong)b * ${HQO} + h] = st;
+        } else {
+            __global float* op = ws_o + ((ulong)ws_at * ${HQO} + h) * ${D};
+%   for i in range(NV):
+            ${("op[%d] = a%d_%d * inv;" % (i, g, i)) if V == 1 else ("vstore%d(a%d_%d * inv, 0, op + %d);" % (V, g, i, i * V))}
+%   endfor
+            ws_s[(ulong)ws_at * ${HQO} + h] = st;
+        }
+    }
+% endfor
+}

@@ -1,0 +1,177 @@
+"""Kernel arguments described once, and the one way a clattn kernel is launched.
+
+Each kernel has one :class:`ArgTable`: an ordered list of :class:`Buffer` (a ``__global``
+pointer, usually followed by its element offset, as pyopencl's ``VectorArg(...,
+with_offset=True)``) and :class:`Scalar` arguments. The template renders its parameter
+list and the pointer fix-up from the table (:meth:`ArgTable.signature`,
+:meth:`ArgTable.fixup`); :class:`Launcher` sets the arguments by name from the same
+table, so the signature and the launch cannot drift apart.
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping, Sequence
+
+import numpy as np
+import pyopencl as cl  # importing does not enumerate platforms: clattn.runtime's ICD set-up still applies
+
+#: numpy dtype of each scalar C type a table may use
+SCALAR_DTYPES = {"int": np.int32, "uint": np.uint32, "long": np.int64, "ulong": np.uint64,
+                 "float": np.float32}
+_OFFSET_LIMITS = {"int": 2**31 - 1, "ulong": 2**63 - 1}
+
+
+@dataclass(frozen=True)
+class Buffer:
+    """A ``__global`` pointer argument ``name`` to elements of C type ``ctype``.
+
+    ``offset`` is the C type of the element-offset argument that follows it
+    (``"int"``, ``"ulong"``) or None for a buffer always passed from its start.
+    ``const`` marks a read-only argument.
+    """
+
+    name: str
+    ctype: str
+    const: bool = True
+    offset: str | None = "int"
+
+    @property
+    def offset_name(self) -> str:
+        return f"{self.name}_off"
+
+
+@dataclass(frozen=True)
+class Scalar:
+    """A by-value argument ``name`` of C type ``ctype`` (a key of :data:`SCALAR_DTYPES`)."""
+
+    name: str
+    ctype: str
+
+    def __post_init__(self) -> None:
+        if self.ctype not in SCALAR_DTYPES:
+            raise ValueError(f"scalar {self.name}: C type {self.ctype!r} not in {sorted(SCALAR_DTYPES)}")
+
+
+class ArgTable:
+    """The ordered arguments of one kernel (the single source of its signature)."""
+
+    def __init__(self, kernel: str, args: Iterable[Buffer | Scalar]) -> None:
+        self.kernel = kernel
+        self.args = tuple(args)
+        names = [a.name for a in self.args] + [a.offset_name for a in self.args
+                                               if isinstance(a, Buffer) and a.offset]
+        dup = {n for n in names if names.count(n) > 1}
+        if dup:
+            raise ValueError(f"{kernel}: argument names used twice: {sorted(dup)}")
+        self.names = frozenset(a.name for a in self.args)
+
+    def signature(self) -> str:
+        """The C parameter list (without parentheses)."""
+        parts = []
+        for a in self.args:
+            if isinstance(a, Buffer):
+                parts.append(f"{'const ' if a.const else ''}__global {a.ctype}* {a.name}")
+                if a.offset:
+                    parts.append(f"const {a.offset} {a.offset_name}")
+            else:
+                parts.append(f"const {a.ctype} {a.name}")
+        return ", ".join(parts)
+
+    def fixup(self) -> str:
+        """C statements that move every offset pointer to its first element."""
+        return " ".join(f"{a.name} += {a.offset_name};" for a in self.args
+                        if isinstance(a, Buffer) and a.offset)
+
+    def scalar_dtypes(self) -> list:
+        """Per OpenCL argument: the numpy dtype of a scalar, None for a buffer."""
+        out: list = []
+        for a in self.args:
+            if isinstance(a, Buffer):
+                out.append(None)
+                if a.offset:
+                    out.append(SCALAR_DTYPES[a.offset])
+            else:
+                out.append(SCALAR_DTYPES[a.ctype])
+        return out
+
+    def values(self, named: Mapping[str, Any], dummy: Any) -> list:
+        """The positional argument list from ``named`` (every argument, by name).
+
+        A buffer is given as a pyopencl array (its view offset becomes the offset
+        argument), a ``(cl.Buffer, element offset)`` pair, a bare ``cl.Buffer`` or None
+        (``dummy``, never read by the kernel).
+        """
+        missing = self.names - set(named)
+        extra = set(named) - self.names
+        if missing or extra:
+            raise TypeError(f"{self.kernel}: arguments missing {sorted(missing)}, "
+                            f"unknown {sorted(extra)}")
+        out: list = []
+        for a in self.args:
+            v = named[a.name]
+            if isinstance(a, Scalar):
+                out.append(v)
+                continue
+            buf, off = _buffer_and_offset(a, v, dummy)
+            out.append(buf)
+            if a.offset:
+                out.append(off)
+            elif off:
+                raise ValueError(f"{self.kernel}: {a.name} is passed from its start, got a view "
+                                 f"{off} elements in")
+        return out
+
+
+def _buffer_and_offset(arg: Buffer, v: Any, dummy: Any) -> tuple[Any, int]:
+    if v is None:
+        return dummy, 0
+    if isinstance(v, tuple):
+        return v[0], int(v[1])
+    if hasattr(v, "base_data"):  # a pyopencl array (views included)
+        if v.base_data is None:  # zero-size: no buffer, nothing read
+            return dummy, 0
+        item = np.dtype(v.dtype).itemsize
+        if v.offset % item:
+            raise ValueError(f"{arg.name}: the array view starts {v.offset} bytes into its "
+                             f"buffer, not a whole number of {item}-byte elements")
+        off = v.offset // item
+        limit = _OFFSET_LIMITS.get(arg.offset or "int", 0)
+        if off > limit:
+            raise ValueError(f"{arg.name}: the array view starts {off} elements into its "
+                             f"buffer; views beyond {limit} elements are not supported: "
+                             f"pass an array nearer the start of its buffer")
+        return v.base_data, off
+    return v, 0
+
+
+class Launcher:
+    """A built kernel with its table: set arguments by name and enqueue, atomically.
+
+    One pyopencl ``Kernel`` object holds one set of arguments, so setting them and
+    enqueueing is done under a lock: launches from several threads never mix.
+    """
+
+    def __init__(self, program: Any, table: ArgTable, dummy: Any) -> None:
+        self.table = table
+        self.kernel = cl.Kernel(program, table.kernel)
+        self.kernel.set_scalar_arg_dtypes(table.scalar_dtypes())
+        self._dummy = dummy
+        self._lock = threading.Lock()
+
+    def __call__(self, queue: Any, global_size: Sequence[int], local_size: Sequence[int] | None,
+                 wait_for: list | None = None, **named: Any) -> Any:
+        """Enqueue with every argument given by name; returns the event."""
+        args = self.table.values(named, self._dummy)
+        with self._lock:
+            return self.kernel(queue, tuple(global_size),
+                               None if local_size is None else tuple(local_size), *args,
+                               wait_for=wait_for or None)
+
+    def work_group_size(self, device: Any) -> int | None:
+        """CL_KERNEL_WORK_GROUP_SIZE of the built kernel (None if the driver cannot say)."""
+        try:
+            return int(self.kernel.get_work_group_info(
+                cl.kernel_work_group_info.WORK_GROUP_SIZE, device))
+        except Exception:  # noqa: BLE001 - a driver without the query
+            return None

@@ -1,0 +1,72 @@
+"""The one fit: for every recorded device and the profile it matches, each wish of the
+profile either reaches the rendered kernel or is listed as cut, with its reason."""
+import json
+from pathlib import Path
+
+import pytest
+
+import clattn
+from clattn.codegen import render_decode
+from clattn.fit import Limits, decode_geometry
+from clattn.profiles import fit, match
+
+RECORDS = json.loads((Path(__file__).parent / "data" / "devices.json").read_text())["records"]
+# Llama-3-8B, Qwen2.5-0.5B (group 7, head_dim 64), Gemma-2 (head_dim 256), Phi-3 (head_dim 96)
+SHAPES = [(32, 8, 128), (14, 2, 64), (8, 4, 256), (32, 32, 96)]
+
+
+@pytest.mark.parametrize("rec", RECORDS, ids=[f"{r['id']}" for r in RECORDS])
+def test_every_wish_reaches_the_kernel_or_is_reported(rec):
+    m = match(rec, user=False)
+    fitted, profile_notes = fit(m.profile, rec)
+    limits = Limits.from_info(rec)
+    for shape in SHAPES:
+        spec = clattn.AttentionSpec(*shape, page_size=16, dtype="float16")
+        try:
+            geom = decode_geometry(spec, fitted, limits)
+        except ValueError as exc:  # an impossible fit must say why
+            assert "work-group limit" in str(exc) or "local memory" in str(exc)
+            continue
+        notes = list(profile_notes) + list(geom.notes)
+        src = render_decode(spec, geom)
+        wanted_sub = m.profile.reduction == "subgroup"
+        if wanted_sub and geom.reduction != "subgroup":
+            assert any(n.startswith("reduction subgroup -> local:") for n in notes), notes
+        if geom.reduction == "subgroup":
+            # a sub-group is exactly one row's head_dim lanes, and its size is required
+            assert geom.bdx == geom.subgroup_size
+            assert geom.subgroup_attr and geom.subgroup_attr in src
+            assert "sub_group_reduce_add" in src
+            if fitted.subgroup_size:
+                assert geom.subgroup_size == fitted.subgroup_size
+        else:
+            assert "sub_group_reduce_add" not in src
+        if geom.vec != fitted.vec:
+            assert any(n.startswith(f"vec {fitted.vec} -> {geom.vec}") for n in notes), notes
+        if fitted.use_local_kv and not geom.use_local:
+            assert any("use_local_kv" in n for n in notes), notes
+        if geom.strategy == "tiled":
+            assert geom.threads <= limits.max_work_group_size
+
+
+def test_adreno_subgroup_wish_reaches_the_kernel():
+    """An Adreno that can require its wave size gets the sub-group reduction, with
+    Qualcomm's attribute and extension, and head_dim spread over one 64-lane wave."""
+    rec = next(r for r in RECORDS if "cl_qcom_reqd_sub_group_size" in (r.get("subgroup_extensions") or ()))
+    m = match(rec, user=False)
+    assert m.profile.reduction == "subgroup" and m.profile.subgroup_size == 64
+    spec = clattn.AttentionSpec(32, 8, 128, page_size=16, dtype="float16")
+    geom = decode_geometry(spec, fit(m.profile, rec)[0], Limits.from_info(rec))
+    assert (geom.reduction, geom.subgroup_size, geom.bdx, geom.vec) == ("subgroup", 64, 64, 2)
+    src = render_decode(spec, geom)
+    assert 'qcom_reqd_sub_group_size("half")' in src
+    assert "#pragma OPENCL EXTENSION cl_qcom_reqd_sub_group_size : enable" in src
+    assert any(n.startswith("vec 4 -> 2") for n in geom.notes)
+
+
+def test_free_subgroups_are_cut_with_reason():
+    lim = Limits(subgroups="free")
+    prof = clattn.Profile(name="t", strategy="tiled", reduction="subgroup", subgroup_size=32)
+    geom = decode_geometry(clattn.AttentionSpec(8, 2, 128), prof, lim)
+    assert geom.reduction == "local"
+    assert any("cannot require a sub-group size" in n for n in geom.notes)

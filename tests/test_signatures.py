@@ -1,0 +1,96 @@
+"""Every kernel's parameter list comes from its argument table, and the launch agrees.
+
+The compiled kernels are asked for their argument names and types
+(``-cl-kernel-arg-info``) and compared with the tables in ``clattn.signatures`` that
+:class:`clattn.launch.Launcher` launches by; every built-in profile's rendering is
+parsed and compared with the same tables.
+"""
+import re
+
+import numpy as np
+import pytest
+
+import clattn
+from clattn import signatures
+from clattn.codegen import render_decode, render_merge
+from clattn.fit import Limits, decode_geometry, merge_geometry
+from clattn.launch import ArgTable, Buffer, Scalar
+from clattn.profiles import builtin_profiles
+
+SPEC = clattn.AttentionSpec(8, 2, 64, page_size=16, dtype="float16", sliding_window=True,
+                            softcap=30.0)
+LIMITS = Limits(subgroups="intel", subgroup_sizes=(8, 16, 32, 64))
+
+
+def _expected(table: ArgTable, st: str, vin: str = "float") -> list[tuple[str, str]]:
+    """(name, type) per OpenCL argument, as the compiler reports them."""
+    out = []
+    for a in table.args:
+        if isinstance(a, Buffer):
+            out.append((a.name, a.ctype.replace("st_t", st).replace("in_t", vin) + "*"))
+            if a.offset:
+                out.append((a.offset_name, a.offset))
+        else:
+            out.append((a.name, a.ctype))
+    return out
+
+
+def _parsed(source: str, kernel: str) -> list[tuple[str, str]]:
+    """(name, type) of each parameter of ``kernel`` in OpenCL C ``source``."""
+    m = re.search(r"\b%s\s*\(([^)]*)\)" % kernel, source)
+    assert m, f"{kernel} not found in the source"
+    params = []
+    for p in m.group(1).split(","):
+        words = p.replace("*", " * ").split()
+        words = [w for w in words if w not in ("const", "__global")]
+        name, ctype = words[-1], "".join(words[:-1])
+        params.append((name, ctype))
+    return params
+
+
+@pytest.mark.parametrize("name", sorted(builtin_profiles()))
+def test_every_profile_renders_its_table(name):
+    prof = builtin_profiles()[name]
+    geom = decode_geometry(SPEC, prof, LIMITS)
+    src = render_decode(SPEC, geom)
+    assert _parsed(src, "clattn_decode") == _expected(signatures.DECODE, "st_t"), geom.strategy
+    msrc = render_merge(64, "float16", "float16", merge_geometry(64, "float16", prof, LIMITS))
+    for table in (signatures.MERGE_PAIR, signatures.MERGE_VARLEN):
+        assert _parsed(msrc, table.kernel) == _expected(table, "st_t", "in_t")
+
+
+def test_table_offsets_and_dtypes():
+    dt = signatures.DECODE.scalar_dtypes()
+    assert len(dt) == len(_expected(signatures.DECODE, "x"))
+    names = [n for n, _ in _expected(signatures.DECODE, "x")]
+    assert dt[names.index("pages_off")] == np.uint64
+    assert dt[names.index("sm_scale")] == np.float32
+    assert dt[names.index("q")] is None
+    with pytest.raises(ValueError, match="used twice"):
+        ArgTable("k", [Buffer("a", "int"), Scalar("a_off", "int")])
+    with pytest.raises(TypeError, match=r"missing \['nnz'\]"):
+        named = {a.name: None for a in signatures.DECODE.args if a.name != "nnz"}
+        signatures.DECODE.values(named, dummy=object())
+
+
+@pytest.mark.parametrize("strategy", ["rows", "tiled"])
+def test_compiled_arguments_match_the_tables(device, strategy):
+    """The driver's view of each built kernel equals its table, name by name."""
+    cl = clattn.runtime.cl()
+    prof = "pocl-cpu" if strategy == "rows" else "generic"
+    dec = clattn.BatchDecode(SPEC, device, profile=prof)
+    merge_src = render_merge(64, "float16", "float32", dec.merge_geometry)
+    for src, tables in ((dec.source(), [signatures.DECODE]),
+                        (merge_src, [signatures.MERGE_PAIR, signatures.MERGE_VARLEN])):
+        prg = cl.Program(dec.setup.runtime.context, src).build(options=["-cl-kernel-arg-info"])
+        for table in tables:
+            k = cl.Kernel(prg, table.kernel)
+            want = _expected(table, "st_t", "in_t")  # drivers report the typedef names
+            assert k.num_args == len(want), table.kernel
+            try:
+                got = [(k.get_arg_info(i, cl.kernel_arg_info.NAME),
+                        k.get_arg_info(i, cl.kernel_arg_info.TYPE_NAME).replace(" ", ""))
+                       for i in range(k.num_args)]
+            except cl.RuntimeError:  # Intel's CPU runtime keeps no argument info
+                got = _parsed(src, table.kernel)
+            assert got == want, table.kernel
