@@ -97,15 +97,23 @@ def batch_decode(spec: AttentionSpec, q: np.ndarray, pages: np.ndarray, page_ind
 
 
 def _merge_arrays(v: np.ndarray, s: np.ndarray, axis: int) -> tuple[np.ndarray, np.ndarray]:
-    """Merge states stacked along ``axis`` of s (v has one more trailing dim)."""
+    """Merge states stacked along ``axis`` of s (v has one more trailing dim).
+
+    An empty state (s = -inf) weighs 0 and its v is not read; a NaN or +inf s makes
+    the merged state NaN (docs/contract.md, "Non-finite values").
+    """
     s = s.astype(np.float32)
-    m = s.max(axis=axis, keepdims=True)
-    empty = np.isneginf(m)
-    w = np.where(empty, 0.0, np.exp2(s - np.where(empty, 0.0, m)))  # 0 for -inf states
-    tot = w.sum(axis=axis, keepdims=True)
-    safe = np.where(tot > 0, tot, 1.0)
-    vo = (w[..., None] * v.astype(np.float32)).sum(axis=axis) / np.squeeze(safe, axis)[..., None]
-    so = np.where(tot > 0, m + np.log2(safe), -np.inf)
+    empty = np.isneginf(s)
+    with np.errstate(invalid="ignore", over="ignore"):
+        m = s.max(axis=axis, keepdims=True)  # NaN propagates
+        m_safe = np.where(np.isneginf(m), 0.0, m)
+        w = np.where(empty, 0.0, np.exp2(s - m_safe)).astype(np.float32)
+        tot = w.sum(axis=axis, keepdims=True)
+        wv = np.where(empty[..., None], 0.0, w[..., None] * v.astype(np.float32))
+        inv = np.where(tot == 0, 0.0, 1.0 / np.where(tot == 0, 1.0, tot))
+        vo = wv.sum(axis=axis) * np.squeeze(inv, axis)[..., None]
+        so = np.where(tot > 0, m + np.log2(np.where(tot > 0, tot, 1.0)),
+                      np.where(tot == 0, -np.inf, np.nan))
     return vo.astype(np.float32), np.squeeze(so, axis).astype(np.float32)
 
 

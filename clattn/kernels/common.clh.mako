@@ -12,6 +12,34 @@
 
 typedef ${"half" if DTYPE == "half" else "float"} st_t;  /* storage type of q, pages, out */
 
+/* The attention-state math, written once (docs/contract.md, "Merging" and "Non-finite
+   values"). A state is (m, l, acc): running max of base-2 scores, sum of 2^(s - m), and
+   the weighted sum of values; its lse is m + log2(l). Empty: l == 0 -> lse = -inf.
+   Broken (a NaN or +inf reached it): l is NaN -> lse = NaN, never -inf. */
+inline float clattn_state_lse(const float m, const float l)
+{
+    return l > 0.0f ? m + log2(l) : (l == 0.0f ? -INFINITY : NAN);
+}
+
+/* 1 / l for the output, 0 for an empty state (its acc is 0); NaN stays NaN */
+inline float clattn_state_inv(const float l)
+{
+    return l == 0.0f ? 0.0f : 1.0f / l;
+}
+
+/* max that keeps NaN (fmax and max() drop it, which would hide a broken state) */
+inline float clattn_max_nan(const float a, const float b)
+{
+    return (b > a || isnan(b)) ? b : a;
+}
+
+/* weight 2^(s - mx) of a state with lse s in a merge whose largest lse is mx; an empty
+   state (s = -inf) weighs exactly 0, and its v must then not be read into the sum */
+inline float clattn_state_weight(const float s, const float mx)
+{
+    return s == -INFINITY ? 0.0f : exp2(s - mx);
+}
+
 /* angle (radians, reduced to about [-pi, pi]) of position pos for a frequency given
    in turns per position as an (hi, lo) pair: exact product, then drop whole turns */
 inline float clattn_rope_angle(int pos, float2 t)

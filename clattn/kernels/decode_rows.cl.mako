@@ -283,8 +283,8 @@ ${rotate_row("f")}
 % for g in range(G):
     {
         const int h = kvh * ${G} + ${g};
-        const float inv = l${g} > 0.0f ? 1.0f / l${g} : 0.0f;
-        const float st = l${g} > 0.0f ? m${g} + log2(l${g}) : -INFINITY;
+        const float inv = clattn_state_inv(l${g});
+        const float st = clattn_state_lse(m${g}, l${g});
         if (direct) {
             __global st_t* op = out + ((ulong)b * ${HQO} + h) * ${D};
 %   for i in range(NV):

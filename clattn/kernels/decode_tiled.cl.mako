@@ -158,11 +158,14 @@ void clattn_decode(${SIGNATURE})
             s[j] = row < r_hi ? ${score("s[j]")} : -INFINITY;
             mx = fmax(mx, s[j]);
         }
-        const float alpha = exp2(m - mx);   /* 0 while both are -inf is avoided below */
-        float sum = mx == -INFINITY ? 0.0f : l * alpha;
-        acc = mx == -INFINITY ? acc : acc * alpha;
+        /* a slice with no row in this step keeps its state; one whose rows all score
+           -inf gets exp2(-inf - -inf) = NaN: softmax over only -inf is undefined */
+        const int has_rows = t0 + tz * ${SLICE} < r_hi;
+        const float alpha = has_rows ? exp2(m - mx) : 1.0f;
+        float sum = l * alpha;
+        acc *= alpha;
         for (int j = 0; j < ${SLICE}; ++j) {
-            const float pj = mx == -INFINITY ? 0.0f : exp2(s[j] - mx);
+            const float pj = t0 + tz * ${SLICE} + j < r_hi ? exp2(s[j] - mx) : 0.0f;
             sum += pj;
             const int rs = tz * ${SLICE} + j;
 % if USE_LOCAL:
@@ -196,22 +199,20 @@ void clattn_decode(${SIGNATURE})
     barrier(CLK_LOCAL_MEM_FENCE);
     if (tz == 0 && head_ok) {
         float mt = -INFINITY;
-        for (int z = 0; z < ${BDZ}; ++z) mt = fmax(mt, md_red[z][ty][0]);
+        for (int z = 0; z < ${BDZ}; ++z) mt = clattn_max_nan(mt, md_red[z][ty][0]);
         float lt = 0.0f;
         ${c.fv(VEC)} ot = 0.0f;
-        if (mt != -INFINITY) {
-            for (int z = 0; z < ${BDZ}; ++z) {
-                const float w = exp2(md_red[z][ty][0] - mt);
-                lt += md_red[z][ty][1] * w;
+        for (int z = 0; z < ${BDZ}; ++z) {
+            const float w = clattn_state_weight(md_red[z][ty][0], mt);   /* empty slice: 0 */
+            lt += md_red[z][ty][1] * w;
 % if VEC == 1:
-                ot += o_red[z][ty][tx] * w;
+            ot += o_red[z][ty][tx] * w;
 % else:
-                ot += vload${VEC}(0, &o_red[z][ty][tx * ${VEC}]) * w;
+            ot += vload${VEC}(0, &o_red[z][ty][tx * ${VEC}]) * w;
 % endif
-            }
         }
-        const float inv = lt > 0.0f ? 1.0f / lt : 0.0f;
-        const float st = lt > 0.0f ? mt + log2(lt) : -INFINITY;
+        const float inv = clattn_state_inv(lt);
+        const float st = clattn_state_lse(mt, lt);
         ot *= inv;
         if (direct) {
             __global st_t* op = out + ((ulong)b * ${HQO} + h) * ${D} + tx * ${VEC};

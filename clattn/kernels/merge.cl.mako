@@ -30,20 +30,14 @@ def loadin(vec, ptr):
     return ("vload_half(0, %s)" % ptr) if vec == 1 else ("vload_half%d(0, %s)" % (vec, ptr))
 %>
 
-/* weights of two states (base-2 lse); both empty -> (0, 0) */
-inline float2 clattn_pair_weights(const float s, const float so)
+/* a pair merge: normalised weights (.x, .y) and the merged lse (.z) */
+inline float4 clattn_pair(const float s, const float so)
 {
-    const float mx = fmax(s, so);
-    if (mx == -INFINITY) return (float2)(0.0f, 0.0f);
-    const float a = exp2(s - mx), bb = exp2(so - mx);
-    return (float2)(a, bb) / (a + bb);
-}
-
-inline float clattn_pair_lse(const float s, const float so)
-{
-    const float mx = fmax(s, so);
-    if (mx == -INFINITY) return -INFINITY;
-    return mx + log2(exp2(s - mx) + exp2(so - mx));
+    const float mx = clattn_max_nan(s, so);
+    const float a = clattn_state_weight(s, mx), bb = clattn_state_weight(so, mx);
+    const float t = a + bb;
+    const float inv = clattn_state_inv(t);
+    return (float4)(a * inv, bb * inv, clattn_state_lse(mx, t), 0.0f);
 }
 
 % if STRATEGY == "rows":
@@ -74,16 +68,17 @@ __kernel void clattn_merge_pair(${PAIR_SIGNATURE})
     ${PAIR_FIXUP}
     for (int nh = get_global_id(0); nh < NH; nh += get_global_size(0)) {
         const float a = s[nh], bb = so[nh];
-        const float2 w = clattn_pair_weights(a, bb);
+        const float4 w = clattn_pair(a, bb);
         __global st_t* vp = v + (ulong)nh * ${D};
         const __global st_t* op = vo + (ulong)nh * ${D};
 % for i in range(NV):
         {
-            const ${FV} x = ${rload("vp + %d" % (i * VEC), DTYPE)} * w.x + ${rload("op + %d" % (i * VEC), DTYPE)} * w.y;
+            const ${FV} x = (a == -INFINITY ? (${FV})(0.0f) : ${rload("vp + %d" % (i * VEC), DTYPE)} * w.x) +
+                            (bb == -INFINITY ? (${FV})(0.0f) : ${rload("op + %d" % (i * VEC), DTYPE)} * w.y);
             ${rstore("x", "vp + %d" % (i * VEC))}
         }
 % endfor
-        s[nh] = clattn_pair_lse(a, bb);
+        s[nh] = w.z;
     }
 }
 
@@ -98,27 +93,27 @@ __kernel void clattn_merge_varlen(${VARLEN_SIGNATURE})
         hi = hi < lo ? lo : (hi > n_states ? n_states : hi);
         if (skip_single && hi - lo < 2) continue;
         float mx = -INFINITY;
-        for (int k = lo; k < hi; ++k) { const float x = sv[(ulong)k * H + h]; mx = x > mx ? x : mx; }
+        for (int k = lo; k < hi; ++k) mx = clattn_max_nan(mx, sv[(ulong)k * H + h]);
 % for i in range(NV):
         ${FV} acc${i} = 0.0f;
 % endfor
         float tot = 0.0f;
-        if (mx != -INFINITY) {
-            for (int k = lo; k < hi; ++k) {
-                const float w = exp2(sv[(ulong)k * H + h] - mx);
-                tot += w;
-                const __global in_t* ip = vin + ((ulong)k * H + h) * ${D};
+        for (int k = lo; k < hi; ++k) {
+            const float sk = sv[(ulong)k * H + h];
+            if (sk == -INFINITY) continue;   /* empty: weight 0, v not read */
+            const float w = clattn_state_weight(sk, mx);
+            tot += w;
+            const __global in_t* ip = vin + ((ulong)k * H + h) * ${D};
 % for i in range(NV):
-                acc${i} += w * ${rload("ip + %d" % (i * VEC), VIN)};
+            acc${i} += w * ${rload("ip + %d" % (i * VEC), VIN)};
 % endfor
-            }
         }
-        const float inv = tot > 0.0f ? 1.0f / tot : 0.0f;
+        const float inv = clattn_state_inv(tot);
         __global st_t* op = out + ((ulong)n * H + h) * ${D};
 % for i in range(NV):
         ${rstore("acc%d * inv" % i, "op + %d" % (i * VEC))}
 % endfor
-        lse[(ulong)n * H + h] = tot > 0.0f ? mx + log2(tot) : -INFINITY;
+        lse[(ulong)n * H + h] = clattn_state_lse(mx, tot);
     }
 }
 % else:
@@ -132,11 +127,13 @@ void clattn_merge_pair(${PAIR_SIGNATURE})
     if (nh < NH) { a = s[nh]; bb = so[nh]; }
     barrier(CLK_GLOBAL_MEM_FENCE);   /* every reader of s[nh] is done before it is rewritten */
     if (nh >= NH) return;
-    const float2 w = clattn_pair_weights(a, bb);
+    const float4 w = clattn_pair(a, bb);
     __global st_t* vp = v + (ulong)nh * ${D} + tx * ${VEC};
-    const ${c.fv(VEC)} x = ${c.loadv(VEC, "vp")} * w.x + ${c.loadv(VEC, "vo + (ulong)nh * %d + tx * %d" % (D, VEC))} * w.y;
+    const ${c.fv(VEC)} zero = 0.0f;
+    const ${c.fv(VEC)} x = (a == -INFINITY ? zero : ${c.loadv(VEC, "vp")} * w.x) +
+                           (bb == -INFINITY ? zero : ${c.loadv(VEC, "vo + (ulong)nh * %d + tx * %d" % (D, VEC))} * w.y);
     ${c.storev(VEC, "x", "vp")}
-    if (tx == 0) s[nh] = clattn_pair_lse(a, bb);
+    if (tx == 0) s[nh] = w.z;
 }
 
 __kernel __attribute__((reqd_work_group_size(${NV}, ${MH}, 1)))
@@ -153,18 +150,17 @@ void clattn_merge_varlen(${VARLEN_SIGNATURE})
     lo = clamp(lo, 0, n_states); hi = clamp(hi, lo, n_states);
     if (skip_single && hi - lo < 2) return;
     float mx = -INFINITY;
-    for (int k = lo; k < hi; ++k) mx = fmax(mx, sv[(ulong)k * H + h]);
+    for (int k = lo; k < hi; ++k) mx = clattn_max_nan(mx, sv[(ulong)k * H + h]);
     float tot = 0.0f;
     ${c.fv(VEC)} acc = 0.0f;
-    if (mx != -INFINITY) {
-        for (int k = lo; k < hi; ++k) {
-            const float w = exp2(sv[(ulong)k * H + h] - mx);
-            tot += w;
-            acc += w * ${loadin(VEC, "vin + ((ulong)k * H + h) * %d + tx * %d" % (D, VEC))};
-        }
+    for (int k = lo; k < hi; ++k) {
+        const float sk = sv[(ulong)k * H + h];
+        if (sk == -INFINITY) continue;   /* empty: weight 0, v not read */
+        const float w = clattn_state_weight(sk, mx);
+        tot += w;
+        acc += w * ${loadin(VEC, "vin + ((ulong)k * H + h) * %d + tx * %d" % (D, VEC))};
     }
-    const float inv = tot > 0.0f ? 1.0f / tot : 0.0f;
-    ${c.storev(VEC, "acc * inv", "out + ((ulong)n * H + h) * %d + tx * %d" % (D, VEC))}
-    if (tx == 0) lse[(ulong)n * H + h] = tot > 0.0f ? mx + log2(tot) : -INFINITY;
+    ${c.storev(VEC, "acc * clattn_state_inv(tot)", "out + ((ulong)n * H + h) * %d + tx * %d" % (D, VEC))}
+    if (tx == 0) lse[(ulong)n * H + h] = clattn_state_lse(mx, tot);
 }
 % endif
