@@ -10,40 +10,22 @@ import numpy as np
 
 from . import cpu_backend, runtime, signatures
 from .codegen import render_decode, render_merge
+from .decode_step import DecodeStep, upload_tables
 from .device import DeviceSetup, device_setup, warn_cpu_fallback
 from .fit import DecodeGeometry, decode_geometry, merge_geometry
 from .launch import Launcher
 from .plan import Plan, make_plan
 from .profiles.record import Profile
+from .result import DecodeResult
 from .rope import kernel_turns, parse_rope_scaling, rope_tables
 from .spec import LSE_DTYPE, AttentionSpec, default_sm_scale
 from .staging import Call
-from .validate import check_decode, chunk_lengths, is_host
+from .validate import check_decode, check_tables, chunk_lengths, is_host
 
 BACKENDS = ("auto", "opencl", "cpu")
 _CACHE_PLANS = 8  # plan tables kept on the device per BatchDecode
 _CACHE_ROPE = 16  # RoPE tables kept per BatchDecode (a caller varying rope_scale stays bounded)
 _CPU_PROFILE = Profile(name="cpu-backend", strategy="rows")
-
-
-class DecodeResult(tuple):
-    """``(out, lse, event)`` of one decode call.
-
-    ``out [B, H_qo, D]``, ``lse [B, H_qo]`` (base 2, f32) and the event that completes
-    them (None when nothing was launched, or on the CPU backend). ``events`` holds every
-    event the call enqueued, in order: the decode kernel, then the merge of split
-    partitions when the plan splits. Time a decode step with them.
-    """
-
-    out = property(lambda self: self[0], doc="attention output [B, H_qo, D]")
-    lse = property(lambda self: self[1], doc="base-2 log-sum-exp [B, H_qo] (f32)")
-    event = property(lambda self: self[2], doc="the last event of the call, or None")
-
-    def __new__(cls, out: Any, lse: Any, event: Any = None,
-                events: tuple = ()) -> "DecodeResult":
-        self = super().__new__(cls, (out, lse, event))
-        self.events = tuple(events) if events else ((event,) if event is not None else ())
-        return self
 
 
 class BatchDecode:
@@ -277,35 +259,17 @@ class BatchDecode:
         plan = self._checked_plan(plan, args, split)
         rt = self.setup.runtime
         call = Call(rt, queue, wait_for)
-        named = dict(q=call.input("q", q), pages=call.input("pages", pages),
-                     page_indptr=call.input("page_indptr", page_indptr),
-                     page_indices=call.input("page_indices", page_indices),
-                     num_pages=args.num_pages, nnz=args.nnz,
-                     window_offset=None, sink_size=None, q_pos=None, k_pos_offset=None)
-        if length_info is not None:
-            packed = call.input("length_info", length_info)
-            named["last_page_len"] = packed
-            if spec.sliding_window:  # rows 1 and 2 of the packed [3, B] table
-                named["window_offset"], named["sink_size"] = packed[1], packed[2]
-                named["last_page_len"] = packed[0]
-        else:
-            named["last_page_len"] = call.input("last_page_len", args.last_page_len)
-            if spec.sliding_window:
-                named["window_offset"] = call.input("window_offset", window_offset)
-                named["sink_size"] = call.input("sink_size", sink_size)
-        if rotary_mode:
-            named["q_pos"] = call.input("q_pos", q_pos)
-            named["k_pos_offset"] = call.input("k_pos_offset", k_pos_offset)
+        named = upload_tables(call, spec, args, page_indptr, page_indices, length_info,
+                              window_offset, sink_size, q_pos, k_pos_offset, rotary_mode)
+        named.update(q=call.input("q", q), pages=call.input("pages", pages))
         dout = call.output("out", out, (B, H, D), spec.np_dtype)
         dlse = call.output("lse", lse, (B, H), LSE_DTYPE)
-        turns, long_from, att = self._rope_buffer(rotary_mode, rope_theta, rope_scale)
         ws_o, ws_s = self._workspace(plan.n_ws) if plan.split else (None, None)
         pindptr = call.input("plan", self._plan_table(plan, call.queue)) if plan.split else None
         named.update(out=dout, lse=dlse, ws_o=ws_o, ws_s=ws_s, n_ws=plan.n_ws,
                      part_indptr=pindptr, split=int(plan.split),
-                     part_rows=plan.part_rows if plan.split else 0, rotary_mode=int(rotary_mode),
-                     sm_scale=default_sm_scale(D) if sm_scale is None else float(sm_scale),
-                     rope_turns=turns, long_from=long_from, rope_att=att)
+                     part_rows=plan.part_rows if plan.split else 0,
+                     **self._scalars(rotary_mode, rope_theta, rope_scale, sm_scale))
         decode, merge = self._kernels()
         events: list = []
         if B > 0:
@@ -321,6 +285,58 @@ class BatchDecode:
                     self._ws_event = events[-1]
         o, s = call.finish([dout, dlse], events, host=is_host(q))
         return DecodeResult(o, s, events[-1] if events else None, tuple(events))
+
+    def prepare(self, page_indptr: Any, page_indices: Any, last_page_len: Any = None, *,
+                num_pages: int, length_info: Any = None, window_offset: Any = None,
+                sink_size: Any = None, q_pos: Any = None, k_pos_offset: Any = None,
+                rotary_mode: int = 0, rope_scale: float = 1.0, rope_theta: float = 1e4,
+                sm_scale: float | None = None, plan: Plan | None = None,
+                split: bool | int | None = None, queue: Any = None) -> DecodeStep:
+        """Check and upload one step's tables once; run the step per layer.
+
+        Parameters are those of :meth:`run` less q, the pool and the outputs;
+        ``num_pages`` is the size of the pool(s) the step will run over (the page
+        indices are checked against it).
+
+        Returns
+        -------
+        DecodeStep
+            ``step.run(q, pages, out=..., lse=...)`` per layer.
+
+        Examples
+        --------
+        >>> step = dec.prepare(indptr, indices, last, num_pages=P)     # doctest: +SKIP
+        >>> for layer in range(32):                                     # doctest: +SKIP
+        ...     step.run(q[layer], pools[layer], out=o[layer], lse=s[layer])
+        """
+        if not self.setup:
+            raise RuntimeError("prepare: the CPU backend has no device step; call run()")
+        if not isinstance(num_pages, (int, np.integer)) or num_pages < 0:
+            raise ValueError(f"num_pages={num_pages!r}: the pool size, an int >= 0")
+        spec = self.spec
+        B = int(getattr(page_indptr, "shape", (1,))[0]) - 1
+        args = check_tables(spec, B, int(num_pages), page_indptr, page_indices, last_page_len,
+                            length_info=length_info, window_offset=window_offset,
+                            sink_size=sink_size, q_pos=q_pos, k_pos_offset=k_pos_offset,
+                            rotary_mode=rotary_mode, sm_scale=sm_scale, rope_scale=rope_scale,
+                            rope_theta=rope_theta)
+        plan = self._checked_plan(plan, args, split)
+        call = Call(self.setup.runtime, queue)
+        tables = upload_tables(call, spec, args, page_indptr, page_indices, length_info,
+                               window_offset, sink_size, q_pos, k_pos_offset, rotary_mode)
+        tables["part_indptr"] = call.input("plan", self._plan_table(plan, call.queue)) \
+            if plan.split else None
+        tables.update(self._scalars(rotary_mode, rope_theta, rope_scale, sm_scale))
+        return DecodeStep(self, args, plan, tables, call.wait_list(), int(num_pages))
+
+    def _scalars(self, rotary_mode: int, rope_theta: float, rope_scale: float,
+                 sm_scale: float | None) -> dict:
+        """The scalar and RoPE-table arguments of the decode kernel."""
+        turns, long_from, att = self._rope_buffer(rotary_mode, rope_theta, rope_scale)
+        D = self.spec.head_dim
+        return dict(rotary_mode=int(rotary_mode),
+                    sm_scale=default_sm_scale(D) if sm_scale is None else float(sm_scale),
+                    rope_turns=turns, long_from=long_from, rope_att=att)
 
     def _checked_plan(self, plan: Plan | None, args: Any, split: bool | int | None) -> Plan:
         """The caller's plan, checked against this call, or a new one."""

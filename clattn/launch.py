@@ -9,6 +9,7 @@ table, so the signature and the launch cannot drift apart.
 """
 from __future__ import annotations
 
+import struct
 import threading
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
@@ -20,6 +21,13 @@ import pyopencl as cl  # importing does not enumerate platforms: clattn.runtime'
 SCALAR_DTYPES = {"int": np.int32, "uint": np.uint32, "long": np.int64, "ulong": np.uint64,
                  "float": np.float32}
 _OFFSET_LIMITS = {"int": 2**31 - 1, "ulong": 2**63 - 1}
+#: host-order packing of each scalar C type (kernel arguments are host values)
+_PACK = {"int": struct.Struct("=i").pack, "uint": struct.Struct("=I").pack,
+         "long": struct.Struct("=q").pack, "ulong": struct.Struct("=Q").pack,
+         "float": struct.Struct("=f").pack}
+# pyopencl's own invokers set scalars from packed bytes (0.3 us); its public set_arg
+# with a numpy scalar costs 15 us. Use the fast entry where this pyopencl has it.
+_SET_BYTES = getattr(cl.Kernel, "_set_arg_buf", None)
 
 
 @dataclass(frozen=True)
@@ -65,6 +73,12 @@ class ArgTable:
         if dup:
             raise ValueError(f"{kernel}: argument names used twice: {sorted(dup)}")
         self.names = frozenset(a.name for a in self.args)
+        self.positions: dict[str, int] = {}  # name -> index of its OpenCL argument
+        i = 0
+        for a in self.args:
+            self.positions[a.name] = i
+            i += 2 if isinstance(a, Buffer) and a.offset else 1
+        self.by_name = {a.name: a for a in self.args}
 
     def signature(self) -> str:
         """The C parameter list (without parentheses)."""
@@ -168,6 +182,10 @@ class Launcher:
                                None if local_size is None else tuple(local_size), *args,
                                wait_for=wait_for or None)
 
+    def bind(self, **named: Any) -> "BoundKernel":
+        """A private kernel object with every argument set now; change a few per launch."""
+        return BoundKernel(self, named)
+
     def work_group_size(self, device: Any) -> int | None:
         """CL_KERNEL_WORK_GROUP_SIZE of the built kernel (None if the driver cannot say)."""
         try:
@@ -175,3 +193,56 @@ class Launcher:
                 cl.kernel_work_group_info.WORK_GROUP_SIZE, device))
         except Exception:  # noqa: BLE001 - a driver without the query
             return None
+
+
+class BoundKernel:
+    """A kernel object of its own with its arguments kept set between launches.
+
+    For a call repeated with mostly the same arguments (one decode step, every
+    layer): :meth:`launch` sets only the arguments named in it, then enqueues. Not
+    shared between threads unless the caller holds :attr:`lock`.
+    """
+
+    def __init__(self, launcher: Launcher, named: Mapping[str, Any]) -> None:
+        self.table = launcher.table
+        self._dummy = launcher._dummy
+        self.kernel = cl.Kernel(launcher.kernel.program, self.table.kernel)
+        self.kernel.set_scalar_arg_dtypes(self.table.scalar_dtypes())
+        self.kernel.set_args(*self.table.values(named, self._dummy))
+        # a kernel object does not keep its buffers alive: hold them while they are set
+        self._refs = {k: v for k, v in named.items() if not isinstance(self.table.by_name[k], Scalar)}
+        self.lock = threading.Lock()
+
+    def set(self, **named: Any) -> None:
+        """Set some arguments by name (buffers as in :meth:`ArgTable.values`)."""
+        pos, by_name, k = self.table.positions, self.table.by_name, self.kernel
+        refs = self._refs
+        for name, v in named.items():
+            if v is not None and refs.get(name) is v:
+                continue  # the same array object: its buffer and offset are set already
+            a = by_name[name]
+            i = pos[name]
+            if isinstance(a, Scalar):
+                _set_scalar(k, i, a.ctype, v)
+                continue
+            buf, off = _buffer_and_offset(a, v, self._dummy)
+            self._refs[name] = v
+            k.set_arg(i, buf)
+            if a.offset:
+                _set_scalar(k, i + 1, a.offset, off)
+
+    def launch(self, queue: Any, global_size: tuple, local_size: tuple | None,
+               wait_for: list | None = None, **named: Any) -> Any:
+        """Set ``named`` and enqueue; returns the event."""
+        with self.lock:
+            if named:
+                self.set(**named)
+            return cl.enqueue_nd_range_kernel(queue, self.kernel, global_size, local_size,
+                                              wait_for=wait_for or None)
+
+
+def _set_scalar(kernel: Any, index: int, ctype: str, value: Any) -> None:
+    if _SET_BYTES is not None:
+        _SET_BYTES(kernel, index, _PACK[ctype](value))
+    else:
+        kernel.set_arg(index, SCALAR_DTYPES[ctype](value))

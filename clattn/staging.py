@@ -20,6 +20,9 @@ class Call:
 
     def __init__(self, rt: Any, queue: Any = None, wait_for: Sequence | None = None) -> None:
         self.rt = rt
+        if queue is not None and queue.context != rt.context:
+            raise ValueError(f"queue: belongs to another OpenCL context than this call's device "
+                             f"({rt.device.name!r}); pass a queue of that context")
         self.queue = queue or rt.queue
         self._waits = list(wait_for or [])
         self._used: list = []
@@ -65,8 +68,10 @@ class Call:
         """
         last = events[-1] if events else None
         if last is not None:
+            # the launch waited for every earlier event of the outputs, so the last
+            # event stands for all of them (add_event would block on old ones instead)
             for d in outputs:
-                d.add_event(last)
+                d.events[:] = [last]
         targets = {id(d): t for d, t in self._host_outs}
         if not (host or targets):
             return list(outputs)

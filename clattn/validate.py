@@ -70,6 +70,32 @@ def _ints(name: str, a: Any, n: int) -> None:
     check_array(name, a, ndim=1, shape=(n,), dtypes=(INDEX_DTYPE,))
 
 
+def check_operands(spec: AttentionSpec, q: Any, pages: Any, out: Any = None,
+                   lse: Any = None, *, batch: int | None = None,
+                   num_pages: int | None = None) -> tuple[int, int]:
+    """Check q, the page pool and the outputs; returns ``(B, P)``.
+
+    ``batch``/``num_pages``: what a prepared step was made for (then checked against).
+    """
+    dt = spec.np_dtype
+    check_array("q", q, ndim=3, dtypes=(dt,))
+    B = _shape(q)[0]
+    check_array("q", q, shape=(B, spec.num_qo_heads, spec.head_dim))
+    if batch is not None and B != batch:
+        raise ValueError(f"q: {B} sequences, the step was prepared for {batch}")
+    check_array("pages", pages, ndim=5, dtypes=(dt,))
+    P = _shape(pages)[0]
+    check_array("pages", pages, shape=(P, 2, spec.num_kv_heads, spec.page_size, spec.head_dim))
+    if num_pages is not None and P != num_pages:
+        raise ValueError(f"pages: a pool of {P} pages, the step was prepared for {num_pages} "
+                         f"(its page_indices were checked against that size); prepare again")
+    if out is not None:
+        check_array("out", out, shape=(B, spec.num_qo_heads, spec.head_dim), dtypes=(dt,))
+    if lse is not None:
+        check_array("lse", lse, shape=(B, spec.num_qo_heads), dtypes=(LSE_DTYPE,))
+    return B, P
+
+
 def check_decode(spec: AttentionSpec, q: Any, pages: Any, page_indptr: Any, page_indices: Any,
                  last_page_len: Any = None, *, length_info: Any = None,
                  window_offset: Any = None, sink_size: Any = None, q_pos: Any = None,
@@ -77,13 +103,20 @@ def check_decode(spec: AttentionSpec, q: Any, pages: Any, page_indptr: Any, page
                  rope_scale: float = 1.0, rope_theta: float = 1e4,
                  out: Any = None, lse: Any = None) -> DecodeArgs:
     """Check one decode call against ``spec``; returns the normalised tables."""
-    dt = spec.np_dtype
-    check_array("q", q, ndim=3, dtypes=(dt,))
-    B = _shape(q)[0]
-    check_array("q", q, shape=(B, spec.num_qo_heads, spec.head_dim))
-    check_array("pages", pages, ndim=5, dtypes=(dt,))
-    P = _shape(pages)[0]
-    check_array("pages", pages, shape=(P, 2, spec.num_kv_heads, spec.page_size, spec.head_dim))
+    B, P = check_operands(spec, q, pages, out, lse)
+    return check_tables(spec, B, P, page_indptr, page_indices, last_page_len,
+                        length_info=length_info, window_offset=window_offset,
+                        sink_size=sink_size, q_pos=q_pos, k_pos_offset=k_pos_offset,
+                        rotary_mode=rotary_mode, sm_scale=sm_scale, rope_scale=rope_scale,
+                        rope_theta=rope_theta)
+
+
+def check_tables(spec: AttentionSpec, B: int, P: int, page_indptr: Any, page_indices: Any,
+                 last_page_len: Any = None, *, length_info: Any = None,
+                 window_offset: Any = None, sink_size: Any = None, q_pos: Any = None,
+                 k_pos_offset: Any = None, rotary_mode: int = 0, sm_scale: float | None = None,
+                 rope_scale: float = 1.0, rope_theta: float = 1e4) -> DecodeArgs:
+    """Check the page tables and scalars of ``B`` sequences over a pool of ``P`` pages."""
     _ints("page_indptr", page_indptr, B + 1)
     check_array("page_indices", page_indices, ndim=1, dtypes=(INDEX_DTYPE,))
     nnz = _shape(page_indices)[0]
@@ -125,11 +158,6 @@ def check_decode(spec: AttentionSpec, q: Any, pages: Any, page_indptr: Any, page
             raise ValueError(f"rope_scale={rope_scale!r}: must be finite")
     if sm_scale is not None and not np.isfinite(sm_scale):
         raise ValueError(f"sm_scale={sm_scale!r}: must be finite (or None for 1/sqrt(head_dim))")
-    if out is not None:
-        check_array("out", out, shape=(B, spec.num_qo_heads, spec.head_dim), dtypes=(dt,))
-    if lse is not None:
-        check_array("lse", lse, shape=(B, spec.num_qo_heads), dtypes=(LSE_DTYPE,))
-
     stored = chunk = None
     tables = [page_indptr, page_indices, last_page_len] + (
         [window_offset, sink_size] if spec.sliding_window else [])

@@ -1,0 +1,164 @@
+"""A prepared decode step: tables checked and uploaded once, run once per layer.
+
+A model's decode step attends every layer over the same page tables; only q and the
+layer's pages change. :meth:`clattn.BatchDecode.prepare` checks the tables, plans the
+split and uploads what is on the host once; :meth:`DecodeStep.run` then checks q, the
+pool and the outputs, sets the few arguments that change and enqueues: a host path of
+a few microseconds plus the driver's enqueue.
+"""
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING, Any
+
+from . import runtime
+from .plan import Plan
+from .result import DecodeResult
+from .spec import LSE_DTYPE
+from .staging import Call
+from .validate import DecodeArgs, check_operands, is_host
+
+if TYPE_CHECKING:
+    from .decode import BatchDecode
+
+
+class DecodeStep:
+    """One batch's decode tables on the device; :meth:`run` attends one layer.
+
+    Made by :meth:`clattn.BatchDecode.prepare`. A step may be run from several threads
+    (launches are serialised on it); split steps order their launches on the step's
+    own workspace.
+    """
+
+    def __init__(self, dec: "BatchDecode", args: DecodeArgs, plan: Plan, tables: dict,
+                 events: list, num_pages: int) -> None:
+        self.decoder = dec
+        self.plan = plan
+        self.batch = args.B
+        self.num_pages = num_pages
+        spec = dec.spec
+        rt = dec.setup.runtime
+        self._rt = rt
+        self._shapes = ((args.B, spec.num_qo_heads, spec.head_dim),
+                        (num_pages, 2, spec.num_kv_heads, spec.page_size, spec.head_dim),
+                        (args.B, spec.num_qo_heads))
+        self._dtype = spec.np_dtype
+        self._table_events = list(events)  # uploads of the tables: waited for once
+        self._lock = threading.Lock()
+        self._ws_event = None
+        decode, merge = dec._kernels()
+        H, D = spec.num_qo_heads, spec.head_dim
+        ws = (None, None)
+        if plan.split:
+            cl = runtime.cl()
+            ws = (cl.Buffer(rt.context, cl.mem_flags.READ_WRITE, max(plan.n_ws, 1) * H * D * 4),
+                  cl.Buffer(rt.context, cl.mem_flags.READ_WRITE, max(plan.n_ws, 1) * H * 4))
+        self._sizes = (dec.geometry.global_size(args.B, spec.num_kv_heads,
+                                                plan.num_parts if plan.split else 1),
+                       dec.geometry.local_size())
+        unset = dict(q=None, pages=None, out=None, lse=None)
+        self._decode = decode.bind(**unset, **tables, ws_o=ws[0], ws_s=ws[1],
+                                   n_ws=plan.n_ws, split=int(plan.split),
+                                   part_rows=plan.part_rows if plan.split else 0)
+        self._merge = None
+        if plan.split:
+            self._merge_sizes = dec.merge_geometry.sizes(args.B * H, D)
+            self._merge = merge.bind(vin=(ws[0], 0), sv=(ws[1], 0), indptr=tables["part_indptr"],
+                                     fixed_k=-1, skip_single=1, n_states=plan.n_ws,
+                                     out=None, lse=None, N=args.B, H=H)
+
+    def _fast_ok(self, q: Any, pages: Any, out: Any, lse: Any) -> bool:
+        """True when every operand is a device array of this context with the right
+        shape, dtype and layout (checked field by field, no error text built)."""
+        ctx = self._rt.context
+        for a, shape, dt in ((q, self._shapes[0], self._dtype),
+                             (pages, self._shapes[1], self._dtype),
+                             (out, self._shapes[0], self._dtype),
+                             (lse, self._shapes[2], LSE_DTYPE)):
+            if a is None:
+                continue
+            if is_host(a) or not hasattr(a, "base_data") or a.shape != shape or \
+                    a.dtype != dt or not a.flags.c_contiguous or a.context != ctx:
+                return False
+        return True
+
+    def run(self, q: Any, pages: Any, *, out: Any = None, lse: Any = None, queue: Any = None,
+            wait_for: list | None = None) -> DecodeResult:
+        """Attend one layer: ``q [B, H_qo, D]`` over ``pages [P, 2, H_kv, page_size, D]``.
+
+        Arrays as in :meth:`clattn.BatchDecode.run` (numpy in and out, or device arrays
+        of the decoder's context); ``pages`` must have the pool size the step was
+        prepared for. Pass ``out=``/``lse=`` device arrays to keep the host path short.
+
+        Returns
+        -------
+        DecodeResult
+            ``(out, lse, event)`` with ``.events``.
+        """
+        spec = self.decoder.spec
+        if not self._fast_ok(q, pages, out, lse):
+            check_operands(spec, q, pages, out, lse, batch=self.batch, num_pages=self.num_pages)
+        elif out is not None and lse is not None and queue is None and self._merge is None \
+                and self.batch > 0:
+            return self._run_fast(q, pages, out, lse, wait_for)
+        call = Call(self._rt, queue, wait_for)
+        dq, dpages = call.input("q", q), call.input("pages", pages)
+        dout = call.output("out", out, self._shapes[0], self._dtype)
+        dlse = call.output("lse", lse, self._shapes[2], LSE_DTYPE)
+        events: list = []
+        if self.batch > 0:
+            with self._lock:
+                waits = call.wait_list(*self._table_events, self._ws_event)
+                self._table_events = []
+                events.append(self._decode.launch(call.queue, *self._sizes, waits, q=dq,
+                                                  pages=dpages, out=dout, lse=dlse))
+                if self._merge is not None:
+                    events.append(self._merge.launch(call.queue, *self._merge_sizes, [events[-1]],
+                                                     out=dout, lse=dlse))
+                    self._ws_event = events[-1]
+        o, s = call.finish([dout, dlse], events, host=is_host(q))
+        return DecodeResult(o, s, events[-1] if events else None, tuple(events))
+
+
+    def _run_fast(self, q: Any, pages: Any, out: Any, lse: Any,
+                  wait_for: list | None) -> DecodeResult:
+        """The per-layer path: device operands already checked, outputs given, no split."""
+        waits = list(wait_for or ())
+        for a in (q, pages, out, lse):
+            if a.events:
+                waits.extend(a.events)
+        with self._lock:
+            if self._table_events:
+                waits.extend(self._table_events)
+                self._table_events = []
+            evt = self._decode.launch(self._rt.queue, *self._sizes, waits, q=q, pages=pages,
+                                      out=out, lse=lse)
+        # the launch waited for every earlier event of out and lse: its own event now
+        # stands for all of them (pyopencl's add_event would block on old ones instead)
+        out.events[:] = [evt]
+        lse.events[:] = [evt]
+        return DecodeResult(out, lse, evt)
+
+
+def upload_tables(call: Call, spec: Any, args: DecodeArgs, page_indptr: Any, page_indices: Any,
+                  length_info: Any, window_offset: Any, sink_size: Any, q_pos: Any,
+                  k_pos_offset: Any, rotary_mode: int) -> dict:
+    """The decode kernel's table arguments by name, on the device."""
+    named = dict(page_indptr=call.input("page_indptr", page_indptr),
+                 page_indices=call.input("page_indices", page_indices),
+                 num_pages=args.num_pages, nnz=args.nnz,
+                 window_offset=None, sink_size=None, q_pos=None, k_pos_offset=None)
+    if length_info is not None:
+        packed = call.input("length_info", length_info)
+        named["last_page_len"] = packed[0] if spec.sliding_window else packed
+        if spec.sliding_window:  # rows 1 and 2 of the packed [3, B] table
+            named["window_offset"], named["sink_size"] = packed[1], packed[2]
+    else:
+        named["last_page_len"] = call.input("last_page_len", args.last_page_len)
+        if spec.sliding_window:
+            named["window_offset"] = call.input("window_offset", window_offset)
+            named["sink_size"] = call.input("sink_size", sink_size)
+    if rotary_mode:
+        named["q_pos"] = call.input("q_pos", q_pos)
+        named["k_pos_offset"] = call.input("k_pos_offset", k_pos_offset)
+    return named

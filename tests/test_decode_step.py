@@ -1,0 +1,99 @@
+"""A prepared step (BatchDecode.prepare) runs every layer like BatchDecode.run does."""
+import threading
+import warnings
+
+import numpy as np
+import pytest
+
+import clattn
+from clattn import runtime
+from cases import compare, decode_args, make_case
+from naive import naive_decode
+
+
+def _layers(spec, case, n, seed):
+    rng = np.random.default_rng(seed)
+    dt = spec.np_dtype
+    qs = [rng.standard_normal(case["q"].shape).astype(dt) for _ in range(n)]
+    pools = [rng.standard_normal(case["pages"].shape).astype(dt) for _ in range(n)]
+    return qs, pools
+
+
+@pytest.mark.parametrize("split", [False, 16])
+@pytest.mark.parametrize("profile", [None, "adreno-7xx"])
+def test_step_equals_run_per_layer(device, split, profile):
+    spec = clattn.AttentionSpec(8, 2, 64, page_size=16, dtype="float16", sliding_window=True)
+    case = make_case(spec, [1, 70, 0, 33], seed=4, window=20, sinks=3, rope=True)
+    args, kw = decode_args(case)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        dec = clattn.BatchDecode(spec, device, profile=profile)
+    kw["rotary_mode"] = 1
+    plan = dec.plan(args[2], args[4], window_offset=kw["window_offset"],
+                    sink_size=kw["sink_size"], split=split)
+    step = dec.prepare(*args[2:], num_pages=case["pages"].shape[0], plan=plan, **kw)
+    qs, pools = _layers(spec, case, 3, seed=9)
+    cl = runtime.cl()
+    queue = dec.setup.runtime.queue
+    outs = [cl.array.empty(queue, case["q"].shape, spec.np_dtype) for _ in qs]
+    lses = [cl.array.empty(queue, case["q"].shape[:2], np.float32) for _ in qs]
+    dq = [cl.array.to_device(queue, q) for q in qs]
+    dp = [cl.array.to_device(queue, p) for p in pools]
+    for i in range(3):  # device path (outputs given) and host path
+        step.run(dq[i], dp[i], out=outs[i], lse=lses[i])
+    for i in range(3):
+        host = step.run(qs[i], pools[i])
+        ref = naive_decode(qs[i], pools[i], *args[2:], **kw)
+        compare(outs[i].get(), lses[i].get(), *ref, spec.dtype)
+        compare(host.out, host.lse, *ref, spec.dtype)
+        again = dec.run(qs[i], pools[i], *args[2:], plan=plan, **kw)
+        assert np.array_equal(again.out, host.out) and np.array_equal(again.lse, host.lse)
+
+
+def test_step_checks_operands(device):
+    spec = clattn.AttentionSpec(4, 1, 64, page_size=16, dtype="float32")
+    case = make_case(spec, [5, 9], seed=1)
+    args, kw = decode_args(case)
+    dec = clattn.BatchDecode(spec, device)
+    P = case["pages"].shape[0]
+    step = dec.prepare(*args[2:], num_pages=P, **kw)
+    with pytest.raises(ValueError, match="pages: a pool of"):
+        step.run(args[0], np.zeros((P + 1,) + case["pages"].shape[1:], np.float32))
+    with pytest.raises(ValueError, match="prepared for 2"):
+        step.run(args[0][:1], args[1])
+    with pytest.raises(TypeError, match="q: dtype"):
+        step.run(args[0].astype(np.float16), args[1])
+    bad = args[3].copy()
+    bad[0] = P  # out of the pool: refused when preparing
+    with pytest.raises(ValueError, match="page_indices"):
+        dec.prepare(args[2], bad, *args[4:], num_pages=P, **kw)
+    with pytest.raises(ValueError, match="num_pages"):
+        dec.prepare(*args[2:], num_pages=-1, **kw)
+
+
+def test_step_from_threads(device):
+    """One step shared by several threads: every result equals the single-threaded one."""
+    import sys
+    spec = clattn.AttentionSpec(8, 2, 64, page_size=16, dtype="float32")
+    case = make_case(spec, [40, 3, 17], seed=2)
+    args, kw = decode_args(case)
+    dec = clattn.BatchDecode(spec, device)
+    step = dec.prepare(*args[2:], num_pages=case["pages"].shape[0], **kw)
+    qs, pools = _layers(spec, case, 8, seed=3)
+    want = [step.run(q, p) for q, p in zip(qs, pools)]
+    got = [None] * 8
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)
+    try:
+        def work(i):
+            for _ in range(5):
+                got[i] = step.run(qs[i], pools[i])
+        ts = [threading.Thread(target=work, args=(i,)) for i in range(8)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+    finally:
+        sys.setswitchinterval(old)
+    for w, g in zip(want, got):
+        assert np.array_equal(w.out, g.out) and np.array_equal(w.lse, g.lse)
