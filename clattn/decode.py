@@ -386,7 +386,8 @@ class BatchDecode:
 
 
 def _host(a: Any) -> Any:
-    return a if a is None or is_host(a) else a.get()
+    """A device array fetched to the host; anything else as given (validation judges it)."""
+    return a.get() if hasattr(a, "base_data") else a
 
 
 def _host_all(*arrays: Any) -> list:

@@ -75,8 +75,20 @@ def parse_rope_scaling(scaling: Mapping[str, Any] | None,
     if rtype == "longrope" and not scaling.get("original_max_position_embeddings"):
         raise ValueError("rope_scaling of type 'longrope' needs 'original_max_position_embeddings' "
                          "(HF keeps it at the config's top level: AttentionSpec.from_hf_config copies it)")
+    for key in ("factor", "low_freq_factor", "high_freq_factor"):
+        v = scaling.get(key)
+        if key in _REQUIRED.get(rtype, ()) and not _positive_finite(v):
+            raise ValueError(f"rope_scaling {key}={v!r} (type {rtype!r}): must be a positive "
+                             f"finite number")
     params = tuple(sorted((str(k), _hashable(v)) for k, v in scaling.items()))
     return RopeScaling(rtype, params)
+
+
+def _positive_finite(v: Any) -> bool:
+    try:
+        return math.isfinite(float(v)) and float(v) > 0
+    except (TypeError, ValueError):
+        return False
 
 
 def _llama3(inv: np.ndarray, rs: RopeScaling) -> np.ndarray:

@@ -59,7 +59,10 @@ class AttentionSpec:
                 f"num_kv_heads={self.num_kv_heads}: GQA needs an integer group size")
         if self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim}: must be even (RoPE pairs dims)")
-        dt = str(np.dtype(self.dtype)) if self.dtype is not None else None
+        try:
+            dt = str(np.dtype(self.dtype)) if self.dtype is not None else None
+        except TypeError:  # a name numpy does not know (e.g. "bfloat16")
+            dt = None
         if dt not in DTYPES:
             raise TypeError(f"dtype={self.dtype!r}: must be one of {sorted(DTYPES)}")
         object.__setattr__(self, "dtype", dt)

@@ -8,6 +8,7 @@ them read or write out of bounds).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,8 +30,9 @@ def _contiguous(a: Any) -> bool:
 
 
 def check_array(name: str, a: Any, *, ndim: int | None = None, shape: tuple | None = None,
-                dtypes: tuple | None = None) -> None:
-    """Type, dtype, shape and contiguity of one array argument."""
+                dtypes: tuple | None = None, writable: bool = False) -> None:
+    """Type, dtype, shape and contiguity of one array argument (and, for an array the
+    call writes, that a numpy array is writable: checked before anything is written)."""
     if a is None or not hasattr(a, "shape") or not hasattr(a, "dtype"):
         raise TypeError(f"{name}: expected a numpy or pyopencl array, got {type(a).__name__}")
     if dtypes is not None and np.dtype(a.dtype) not in [np.dtype(d) for d in dtypes]:
@@ -47,6 +49,8 @@ def check_array(name: str, a: Any, *, ndim: int | None = None, shape: tuple | No
             raise ValueError(f"{name}: expected shape {pretty}, got {got}")
     if not _contiguous(a):
         raise ValueError(f"{name}: must be C-contiguous (pass np.ascontiguousarray({name}))")
+    if writable and is_host(a) and not a.flags.writeable:
+        raise ValueError(f"{name}: is read-only; pass a writable array (e.g. {name}.copy())")
 
 
 @dataclass
@@ -90,9 +94,11 @@ def check_operands(spec: AttentionSpec, q: Any, pages: Any, out: Any = None,
         raise ValueError(f"pages: a pool of {P} pages, the step was prepared for {num_pages} "
                          f"(its page_indices were checked against that size); prepare again")
     if out is not None:
-        check_array("out", out, shape=(B, spec.num_qo_heads, spec.head_dim), dtypes=(dt,))
+        check_array("out", out, shape=(B, spec.num_qo_heads, spec.head_dim), dtypes=(dt,),
+                    writable=True)
     if lse is not None:
-        check_array("lse", lse, shape=(B, spec.num_qo_heads), dtypes=(LSE_DTYPE,))
+        check_array("lse", lse, shape=(B, spec.num_qo_heads), dtypes=(LSE_DTYPE,),
+                    writable=True)
     return B, P
 
 
@@ -154,18 +160,45 @@ def check_tables(spec: AttentionSpec, B: int, P: int, page_indptr: Any, page_ind
             _ints(nm, arr, B)
         if not (np.isfinite(rope_theta) and rope_theta > 0):
             raise ValueError(f"rope_theta={rope_theta!r}: must be a positive finite number")
-        if not np.isfinite(rope_scale):
-            raise ValueError(f"rope_scale={rope_scale!r}: must be finite")
-    if sm_scale is not None and not np.isfinite(sm_scale):
-        raise ValueError(f"sm_scale={sm_scale!r}: must be finite (or None for 1/sqrt(head_dim))")
+        _f32_finite("rope_scale", rope_scale)
+    if sm_scale is not None:
+        _f32_finite("sm_scale", sm_scale, "(or None for 1/sqrt(head_dim))")
     stored = chunk = None
     tables = [page_indptr, page_indices, last_page_len] + (
         [window_offset, sink_size] if spec.sliding_window else [])
     if all(is_host(t) for t in tables):
         stored, chunk = _check_table_values(spec, B, P, nnz, page_indptr, page_indices,
                                             last_page_len, window_offset, sink_size)
+        if rotary_mode == 1 and is_host(k_pos_offset):
+            _check_positions(k_pos_offset, chunk)
     return DecodeArgs(B, P, nnz, last_page_len, window_offset, sink_size, length_info,
                       q_pos, k_pos_offset, stored, chunk)
+
+
+_F32_MAX = float(np.finfo(np.float32).max)
+_INT32_MAX = 2**31 - 1
+
+
+def _f32_finite(name: str, value: Any, hint: str = "") -> None:
+    """A scalar the kernel takes as a float: finite as a float32 too."""
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"{name}={value!r}: must be a number") from None
+    if not (math.isfinite(v) and abs(v) <= _F32_MAX):
+        raise ValueError(f"{name}={value!r}: must be finite as a float32 (|x| <= {_F32_MAX:.3e})"
+                         + (f" {hint}" if hint else ""))
+
+
+def _check_positions(k_pos_offset: np.ndarray, chunk: np.ndarray) -> None:
+    """Every key position k_pos_offset + r of the chunk fits an int32."""
+    last = k_pos_offset.astype(np.int64) + np.maximum(chunk - 1, 0)
+    bad = last > _INT32_MAX
+    if bad.any():
+        i = _first_bad(bad)
+        raise ValueError(f"k_pos_offset[{i}]={int(k_pos_offset[i])}: the chunk's last key "
+                         f"position {int(last[i])} exceeds the int32 range; positions must "
+                         f"stay below 2**31")
 
 
 def _first_bad(mask: np.ndarray) -> int:
@@ -254,9 +287,9 @@ def chunk_lengths(spec: AttentionSpec, page_indptr: Any, last_page_len: Any = No
 
 def check_merge_pair(v: Any, s: Any, v_other: Any, s_other: Any) -> None:
     """Rules of ``merge_state_``: v [N, H, D] f16/f32, s [N, H] f32, same shapes both sides."""
-    check_array("v", v, ndim=3, dtypes=tuple(DTYPES.values()))
+    check_array("v", v, ndim=3, dtypes=tuple(DTYPES.values()), writable=True)
     N, H, D = _shape(v)
-    check_array("s", s, shape=(N, H), dtypes=(LSE_DTYPE,))
+    check_array("s", s, shape=(N, H), dtypes=(LSE_DTYPE,), writable=True)
     check_array("v_other", v_other, shape=(N, H, D), dtypes=(np.dtype(v.dtype),))
     check_array("s_other", s_other, shape=(N, H), dtypes=(LSE_DTYPE,))
 
@@ -267,6 +300,6 @@ def check_merge_k(v: Any, s: Any, out: Any = None, lse: Any = None) -> None:
     N, K, H, D = _shape(v)
     check_array("s", s, shape=(N, K, H), dtypes=(LSE_DTYPE,))
     if out is not None:
-        check_array("out", out, shape=(N, H, D), dtypes=(np.dtype(v.dtype),))
+        check_array("out", out, shape=(N, H, D), dtypes=(np.dtype(v.dtype),), writable=True)
     if lse is not None:
-        check_array("lse", lse, shape=(N, H), dtypes=(LSE_DTYPE,))
+        check_array("lse", lse, shape=(N, H), dtypes=(LSE_DTYPE,), writable=True)

@@ -40,15 +40,20 @@ inline float clattn_state_weight(const float s, const float mx)
     return s == -INFINITY ? 0.0f : exp2(s - mx);
 }
 
-/* angle (radians, reduced to about [-pi, pi]) of position pos for a frequency given
-   in turns per position as an (hi, lo) pair: exact product, then drop whole turns */
+/* angle (radians, reduced to about [-pi, pi]) of position pos for a frequency given in
+   turns per position as an (hi, lo) f32 pair, exact over the whole int range: pos is
+   split into two 16-bit halves so each product with hi is exact as an fma pair; whole
+   turns are dropped from every part before they are added */
 inline float clattn_rope_angle(int pos, float2 t)
 {
 #pragma OPENCL FP_CONTRACT OFF
-    const float p = (float)pos;
-    const float hi = p * t.x;
-    const float err = fma(p, t.x, -hi);
-    const float frac = (hi - rint(hi)) + (err + p * t.y);
+    const float a = (float)(pos & (int)0xffff0000);   /* exact: 16 significant bits */
+    const float b = (float)(pos & 0xffff);
+    const float pa = a * t.x, ea = fma(a, t.x, -pa);
+    const float pb = b * t.x, eb = fma(b, t.x, -pb);
+    const float pl = (float)pos * t.y;
+    float frac = (pa - rint(pa)) + (pb - rint(pb)) + (pl - rint(pl)) + (ea + eb);
+    frac -= rint(frac);
     return frac * CLATTN_TWO_PI;
 }
 </%def>
