@@ -8,6 +8,7 @@ from mako.lookup import TemplateLookup
 
 from . import signatures
 from .fit import DecodeGeometry, MergeGeometry
+from .quant import row_bytes
 from .rope import parse_rope_scaling
 from .spec import AttentionSpec
 
@@ -39,7 +40,18 @@ def render_decode(spec: AttentionSpec, geom: DecodeGeometry) -> str:
         VEC=geom.vec, TILE=geom.tile, VEC_ROPE=geom.vec_rope, V_CHUNKS=geom.v_chunks,
         BDX=geom.bdx, BDY=geom.bdy, BDZ=geom.bdz, GDZ=geom.gdz, USE_LOCAL=geom.use_local,
         REDUCE=geom.reduction, SGS=geom.subgroup_size, SG_ATTR=geom.subgroup_attr,
-        SIGNATURE=table.signature(), FIXUP=table.fixup())
+        SIGNATURE=table.signature(), FIXUP=table.fixup(), **_pool_params(spec))
+
+
+def _pool_params(spec: AttentionSpec) -> dict:
+    """Template parameters of the page storage (clattn.quant's layout)."""
+    lay = spec.layout
+    fmt = {"float16": "half", "float32": "float"}
+    return dict(KFMT=fmt.get(spec.k_format, spec.k_format),
+                VFMT=fmt.get(spec.v_format, spec.v_format), BYTE_POOL=spec.byte_pool,
+                PAGE_BYTES=lay.page_bytes, K_REGION=lay.k_region, V_REGION=lay.v_region,
+                K_ROWB=row_bytes(spec.k_format, spec.head_dim),
+                V_ROWB=row_bytes(spec.v_format, spec.head_dim))
 
 
 def render_merge(head_dim: int, dtype: str, vin: str, geom: MergeGeometry) -> str:

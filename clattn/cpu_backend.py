@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import rope as _rope
+from .quant import unpack_pool
 from .spec import LOG2E, LSE_DTYPE, AttentionSpec, default_sm_scale
 from .validate import check_decode, check_merge_k, check_merge_pair
 
@@ -41,6 +42,8 @@ def batch_decode(spec: AttentionSpec, q: np.ndarray, pages: np.ndarray, page_ind
                         sink_size=sink_size, q_pos=q_pos, k_pos_offset=k_pos_offset,
                         rotary_mode=rotary_mode, sm_scale=sm_scale, rope_scale=rope_scale,
                         rope_theta=rope_theta, out=out, lse=lse)
+    if spec.byte_pool:  # quantized pages: decode the referenced pages to f32 once
+        pages, page_indices = _float_pages(spec, pages, page_indices)
     B, H, D = q.shape
     Hkv, G, ps = spec.num_kv_heads, spec.group_size, spec.page_size
     scale = (default_sm_scale(D) if sm_scale is None else float(sm_scale))
@@ -94,6 +97,18 @@ def batch_decode(spec: AttentionSpec, q: np.ndarray, pages: np.ndarray, page_ind
     out[...] = res_o
     lse[...] = res_s
     return out, lse
+
+
+def _float_pages(spec: AttentionSpec, pool: np.ndarray,
+                 page_indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(f32 pages [n, 2, H_kv, page_size, D] of the pages the table names, the table
+    renumbered into them); indices out of the pool clamp as in the kernels."""
+    idx = np.clip(page_indices.astype(np.int64), 0, max(pool.shape[0] - 1, 0))
+    used, renum = np.unique(idx, return_inverse=True)
+    if pool.shape[0] == 0:
+        used = used[:0]
+    k, v = unpack_pool(pool, spec.layout, used)
+    return np.stack([k, v], axis=1), renum.astype(np.int32).reshape(page_indices.shape)
 
 
 def _merge_arrays(v: np.ndarray, s: np.ndarray, axis: int) -> tuple[np.ndarray, np.ndarray]:

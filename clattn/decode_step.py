@@ -39,10 +39,10 @@ class DecodeStep:
         spec = dec.spec
         rt = dec.setup.runtime
         self._rt = rt
-        self._shapes = ((args.B, spec.num_qo_heads, spec.head_dim),
-                        (num_pages, 2, spec.num_kv_heads, spec.page_size, spec.head_dim),
+        self._shapes = ((args.B, spec.num_qo_heads, spec.head_dim), spec.pool_shape(num_pages),
                         (args.B, spec.num_qo_heads))
         self._dtype = spec.np_dtype
+        self._pool_dtype = spec.pool_dtype
         self._table_events = list(events)  # uploads of the tables: waited for once
         self._lock = threading.Lock()
         self._ws_event = None
@@ -72,7 +72,7 @@ class DecodeStep:
         shape, dtype and layout (checked field by field, no error text built)."""
         ctx = self._rt.context
         for a, shape, dt in ((q, self._shapes[0], self._dtype),
-                             (pages, self._shapes[1], self._dtype),
+                             (pages, self._shapes[1], self._pool_dtype),
                              (out, self._shapes[0], self._dtype),
                              (lse, self._shapes[2], LSE_DTYPE)):
             if a is None:

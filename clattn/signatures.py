@@ -1,8 +1,9 @@
 """The argument table of every clattn kernel (the one description of its signature).
 
 Templates render their parameter lists from these tables and the launchers set
-arguments by these names (:mod:`clattn.launch`). ``st_t`` is the storage type of q, the
-pages and out (half or float); ``in_t`` that of the states a merge reads.
+arguments by these names (:mod:`clattn.launch`). ``st_t`` is the storage type of q and out
+(half or float), ``kv_t`` the element of the page pool (``st_t``, or ``uchar`` for a
+byte pool with quantized pages); ``in_t`` that of the states a merge reads.
 """
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from .launch import ArgTable, Buffer, Scalar
 #: decode (both strategies): one query token per sequence over the paged cache
 DECODE = ArgTable("clattn_decode", [
     Buffer("q", "st_t"),
-    Buffer("pages", "st_t", offset="ulong"), Scalar("num_pages", "int"),
+    Buffer("pages", "kv_t", offset="ulong"), Scalar("num_pages", "int"),
     Buffer("page_indptr", "int"), Buffer("page_indices", "int"), Scalar("nnz", "int"),
     Buffer("last_page_len", "int"), Buffer("window_offset", "int"), Buffer("sink_size", "int"),
     Buffer("q_pos", "int"), Buffer("k_pos_offset", "int"),

@@ -11,6 +11,8 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from .quant import BLOCK, KV_FORMATS, QUANTIZED, PageLayout, bytes_per_value
+
 #: storage dtypes clattn accepts for q, pages and out (accumulation is always f32)
 DTYPES = {"float16": np.dtype(np.float16), "float32": np.dtype(np.float32)}
 #: the dtype of every index table
@@ -31,6 +33,9 @@ def default_sm_scale(head_dim: int) -> float:
 class AttentionSpec:
     """What one decode kernel is built for (everything fixed at build time).
 
+    ``dtype`` is the storage of q and out (and of the pages unless told otherwise);
+    ``k_format``/``v_format`` store the keys/values of the pages as ``"float16"``,
+    ``"float32"``, ``"q8_0"`` or ``"q4_0"`` (:mod:`clattn.quant`; default: ``dtype``).
     ``rope_scaling`` is a Hugging Face ``rope_scaling`` dict (or None); it and
     ``rotary_dim`` only matter when a call passes ``rotary_mode=1``.
     """
@@ -45,6 +50,8 @@ class AttentionSpec:
     rotary_dim: int | None = None
     softcap: float | None = None
     max_position_embeddings: int | None = None
+    k_format: str | None = None
+    v_format: str | None = None
     _rope_key: Any = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -66,6 +73,14 @@ class AttentionSpec:
         if dt not in DTYPES:
             raise TypeError(f"dtype={self.dtype!r}: must be one of {sorted(DTYPES)}")
         object.__setattr__(self, "dtype", dt)
+        for name in ("k_format", "v_format"):
+            fmt = getattr(self, name) or dt
+            if fmt not in KV_FORMATS:
+                raise ValueError(f"{name}={fmt!r}: must be one of {list(KV_FORMATS)}")
+            if fmt in QUANTIZED and self.head_dim % BLOCK:
+                raise ValueError(f"{name}={fmt!r}: quantized blocks are {BLOCK} values along "
+                                 f"head_dim; head_dim={self.head_dim} is not a multiple of {BLOCK}")
+            object.__setattr__(self, name, fmt)
         rd = self.head_dim if self.rotary_dim is None else self.rotary_dim
         if not isinstance(rd, (int, np.integer)) or rd < 2 or rd % 2 or rd > self.head_dim:
             raise ValueError(
@@ -86,7 +101,7 @@ class AttentionSpec:
     def __hash__(self) -> int:  # rope_scaling is a dict: hash its frozen form instead
         return hash((self.num_qo_heads, self.num_kv_heads, self.head_dim, self.page_size,
                      self.dtype, self.sliding_window, self._rope_key, self.rotary_dim,
-                     self.softcap, self.max_position_embeddings))
+                     self.softcap, self.max_position_embeddings, self.k_format, self.v_format))
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, AttentionSpec) and hash(self) == hash(other) and \
@@ -105,11 +120,39 @@ class AttentionSpec:
     def itemsize(self) -> int:
         return self.np_dtype.itemsize
 
+    @property
+    def byte_pool(self) -> bool:
+        """True when the pool is a byte array (K and V not both stored as ``dtype``)."""
+        return not (self.k_format == self.dtype and self.v_format == self.dtype)
+
+    @property
+    def layout(self) -> PageLayout:
+        """Byte layout of a page of a byte pool."""
+        return PageLayout(self.k_format, self.v_format, self.num_kv_heads, self.page_size,
+                          self.head_dim)
+
+    def pool_shape(self, num_pages: int) -> tuple[int, ...]:
+        """Shape of a pool of ``num_pages`` pages (its dtype: :attr:`pool_dtype`)."""
+        if self.byte_pool:
+            return (num_pages, self.layout.page_bytes)
+        return (num_pages, 2, self.num_kv_heads, self.page_size, self.head_dim)
+
+    @property
+    def pool_dtype(self) -> np.dtype:
+        return np.dtype(np.uint8) if self.byte_pool else self.np_dtype
+
+    @property
+    def bytes_per_token(self) -> float:
+        """Pool bytes one token takes per layer (K and V, every KV head, scales included)."""
+        return self.num_kv_heads * self.head_dim * (bytes_per_value(self.k_format) +
+                                                    bytes_per_value(self.v_format))
+
     def key(self) -> str:
         """A stable text key (for caches and kernel names)."""
         return json.dumps([self.num_qo_heads, self.num_kv_heads, self.head_dim, self.page_size,
                            self.dtype, self.sliding_window, self.rope_scaling, self.rotary_dim,
-                           self.softcap, self.max_position_embeddings], sort_keys=True)
+                           self.softcap, self.max_position_embeddings, self.k_format,
+                           self.v_format], sort_keys=True)
 
     @classmethod
     def from_hf_config(cls, config: Mapping[str, Any], *, page_size: int = 16,

@@ -87,9 +87,14 @@ def check_operands(spec: AttentionSpec, q: Any, pages: Any, out: Any = None,
     check_array("q", q, shape=(B, spec.num_qo_heads, spec.head_dim))
     if batch is not None and B != batch:
         raise ValueError(f"q: {B} sequences, the step was prepared for {batch}")
-    check_array("pages", pages, ndim=5, dtypes=(dt,))
-    P = _shape(pages)[0]
-    check_array("pages", pages, shape=(P, 2, spec.num_kv_heads, spec.page_size, spec.head_dim))
+    if spec.byte_pool:  # quantized (or mixed) pages: a byte pool, clattn.quant's layout
+        check_array("pages", pages, ndim=2, dtypes=(np.uint8,))
+        P = _shape(pages)[0]
+        check_array("pages", pages, shape=spec.pool_shape(P))
+    else:
+        check_array("pages", pages, ndim=5, dtypes=(dt,))
+        P = _shape(pages)[0]
+        check_array("pages", pages, shape=spec.pool_shape(P))
     if num_pages is not None and P != num_pages:
         raise ValueError(f"pages: a pool of {P} pages, the step was prepared for {num_pages} "
                          f"(its page_indices were checked against that size); prepare again")

@@ -2,7 +2,10 @@
 Pieces shared by the two decode templates (decode_rows.cl.mako, decode_tiled.cl.mako):
 the per-sequence set-up (attended chunk, partition rows) and the K/V row address.
 Parameters: PS, HKV, D, SLIDING, SOFTCAP, FIXUP (the pointer fix-up rendered from the
-decode argument table, clattn.signatures.DECODE).
+decode argument table, clattn.signatures.DECODE), and the page storage: KFMT, VFMT
+("half", "float", "q8_0", "q4_0"), BYTE_POOL (the pool is bytes: K or V not stored
+as DTYPE), PAGE_BYTES, K_REGION, V_REGION (bytes of a page and of one (kind, head)
+region), K_ROWB, V_ROWB (data bytes per row); clattn.quant has the layout.
 </%doc>
 <%!
 def hsum(v, vec):
@@ -56,4 +59,104 @@ inline ulong clattn_row_at(const __global int* page_indices, const int p0, const
     return ((((ulong)page * 2 + kv) * ${HKV} + kvh) * ${PS} + (off % ${PS})) * ${D};
 }
 
+typedef ${"uchar" if BYTE_POOL else "st_t"} kv_t;   /* element of the pool */
+% if BYTE_POOL:
+
+/* byte offset of the (kind kv, head kvh) region of the page holding chunk row `row`;
+   *slot gets the row's slot in the page (indices clamped like clattn_row_at) */
+inline ulong clattn_region_at(const __global int* page_indices, const int p0, const int row,
+                              const int sink, const int wo, const int kvh, const int num_pages,
+                              const int kv, int* slot)
+{
+    const int off = row < sink ? row : row - sink + wo;
+    const int pg = page_indices[p0 + off / ${PS}];
+    const int page = pg < 0 ? 0 : (pg >= num_pages ? num_pages - 1 : pg);
+    *slot = off % ${PS};
+    return (ulong)page * ${PAGE_BYTES} + (kv ? ${HKV * K_REGION} + kvh * ${V_REGION} : kvh * ${K_REGION});
+}
+% endif
+</%def>
+
+## Declare pointers to the K (kind 0) or V (kind 1) row of chunk row `row` named `name`:
+## float pools: an element pointer; byte pools: the data bytes and, when quantized, the
+## row's f16 scales (name_s).
+<%def name="row_ptr(kind, name, row)">\
+% if not BYTE_POOL:
+const __global kv_t* ${name} = pages + clattn_row_at(page_indices, p0, ${row}, sink, wo, kvh, num_pages, ${kind});\
+% else:
+<% fmt = KFMT if kind == 0 else VFMT; rowb = K_ROWB if kind == 0 else V_ROWB %>\
+int ${name}_slot; const ulong ${name}_reg = clattn_region_at(page_indices, p0, ${row}, sink, wo, kvh, num_pages, ${kind}, &${name}_slot);
+            const __global uchar* ${name} = pages + ${name}_reg + (ulong)${name}_slot * ${rowb};\
+%   if fmt in ("q8_0", "q4_0"):
+
+            const __global ushort* ${name}_s = (const __global ushort*)(pages + ${name}_reg + ${PS * rowb}) + ${name}_slot * ${D // 32};\
+%   endif
+% endif
+</%def>
+<%!
+def _fv(n):
+    return "float" if n == 1 else "float%d" % n
+
+
+def lanes(kind, vec, name, lane, fmt_k, fmt_v, byte_pool, raw, loadv, sname=None):
+    """float<vec> of lanes [lane, lane + vec) of the row at pointer `name` (row_ptr).
+
+    raw: CPU-style loads (typedefs, exact inline f16 conversion, no library calls);
+    loadv: the common loader for a storage-typed element pointer (float pools);
+    sname: the row's scale pointer (default name + "_s")."""
+    fmt = fmt_k if kind == 0 else fmt_v
+    if not byte_pool:
+        return loadv(vec, "%s + %s" % (name, lane))
+    fv = _fv(vec)
+    if fmt == "float":
+        t = "float" if vec == 1 else "float%d" % vec
+        return "*(const __global %s*)(%s + (%s) * 4)" % (t, name, lane)
+    if fmt == "half":
+        if raw:
+            u = "ushort" if vec == 1 else "ushort%d" % vec
+            return "clattn_h2f(*(const __global %s*)(%s + (%s) * 2))" % (u, name, lane)
+        return ("vload_half(0, (const __global half*)(%s) + %s)" % (name, lane)) if vec == 1 else \
+            ("vload_half%d(0, (const __global half*)(%s) + %s)" % (vec, name, lane))
+    scale = "clattn_h2f_1(%s[(%s) / 32])" % (sname or name + "_s", lane)
+    if fmt == "q8_0":
+        c = "char" if vec == 1 else "char%d" % vec
+        return "(convert_%s(*(const __global %s*)(%s + (%s))) * %s)" % (fv, c, name, lane, scale)
+    # q4_0: byte j holds lanes 2j (low nibble) and 2j + 1 (high nibble)
+    if vec == 1:
+        return ("((float)((((%s)[(%s) / 2] >> (((%s) & 1) * 4)) & 15) - 8) * %s)"
+                % (name, lane, lane, scale))
+    nb = vec // 2
+    u = "uchar" if nb == 1 else "uchar%d" % nb
+    b = "(*(const __global %s*)(%s + (%s) / 2))" % (u, name, lane)
+    if nb == 1:
+        return ("(((float2)((float)(%s & (uchar)15), (float)(%s >> (uchar)4)) - 8.0f) * %s)"
+                % (b, b, scale))
+    return "clattn_q4_%d(%s, %s)" % (vec, b, scale)
+%>
+## inline helpers the q4 lane expression calls (one per vector width)
+<%def name="q4_helpers()">
+% if BYTE_POOL and "q4_0" in (KFMT, VFMT):
+% for v in (4, 8, 16):
+<% nb = v // 2; u = "uchar%d" % nb; fn = "float%d" % nb %>\
+inline float${v} clattn_q4_${v}(const ${u} b, const float d)
+{
+    const ${fn} lo = convert_${fn}(b & (${u})15) - 8.0f;
+    const ${fn} hi = convert_${fn}(b >> (${u})4) - 8.0f;
+    return (float${v})(${", ".join("lo.s%x, hi.s%x" % (i, i) for i in range(nb))}) * d;
+}
+% endfor
+% endif
+% if BYTE_POOL and ("q4_0" in (KFMT, VFMT) or "q8_0" in (KFMT, VFMT)):
+/* exact f16 -> f32 of one scale (normals, subnormals, zero) without library calls */
+inline float clattn_h2f_1(const ushort u)
+{
+    const uint h = u;
+    const uint em = (h & 0x7fffu) << 13;
+    const uint sgn = (h & 0x8000u) << 16;
+    const uint e = em >> 23;
+    uint bits = e == 0u ? as_uint((float)(em >> 13) * 0x1p-24f) : em + (112u << 23);
+    bits = em >= (0x7c00u << 13) ? (em | 0x7f800000u) : bits;   /* inf, nan */
+    return as_float(bits | sgn);
+}
+% endif
 </%def>

@@ -68,6 +68,10 @@ HALF = ROT // 2
 NRV = (HALF // V if not INTERLEAVED else ROT // V) if VEC_ROPE else 0  # rotated vectors
 SWAP = "" if V == 1 else ".s" + "".join("%x" % (i ^ 1) for i in range(V))
 SIGN = "(%s)(%s)" % (FV, ", ".join("-1.0f" if i % 2 == 0 else "1.0f" for i in range(V))) if V > 1 else "1.0f"
+def lane(kind, i, name, sname=None):
+    """float<V> of head_dim chunk i of the K (0) / V (1) row at `name`, any format."""
+    return d.attr.lanes(kind, V, name, i * V, KFMT, VFMT, BYTE_POOL, True,
+                        lambda vec, ptr: ld(ptr), sname)
 def ld(ptr):
     if DTYPE == "float":
         return "*(const __global ld_t*)(%s)" % ptr
@@ -76,6 +80,7 @@ def ld(ptr):
     return "clattn_h2f(*(const __global ld_t*)(%s))" % ptr
 %>\
 ${c.raw_loads(V)}
+${d.q4_helpers()}
 % if NATIVE_HALF and DTYPE == "half":
 typedef ${"half" if V == 1 else "half%d" % V} __attribute__((aligned(2))) ldn_t;
 % endif
@@ -201,9 +206,9 @@ ${rotate_row("f", "q_pos[b]")}
 % endif
         }
         for (int j = 0; j < n; ++j) {
-            const __global st_t* kp = pages + clattn_row_at(page_indices, p0, r0 + j, sink, wo, kvh, num_pages, 0);
+            ${d.row_ptr(0, "kp", "r0 + j")}
 % for i in range(NV):
-            ${FV} k${i} = ${ld("kp + %d" % (i * V))};
+            ${FV} k${i} = ${lane(0, i, "kp")};
 % endfor
             if (rotary_mode) {
 % if VEC_ROPE:
@@ -260,13 +265,21 @@ ${rotate_row("f")}
         /* V: V_CHUNKS head_dim chunks at a time over the block's rows, so their
            V_CHUNKS x G accumulators stay in registers and each weight is loaded once
            per V_CHUNKS chunks */
-        const __global st_t* vrow[${TILE}];
-        for (int j = 0; j < n; ++j)
-            vrow[j] = pages + clattn_row_at(page_indices, p0, r0 + j, sink, wo, kvh, num_pages, 1);
+        const __global kv_t* vrow[${TILE}];
+% if VFMT in ("q8_0", "q4_0"):
+        const __global ushort* vrow_s[${TILE}];
+% endif
+        for (int j = 0; j < n; ++j) {
+            ${d.row_ptr(1, "vp", "r0 + j")}
+            vrow[j] = vp;
+% if VFMT in ("q8_0", "q4_0"):
+            vrow_s[j] = vp_s;
+% endif
+        }
 % for i0 in range(0, NV, V_CHUNKS):
         for (int j = 0; j < n; ++j) {
 %   for i in range(i0, i0 + V_CHUNKS):
-            const ${FV} v${i - i0} = ${ld("vrow[j] + %d" % (i * V))};
+            const ${FV} v${i - i0} = ${lane(1, i, "vrow[j]", "vrow_s[j]")};
 %   endfor
 %   for g in range(G):
             {

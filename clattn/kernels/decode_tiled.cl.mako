@@ -21,15 +21,20 @@ write out of bounds.
 <%namespace name="d" file="decode_common.clh.mako"/>
 ${c.prelude()}
 ${d.setup()}
+${d.q4_helpers()}
 <% NV = D // VEC %>\
 <%
 def hsum(v):
     return d.attr.hsum(v, VEC)
 def score(x):
     return d.attr.score(x, SOFTCAP)
+def kl(kind, vec, name, lane):
+    """float<vec> of lanes [lane, lane + vec) of a K (0) / V (1) row, any page format."""
+    return d.attr.lanes(kind, vec, name, lane, KFMT, VFMT, BYTE_POOL, False,
+                        lambda v, ptr: capture(c.loadv, v, ptr))
 %>\
 ## rotate float<VEC> x holding dims tx*VEC.. of the row at storage pointer src
-<%def name="rope_vec(x, src, pos)">\
+<%def name="rope_vec(x, src, pos, kind=None)">\
 if (rotary_mode) {
             const __global float2* tt = rope_turns + rope_table * ${ROT // 2};
             float* xf = (float*)&${x};
@@ -47,7 +52,7 @@ if (rotary_mode) {
 % endif
                     float cs;
                     const float sn = sincos(clattn_rope_angle(${pos}, tt[i]), &cs);
-                    const float partner = ${c.loadv(1, src + " + pd")};
+                    const float partner = ${capture(c.loadv, 1, src + " + pd") if kind is None else kl(kind, 1, src, "pd")};
                     xf[e] = (xf[e] * cs + sgn * partner * sn) * rope_att;
                 }
             }
@@ -102,11 +107,11 @@ void clattn_decode(${SIGNATURE})
             const int row = t0 + rs;
             ${c.fv(VEC)} kx = 0.0f, vx = 0.0f;
             if (row < r_hi) {
-                const ulong ka = clattn_row_at(page_indices, p0, row, sink, wo, kvh, num_pages, 0);
-                const __global st_t* kp = pages + ka;
-                kx = ${c.loadv(VEC, "kp + tx * %d" % VEC)};
-                vx = ${c.loadv(VEC, "pages + ka + %d * %d * %d + tx * %d" % (HKV, PS, D, VEC))};
-                ${rope_vec("kx", "kp", "kpos0 + row")}
+                ${d.row_ptr(0, "kp", "row")}
+                ${d.row_ptr(1, "vp", "row")}
+                kx = ${kl(0, VEC, "kp", "tx * %d" % VEC)};
+                vx = ${kl(1, VEC, "vp", "tx * %d" % VEC)};
+                ${rope_vec("kx", "kp", "kpos0 + row", 0)}
             }
 % if VEC == 1:
             k_tile[rs][tx] = kx;
@@ -132,9 +137,9 @@ void clattn_decode(${SIGNATURE})
 % else:
             ${c.fv(VEC)} kx = 0.0f;
             if (row < r_hi) {
-                const __global st_t* kp = pages + clattn_row_at(page_indices, p0, row, sink, wo, kvh, num_pages, 0);
-                kx = ${c.loadv(VEC, "kp + tx * %d" % VEC)};
-                ${rope_vec("kx", "kp", "kpos0 + row")}
+                ${d.row_ptr(0, "kp", "row")}
+                kx = ${kl(0, VEC, "kp", "tx * %d" % VEC)};
+                ${rope_vec("kx", "kp", "kpos0 + row", 0)}
             }
 % endif
             const ${c.fv(VEC)} pr = qv * kx;
@@ -177,8 +182,8 @@ void clattn_decode(${SIGNATURE})
 % else:
             const int row = t0 + rs;
             if (row < r_hi) {
-                const __global st_t* vp = pages + clattn_row_at(page_indices, p0, row, sink, wo, kvh, num_pages, 1);
-                acc += pj * ${c.loadv(VEC, "vp + tx * %d" % VEC)};
+                ${d.row_ptr(1, "vp", "row")}
+                acc += pj * ${kl(1, VEC, "vp", "tx * %d" % VEC)};
             }
 % endif
         }
