@@ -118,3 +118,23 @@ def test_quantized_llama_shape_group_8_f32(where, prof):
         dec = clattn.BatchDecode(spec, where, profile=prof)
     out, lse, _ = dec.run(*args, **kw)
     compare(out, lse, *naive_decode(*ref_args, **kw), spec.dtype)
+
+
+@pytest.mark.oclgrind
+@pytest.mark.parametrize("strategy,kf,vf", [("rows", "q8_0", "q4_0"), ("rows", "q4_0", "float16"),
+                                            ("tiled", "q4_0", "q8_0"),
+                                            ("tiled-global", "q8_0", "float16")])
+def test_quantized_decode_clean_under_oclgrind(strategy, kf, vf):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from test_oclgrind import BENIGN_API, REPORTS, _env
+    script = Path(__file__).resolve().parent / "oclgrind_quant.py"
+    proc = subprocess.run([sys.executable, str(script), strategy, kf, vf], env=_env(False),
+                          capture_output=True, text=True, timeout=300)
+    err = BENIGN_API.sub("", proc.stderr)
+    found = sorted({r for r in REPORTS if r in err})
+    assert not found, f"Oclgrind reported {found}:\n{err[-3000:]}"
+    assert proc.returncode == 0, proc.stdout[-1500:] + err[-3000:]
+    assert f"CLATTN-OCLGRIND-OK quant {strategy} {kf} {vf}" in proc.stdout
