@@ -61,12 +61,15 @@ def rstore(val, ptr):
         return "*(__global ldn_t*)(%s) = convert_%s_rte(%s);" % (ptr, FV.replace("float", "half"), val)
     return "*(__global ldh_t*)(%s) = clattn_f2h(%s);" % (ptr, val)
 %>\
-/* CPU form: each work-item walks (state, head) rows with a grid stride (work-groups of
-   one work-item: no implicit work-item loop), head_dim unrolled into registers */
+/* CPU form: each work-item walks one contiguous range of (state, head) rows (work-groups
+   of one work-item: no implicit work-item loop; a core streams its range in order, which
+   the hardware prefetcher follows), head_dim unrolled into registers */
 __kernel void clattn_merge_pair(${PAIR_SIGNATURE})
 {
     ${PAIR_FIXUP}
-    for (int nh = get_global_id(0); nh < NH; nh += get_global_size(0)) {
+    const int per = (NH + (int)get_global_size(0) - 1) / (int)get_global_size(0);
+    const int nh_end = min(NH, ((int)get_global_id(0) + 1) * per);
+    for (int nh = (int)get_global_id(0) * per; nh < nh_end; ++nh) {
         const float a = s[nh], bb = so[nh];
         const float4 w = clattn_pair(a, bb);
         __global st_t* vp = v + (ulong)nh * ${D};
@@ -85,7 +88,9 @@ __kernel void clattn_merge_pair(${PAIR_SIGNATURE})
 __kernel void clattn_merge_varlen(${VARLEN_SIGNATURE})
 {
     ${VARLEN_FIXUP}
-    for (int nh = get_global_id(0); nh < N * H; nh += get_global_size(0)) {
+    const int per = (N * H + (int)get_global_size(0) - 1) / (int)get_global_size(0);
+    const int nh_end = min(N * H, ((int)get_global_id(0) + 1) * per);
+    for (int nh = (int)get_global_id(0) * per; nh < nh_end; ++nh) {
         const int n = nh / H, h = nh % H;
         int lo = fixed_k >= 0 ? n * fixed_k : indptr[n];
         int hi = fixed_k >= 0 ? lo + fixed_k : indptr[n + 1];
