@@ -3,8 +3,8 @@
 Each rule raises ``ValueError`` or ``TypeError`` naming the argument, the offending
 sequence and value where there is one, and what is allowed. Table *values* are
 checked when the tables are host (numpy) arrays; device arrays are checked for
-shape and dtype (the kernels clamp every index, so bad device tables cannot make
-them read or write out of bounds).
+shape, dtype and OpenCL context (the kernels clamp every index, so bad device tables
+cannot make them read or write out of bounds).
 """
 from __future__ import annotations
 
@@ -238,6 +238,7 @@ def _lengths(spec: AttentionSpec, npages: np.ndarray, last: np.ndarray, wo: Any,
     if spec.sliding_window:
         wo64, sink64 = np.asarray(wo).astype(np.int64), np.asarray(sink).astype(np.int64)
         checks = (
+            (owns & (wo64 < 0), "window_offset", wo64, "must be >= 0"),
             (owns & (sink64 < 0), "sink_size", sink64, "must be >= 0"),
             (owns & (wo64 > stored), "window_offset", wo64, "must be <= the stored length {s}"),
             (owns & (sink64 > wo64), "sink_size", sink64,

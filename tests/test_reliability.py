@@ -198,3 +198,11 @@ def test_one_decoder_from_threads_with_many_plans_and_rope_tables(device_arg):
     _threads(4, work)
     for w, g in zip(want, got):
         assert np.array_equal(w.out, g.out) and np.array_equal(w.lse, g.lse)
+
+
+def test_negative_window_offset_is_named():
+    spec = clattn.AttentionSpec(8, 2, 64, page_size=16, dtype="float32", sliding_window=True)
+    args, kw = decode_args(make_case(spec, [5, 9], seed=1, window=[1, 2], sinks=[0, 0]))
+    kw["window_offset"] = np.array([-1, 2], np.int32)
+    with pytest.raises(ValueError, match=r"window_offset\[0\]=-1: must be >= 0"):
+        _decoder(spec, "cpu", None).run(*args, **kw)
