@@ -116,16 +116,21 @@ class ArgTable:
         argument), a ``(cl.Buffer, element offset)`` pair, a bare ``cl.Buffer`` or None
         (``dummy``, never read by the kernel).
         """
-        missing = self.names - set(named)
-        extra = set(named) - self.names
-        if missing or extra:
+        if len(named) != len(self.names) or not self.names.issuperset(named):
+            missing = self.names - set(named)
+            extra = set(named) - self.names
             raise TypeError(f"{self.kernel}: arguments missing {sorted(missing)}, "
                             f"unknown {sorted(extra)}")
         out: list = []
         for a in self.args:
             v = named[a.name]
-            if isinstance(a, Scalar):
+            if a.__class__ is Scalar:
                 out.append(v)
+                continue
+            if v is None:
+                out.append(dummy)
+                if a.offset:
+                    out.append(0)
                 continue
             buf, off = _buffer_and_offset(a, v, dummy)
             out.append(buf)

@@ -33,6 +33,13 @@ def check_array(name: str, a: Any, *, ndim: int | None = None, shape: tuple | No
                 dtypes: tuple | None = None, writable: bool = False) -> None:
     """Type, dtype, shape and contiguity of one array argument (and, for an array the
     call writes, that a numpy array is writable: checked before anything is written)."""
+    if shape is not None and dtypes is not None and None not in shape:
+        try:  # the common case, answered without building any message
+            if tuple(a.shape) == tuple(shape) and a.dtype in dtypes and a.flags.c_contiguous \
+                    and not (writable and is_host(a) and not a.flags.writeable):
+                return
+        except (AttributeError, TypeError):
+            pass
     if a is None or not hasattr(a, "shape") or not hasattr(a, "dtype"):
         raise TypeError(f"{name}: expected a numpy or pyopencl array, got {type(a).__name__}")
     if dtypes is not None and np.dtype(a.dtype) not in [np.dtype(d) for d in dtypes]:
