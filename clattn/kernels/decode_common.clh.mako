@@ -160,3 +160,18 @@ inline float clattn_h2f_1(const ushort u)
 }
 % endif
 </%def>
+
+## Declare the V row pointer `name` of the row whose K pointer row_ptr declared as
+## `kname`: the same page-table read serves both (V lies a fixed distance after K).
+<%def name="v_ptr_from_k(name, kname)">\
+% if not BYTE_POOL:
+const __global kv_t* ${name} = ${kname} + ${HKV * PS * D};\
+% else:
+const ulong ${name}_reg = ${kname}_reg + ${HKV * K_REGION} + kvh * ${V_REGION - K_REGION};
+            const __global uchar* ${name} = pages + ${name}_reg + (ulong)${kname}_slot * ${V_ROWB};\
+%   if VFMT in ("q8_0", "q4_0"):
+
+            const __global ushort* ${name}_s = (const __global ushort*)(pages + ${name}_reg + ${PS * V_ROWB}) + ${kname}_slot * ${D // 32};\
+%   endif
+% endif
+</%def>

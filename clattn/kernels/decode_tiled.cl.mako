@@ -83,6 +83,7 @@ void clattn_decode(${SIGNATURE})
 % endif
 % if REDUCE != "subgroup":
     __local float red[${BDZ}][${BDY}][${SLICE}][${BDX}];
+    __local float row_sum[${BDZ}][${BDY}][${SLICE}];
 % endif
     __local float o_red[${BDZ}][${BDY}][${D}];
     __local float md_red[${BDZ}][${BDY}][2];
@@ -108,7 +109,7 @@ void clattn_decode(${SIGNATURE})
             ${c.fv(VEC)} kx = 0.0f, vx = 0.0f;
             if (row < r_hi) {
                 ${d.row_ptr(0, "kp", "row")}
-                ${d.row_ptr(1, "vp", "row")}
+                ${d.v_ptr_from_k("vp", "kp")}
                 kx = ${kl(0, VEC, "kp", "tx * %d" % VEC)};
                 vx = ${kl(1, VEC, "vp", "tx * %d" % VEC)};
                 ${rope_vec("kx", "kp", "kpos0 + row", 0)}
@@ -151,11 +152,15 @@ void clattn_decode(${SIGNATURE})
         }
 % if REDUCE != "subgroup":
         barrier(CLK_LOCAL_MEM_FENCE);
-        for (int j = 0; j < ${SLICE}; ++j) {
+        /* two stages: lane tx sums row tx's BDX partials (once per row, not once per
+           lane), then every lane reads the SLICE sums */
+        for (int j = tx; j < ${SLICE}; j += ${BDX}) {
             float t = 0.0f;
             for (int x = 0; x < ${BDX}; ++x) t += red[tz][ty][j][x];
-            s[j] = t;
+            row_sum[tz][ty][j] = t;
         }
+        barrier(CLK_LOCAL_MEM_FENCE);
+        for (int j = 0; j < ${SLICE}; ++j) s[j] = row_sum[tz][ty][j];
 % endif
         float mx = m;
         for (int j = 0; j < ${SLICE}; ++j) {
