@@ -132,7 +132,7 @@ def _tiled_local_bytes(d: int, bdx: int, bdy: int, bdz: int, tile: int, use_loca
     if use_local:
         total += 2 * rows * d
     if reduction != "subgroup":
-        total += bdz * bdy * (bdy * tile) * bdx
+        total += bdz * bdy * (bdy * tile) * (bdx + 1)  # partials, then the row sums
     return total * FLOAT
 
 
@@ -275,3 +275,120 @@ def merge_geometry(head_dim: int, dtype: str, profile: Profile, limits: Limits) 
                          f"more than the device's work-group limit")
     mh = max(1, min(limit // nv, limits.max_work_item_sizes[1]))
     return MergeGeometry("tiled", vec, mh=mh, native_fp16=native)
+
+
+def append_geometry(head_dim: int, dtype: str, profile: Profile, limits: Limits) -> MergeGeometry:
+    """Geometry of the KV-cache append and page-copy kernels (:mod:`clattn.cache`).
+
+    They move rows of ``head_dim`` values as the merge does (rows: work-items striding
+    over rows, ``vec`` elements at a time; tiled: ``D / vec`` lanes x ``mh`` rows per
+    work-group), so the merge's fit serves them.
+    """
+    return merge_geometry(head_dim, dtype, profile, limits)
+
+
+@dataclass(frozen=True)
+class PrefillGeometry:
+    """Everything the prefill templates (:mod:`clattn.prefill`) and their launch need.
+
+    ``qb`` queries per work unit (a tile of one sequence's queries: ``rows``, one
+    work-item; ``tiled``, one work-group) over ``kb`` keys per block. rows: ``vec`` floats
+    per load along head_dim. tiled: ``tr`` row groups of ``rm`` (query, head) rows, each
+    group ``tc`` threads wide (keys in the score phase, head_dim in the value phase);
+    ``kb = tc * rk``. ``notes``: every wish of the profile that was cut, with its reason.
+    """
+
+    strategy: str
+    vec: int
+    qb: int
+    kb: int
+    rm: int = 1
+    tc: int = 1
+    tr: int = 1
+    native_fp16: bool = False
+    denorms: bool = False
+    local_mem_bytes: int = 0
+    notes: tuple = field(default=(), compare=False)
+
+    def local_size(self) -> tuple[int, int]:
+        return (1, 1) if self.strategy == "rows" else (self.tc, self.tr)
+
+    def global_size(self, n_units: int, num_kv_heads: int) -> tuple[int, int]:
+        if self.strategy == "rows":
+            return (n_units, num_kv_heads)
+        return (n_units * self.tc, num_kv_heads * self.tr)
+
+    @property
+    def threads(self) -> int:
+        return self.tc * self.tr
+
+
+#: rows prefill: (query, head) rows of q and of the accumulators a work-item keeps, as
+#: floats (q and out of 16 rows of head_dim 128: 16 KiB, half a CPU core's L1)
+PREFILL_ROW_FLOATS = 2048
+
+
+def _prefill_local_bytes(d: int, rows: int, kb: int, tc: int) -> int:
+    """q tile, K tile (rows padded by one float), V tile, probabilities, two reductions."""
+    return FLOAT * (rows * d + kb * (d + 1) + kb * d + rows * (kb + 1) + 2 * rows * tc)
+
+
+def prefill_geometry(spec: AttentionSpec, profile: Profile, limits: Limits) -> PrefillGeometry:
+    """Fit the profile to the prefill kernels of ``spec`` on a device with ``limits``.
+
+    rows: ``vec`` and ``tile_rows`` (keys per block, a power of two up to 16) as in decode;
+    queries per work-item so that its q and accumulators hold about
+    :data:`PREFILL_ROW_FLOATS` floats. tiled: 16 threads per row group where head_dim
+    allows, 4 rows per thread, 2 keys per thread per tile, as many row groups as
+    ``thread_limit`` allows; then the key tile, the query tile (down to 16 rows), the
+    threads per row group (down to 4) and the query tile again are halved until local
+    memory fits (tile sizes are not profile wishes: no note). Wishes the prefill kernels
+    do not take (sub-group reduction, K/V outside local memory) are listed in ``notes``.
+    """
+    D, G = spec.head_dim, spec.group_size
+    native = bool(profile.native_fp16 and limits.has_fp16 and spec.dtype == "float16")
+    notes: list[str] = []
+    if profile.strategy == "rows":
+        vec = _vec_for(D, profile.vec)
+        if vec != profile.vec:
+            notes.append(f"vec {profile.vec} -> {vec}: head_dim {D}")
+        kb = 1 << (min(max(1, profile.tile_rows), 16).bit_length() - 1)
+        if kb != profile.tile_rows:
+            notes.append(f"tile_rows {profile.tile_rows} -> {kb}: the rows kernel takes a power "
+                         f"of two up to 16")
+        qb = max(1, min(16, PREFILL_ROW_FLOATS // (D * G)))
+        return PrefillGeometry("rows", vec, qb, kb, native_fp16=native, denorms=limits.denorms,
+                               notes=tuple(notes))
+    if profile.reduction == "subgroup":
+        notes.append("reduction subgroup -> local: the prefill kernel reduces through local "
+                     "memory")
+    if not profile.use_local_kv:
+        notes.append("use_local_kv off -> on: the prefill kernel tiles queries and keys "
+                     "through local memory")
+    limit = max(1, min(profile.thread_limit, limits.max_work_group_size))
+    tc = next(t for t in (16, 8, 4, 2, 1) if D % t == 0 and t <= min(limit, limits.max_work_item_sizes[0]))
+    rm, rk = 4, 2
+    tr_max = max(1, min(limit // tc, limits.max_work_item_sizes[1]))
+    qb = max(1, tr_max * rm // G)
+    while True:
+        rows = qb * G
+        tr = -(-rows // rm)
+        rm_eff = rm if tr <= tr_max else -(-rows // tr_max)
+        tr = -(-rows // rm_eff)
+        need = _prefill_local_bytes(D, tr * rm_eff, tc * rk, tc)
+        if need <= limits.local_mem_size:
+            break
+        if rk > 1:
+            rk //= 2
+        elif qb > 1 and qb * G > 16:
+            qb //= 2
+        elif tc > 4:
+            tc //= 2
+            tr_max = max(1, min(limit // tc, limits.max_work_item_sizes[1]))
+        elif qb > 1:
+            qb //= 2
+        else:
+            raise ValueError(f"prefill kernel for head_dim={D}, group={G} needs {need} bytes of "
+                             f"local memory; the device has {limits.local_mem_size}")
+    return PrefillGeometry("tiled", 1, qb, tc * rk, rm=rm_eff, tc=tc, tr=tr, native_fp16=native,
+                           denorms=limits.denorms, local_mem_bytes=need, notes=tuple(notes))
