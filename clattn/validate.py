@@ -105,13 +105,18 @@ def check_operands(spec: AttentionSpec, q: Any, pages: Any, out: Any = None,
     if num_pages is not None and P != num_pages:
         raise ValueError(f"pages: a pool of {P} pages, the step was prepared for {num_pages} "
                          f"(its page_indices were checked against that size); prepare again")
+    check_outputs(spec, B, out, lse)
+    return B, P
+
+
+def check_outputs(spec: AttentionSpec, B: int, out: Any = None, lse: Any = None) -> None:
+    """``out [B, H_qo, D]`` of the spec's dtype and ``lse [B, H_qo]`` f32, writable."""
     if out is not None:
-        check_array("out", out, shape=(B, spec.num_qo_heads, spec.head_dim), dtypes=(dt,),
-                    writable=True)
+        check_array("out", out, shape=(B, spec.num_qo_heads, spec.head_dim),
+                    dtypes=(spec.np_dtype,), writable=True)
     if lse is not None:
         check_array("lse", lse, shape=(B, spec.num_qo_heads), dtypes=(LSE_DTYPE,),
                     writable=True)
-    return B, P
 
 
 def check_decode(spec: AttentionSpec, q: Any, pages: Any, page_indptr: Any, page_indices: Any,
@@ -121,12 +126,14 @@ def check_decode(spec: AttentionSpec, q: Any, pages: Any, page_indptr: Any, page
                  rope_scale: float = 1.0, rope_theta: float = 1e4,
                  out: Any = None, lse: Any = None) -> DecodeArgs:
     """Check one decode call against ``spec``; returns the normalised tables."""
-    B, P = check_operands(spec, q, pages, out, lse)
-    return check_tables(spec, B, P, page_indptr, page_indices, last_page_len,
+    B, P = check_operands(spec, q, pages)
+    args = check_tables(spec, B, P, page_indptr, page_indices, last_page_len,
                         length_info=length_info, window_offset=window_offset,
                         sink_size=sink_size, q_pos=q_pos, k_pos_offset=k_pos_offset,
                         rotary_mode=rotary_mode, sm_scale=sm_scale, rope_scale=rope_scale,
                         rope_theta=rope_theta)
+    check_outputs(spec, B, out, lse)  # after the tables: a batch mismatch names q or a table
+    return args
 
 
 def check_tables(spec: AttentionSpec, B: int, P: int, page_indptr: Any, page_indices: Any,
@@ -316,3 +323,77 @@ def check_merge_k(v: Any, s: Any, out: Any = None, lse: Any = None) -> None:
         check_array("out", out, shape=(N, H, D), dtypes=(np.dtype(v.dtype),), writable=True)
     if lse is not None:
         check_array("lse", lse, shape=(N, H), dtypes=(LSE_DTYPE,), writable=True)
+
+
+@dataclass
+class PrefillArgs:
+    """Normalised prefill inputs: the page tables (as for decode) and the query table."""
+
+    tables: DecodeArgs
+    total_q: int
+    qo_indptr: Any
+    n_q: np.ndarray | None  # queries per sequence (host qo_indptr only)
+
+
+def check_prefill(spec: AttentionSpec, q: Any, pages: Any, qo_indptr: Any, page_indptr: Any,
+                  page_indices: Any, last_page_len: Any = None, *, length_info: Any = None,
+                  window_offset: Any = None, sink_size: Any = None, q_pos: Any = None,
+                  k_pos_offset: Any = None, rotary_mode: int = 0, causal: bool = True,
+                  sm_scale: float | None = None, rope_scale: float = 1.0,
+                  rope_theta: float = 1e4, out: Any = None, lse: Any = None) -> PrefillArgs:
+    """Check one prefill call (docs/prefill.md): q ``[total_q, H_qo, D]``, ``qo_indptr
+    [B + 1]``, the page tables as for decode; with host tables and ``causal``, every
+    sequence's queries are the last rows of its attended chunk."""
+    total_q, P = check_operands(spec, q, pages, out, lse)
+    check_array("qo_indptr", qo_indptr, ndim=1, dtypes=(INDEX_DTYPE,))
+    B = _shape(qo_indptr)[0] - 1
+    if B < 0:
+        raise ValueError("qo_indptr: needs B + 1 entries (at least one)")
+    if not isinstance(causal, (bool, np.bool_)):
+        raise TypeError(f"causal={causal!r}: must be True or False")
+    if rotary_mode == 1 and k_pos_offset is None:
+        raise ValueError("k_pos_offset: required when rotary_mode=1 (chunk row r of sequence b "
+                         "sits at position k_pos_offset[b] + r, its queries included)")
+    tables = check_tables(spec, B, P, page_indptr, page_indices, last_page_len,
+                          length_info=length_info, window_offset=window_offset,
+                          sink_size=sink_size, q_pos=k_pos_offset if q_pos is None else q_pos,
+                          k_pos_offset=k_pos_offset, rotary_mode=rotary_mode,
+                          sm_scale=sm_scale, rope_scale=rope_scale, rope_theta=rope_theta)
+    n_q = None
+    if is_host(qo_indptr):
+        if int(qo_indptr[0]) != 0:
+            raise ValueError(f"qo_indptr[0]={int(qo_indptr[0])}: must be 0")
+        n_q = np.diff(qo_indptr.astype(np.int64))
+        if (n_q < 0).any():
+            i = _first_bad(n_q < 0)
+            raise ValueError(f"qo_indptr: decreases at sequence {i} ({int(qo_indptr[i])} -> "
+                             f"{int(qo_indptr[i + 1])}); it must be non-decreasing")
+        if int(qo_indptr[-1]) != total_q:
+            raise ValueError(f"qo_indptr[-1]={int(qo_indptr[-1])}: must equal the number of "
+                             f"queries, q.shape[0]={total_q}")
+        if tables.chunk is not None and causal:
+            _check_query_rows(spec, n_q, tables)
+        if rotary_mode == 1 and q_pos is not None and is_host(q_pos):
+            last = q_pos.astype(np.int64) + np.maximum(n_q - 1, 0)
+            if (last > _INT32_MAX).any():
+                i = _first_bad(last > _INT32_MAX)
+                raise ValueError(f"q_pos[{i}]={int(q_pos[i])}: the sequence's last query position "
+                                 f"{int(last[i])} exceeds the int32 range")
+    return PrefillArgs(tables, total_q, qo_indptr, n_q)
+
+
+def _check_query_rows(spec: AttentionSpec, n_q: np.ndarray, t: DecodeArgs) -> None:
+    """The n queries of a sequence are its last n stored rows, all in the attended chunk."""
+    over = n_q > t.chunk
+    if spec.sliding_window:  # past the window's start only when the chunk has no gap
+        wo, sink = np.asarray(t.window_offset, np.int64), np.asarray(t.sink_size, np.int64)
+        over |= (n_q > t.stored - wo) & (wo != sink) & (n_q > 0)
+    if over.any():
+        i = _first_bad(over)
+        where = f"its attended chunk has {int(t.chunk[i])} rows"
+        if spec.sliding_window:
+            where += (f" (stored {int(t.stored[i])}, window_offset {int(t.window_offset[i])}, "
+                      f"sink_size {int(t.sink_size[i])})")
+        raise ValueError(f"qo_indptr: sequence {i} has {int(n_q[i])} queries but {where}; "
+                         f"query j sits at stored row stored - n + j: append the new tokens' "
+                         f"keys and values to the cache first (and keep them inside the window)")

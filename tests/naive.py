@@ -180,6 +180,39 @@ def naive_rotate(x, pos, inv_freq, attention_factor, rotary_dim, interleaved):
 
 
 # --------------------------------------------------------------------------- decode
+class ScoredLse(np.ndarray):
+    """A float64 lse array that also carries, per element, the sizes f32 arithmetic works
+    at (not semantics; ``cases.compare`` derives its error bounds from them):
+
+    * ``score_mag``: the largest sum of |q_d * k_d| * |sm_scale| * log2(e) over the rows,
+    * ``rows``: how many rows were attended,
+    * ``v_mag``: the largest |v| element among them.
+
+    All three are 0 for an empty chunk. Indexing slices them along; arithmetic drops them
+    (a derived array is not a reference any more).
+    """
+
+    FIELDS = ("score_mag", "rows", "v_mag")
+
+    def __new__(cls, lse, **sizes):
+        obj = np.asarray(lse, dtype=np.float64).view(cls)
+        for f in cls.FIELDS:
+            setattr(obj, f, np.asarray(sizes[f], dtype=np.float64))
+        return obj
+
+    def __array_finalize__(self, obj):
+        for f in self.FIELDS:
+            setattr(self, f, None)
+
+    def __getitem__(self, key):
+        res = super().__getitem__(key)
+        if isinstance(res, ScoredLse):
+            for f in self.FIELDS:
+                full = getattr(self, f)
+                setattr(res, f, None if full is None else full[key])
+        return res
+
+
 def chunk_offsets(stored, window_offset=None, sink_size=None):
     """Sequence offsets of the attended chunk rows, in row order (SPEC 'The attended chunk')."""
     if window_offset is None:
@@ -195,8 +228,14 @@ def chunk_offsets(stored, window_offset=None, sink_size=None):
 def naive_decode(q, pages, page_indptr, page_indices, last_page_len, *, window_offset=None,
                  sink_size=None, q_pos=None, k_pos_offset=None, rotary_mode=0, rope_scale=1.0,
                  rope_theta=10000.0, sm_scale=None, rope_scaling=None, rotary_dim=None,
-                 softcap=None, max_position_embeddings=None):
-    """``(out[B, H_qo, D], lse[B, H_qo])`` in float64, lse base 2; empty chunk -> (0, -inf)."""
+                 softcap=None, max_position_embeddings=None, interleaved=None, inv_freq_fn=None):
+    """``(out[B, H_qo, D], lse[B, H_qo])`` in float64, lse base 2; empty chunk -> (0, -inf).
+
+    RoPE frequencies come from ``rope_scaling`` (clattn's contract: an HF rope_scaling dict
+    as the caller gives it), or from ``inv_freq_fn(q_pos) -> (inv_freq, attention_factor)``
+    when given (``hf_oracle``: a model's own reading of its config). ``interleaved``: pair
+    dims (2i, 2i+1) instead of (i, i + rotary_dim/2); None means "when rope_type is gptj".
+    """
     q = np.asarray(q).astype(np.float64)
     pages = np.asarray(pages)
     page_indptr = [int(v) for v in np.asarray(page_indptr)]
@@ -211,11 +250,13 @@ def naive_decode(q, pages, page_indptr, page_indices, last_page_len, *, window_o
     sm_scale = float(sm_scale)
     rd = D if rotary_dim is None else int(rotary_dim)
     rtype = rope_type_of(rope_scaling)
-    interleaved = rtype == "gptj"
+    if interleaved is None:
+        interleaved = rtype == "gptj"
     windowed = window_offset is not None
 
     out = np.zeros((B, H_qo, D), dtype=np.float64)
     lse = np.full((B, H_qo), -np.inf, dtype=np.float64)
+    sizes = {f: np.zeros((B, H_qo), dtype=np.float64) for f in ScoredLse.FIELDS}
     for b in range(B):
         begin, end = page_indptr[b], page_indptr[b + 1]
         npages = end - begin
@@ -226,7 +267,10 @@ def naive_decode(q, pages, page_indptr, page_indices, last_page_len, *, window_o
             offsets = chunk_offsets(stored)
         if not offsets:
             continue
-        if rotary_mode == 1:
+        if rotary_mode == 1 and inv_freq_fn is not None:
+            inv_freq, af = inv_freq_fn(int(q_pos[b]))
+            assert len(inv_freq) == rd // 2, "inv_freq_fn gives rotary_dim // 2 frequencies"
+        elif rotary_mode == 1:
             use_long = rtype == "longrope" and longrope_use_long(
                 rope_scaling, q_pos[b], max_position_embeddings)
             inv_freq, af = naive_inv_freq(rd, rope_theta, rope_scaling,
@@ -262,7 +306,13 @@ def naive_decode(q, pages, page_indptr, page_indices, last_page_len, *, window_o
                     acc += w * v
                 out[b, h] = acc / total
                 lse[b, h] = (m + math.log(total)) * LOG2E
-    return out, lse
+                # not part of the semantics: the size of the terms each score sums (log2
+                # units), which bounds what f32 arithmetic can get wrong (cases.compare)
+                kabs = np.abs(np.array(keys))
+                sizes["score_mag"][b, h] = float((kabs @ np.abs(qv)).max()) * abs(sm_scale) * LOG2E
+                sizes["rows"][b, h] = len(keys)
+                sizes["v_mag"][b, h] = float(np.abs(np.array(values)).max())
+    return out, ScoredLse(lse, **sizes)
 
 
 # --------------------------------------------------------------------------- merge
@@ -281,6 +331,7 @@ def _merge_pair(v1, s1, v2, s2):
 
 def naive_merge(v, s, v_other, s_other):
     """Merge two attention states ``v [N, H, D]``, ``s [N, H]`` (base 2); returns new float64 arrays."""
+    sides = (s, s_other)
     v = np.asarray(v).astype(np.float64)
     v_other = np.asarray(v_other).astype(np.float64)
     s = np.asarray(s).astype(np.float64)
@@ -292,7 +343,22 @@ def naive_merge(v, s, v_other, s_other):
         for h in range(H):
             vo[n, h], so[n, h] = _merge_pair(v[n, h], float(s[n, h]), v_other[n, h],
                                               float(s_other[n, h]))
-    return vo, so
+    return vo, _merge_sizes(so, np.stack([v, v_other], 1), np.stack([s, s_other], 1), sides)
+
+
+def _merge_sizes(so, vk, sk, sides=()):
+    """The merged lse with the sizes f32 arithmetic works at (see ScoredLse): the
+    non-empty states count as rows, their largest |v|; states that are themselves oracle
+    results (a ScoredLse) bring their own sizes along."""
+    live = ~np.isneginf(sk)                                   # [N, K, H]
+    vmag = np.where(live[..., None], np.abs(vk), 0.0).max(axis=(1, 3), initial=0.0)
+    score, rows = np.zeros_like(so), live.sum(axis=1).astype(np.float64)
+    for k, side in enumerate(sides):
+        if isinstance(side, ScoredLse) and side.score_mag is not None:
+            score = np.maximum(score, side.score_mag)
+            rows += np.where(live[:, k], side.rows - 1, 0)
+            vmag = np.maximum(vmag, side.v_mag)
+    return ScoredLse(so, score_mag=score, rows=rows, v_mag=vmag)
 
 
 def naive_merge_k(v, s):
@@ -317,4 +383,4 @@ def naive_merge_k(v, s):
                 acc += w * v[n, k, h]
             vo[n, h] = acc / total
             so[n, h] = m + math.log2(total)
-    return vo, so
+    return vo, _merge_sizes(so, v, s)

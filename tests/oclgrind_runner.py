@@ -54,22 +54,23 @@ def _decoder(spec, profile):
         return clattn.BatchDecode(spec, _device(), backend="opencl", profile=profile)
 
 
-def _check(dec, case, *, what, **call):
-    from cases import compare, decode_args, naive_kwargs
-    from naive import naive_decode
+def _check(dec, sc, case, *, what, **call):
+    from cases import compare, decode_args, oracle
     args, kw = decode_args(case)
     lib = {k: call.pop(k) for k in ("split", "plan") if k in call}
     res = dec.run(*args, **kw, **call, **lib)
-    ref = naive_decode(*args, **kw, **naive_kwargs(dec.spec), **call)
-    compare(res.out, res.lse, *ref, dec.spec.dtype, what=f"{what}: ")
+    compare(res.out, res.lse, *oracle(sc, case, **call), dec.spec.dtype, what=f"{what}: ")
     return res
 
 
 # ------------------------------------------------------------------------------ decode variants
 def decode_variant(profile, spec_kw, lengths, *, window=None, sinks=None, rope=False,
                    splits=(False,), theta=10000.0, seed=0):
-    from cases import make_case
-    spec = _spec(**spec_kw)
+    from cases import make_case, spec_scenario
+    spec_kw = dict(spec_kw)
+    sc = spec_scenario("variant", spec_kw.pop("num_qo_heads"), spec_kw.pop("num_kv_heads"),
+                       spec_kw.pop("head_dim"), **spec_kw)
+    spec = sc.spec
     dec = _decoder(spec, profile)
     print(f"geometry: {dec.geometry}", flush=True)
     case = make_case(spec, lengths, seed=seed, window=window, sinks=sinks, rope=rope,
@@ -79,7 +80,7 @@ def decode_variant(profile, spec_kw, lengths, *, window=None, sinks=None, rope=F
                     sink_size=np.zeros(len(lengths), np.int32))
     call = dict(rotary_mode=1, rope_theta=theta) if rope else {}
     for split in splits:
-        _check(dec, case, what=f"split={split}", split=split, **call)
+        _check(dec, sc, case, what=f"split={split}", split=split, **call)
 
 
 def merge_variant(profile, dtype, D=16):

@@ -1,15 +1,18 @@
-"""The OpenCL decode and merge kernels on every device present, against the float64 oracle.
+"""Decode scenarios on every backend, and the OpenCL-only behaviour, against the float64 oracle.
 
-Every test takes the ``device`` fixture (conftest: every OpenCL device but Oclgrind) and
-gets its decoders from the session cache (``get_decoder``), so one kernel build serves
-every case of one spec: lengths, windows, RoPE scalars, sm_scale, split and the batch
-size are run-time values. The specs are few and chosen so that together they cover
-group sizes 1/4/7/8, head_dim 64/80/96/128/256, page sizes 1/16/64/128, every RoPE
-scaling type, soft-capping and the sliding window, in both f16 and f32.
+The matrix tests take the ``target`` fixture (conftest): clattn's CPU backend, each OpenCL
+device with its own profile (the ``rows`` kernel on the CPU drivers CI has) and each device
+running the GPU (``tiled``) kernel through a GPU profile. Decoders come from the session
+cache (``get_decoder``): one kernel build serves every case of one scenario, since lengths,
+windows, RoPE scalars, sm_scale, split and the batch size are run-time values. The
+scenarios are few and chosen so that together they cover group sizes 1/4/7/8, head_dim
+64/80/96/128/256, page sizes 1/16/64/128, every RoPE scaling type, soft-capping and the
+sliding window, in both f16 and f32; real models are built from their raw HF configs and
+the oracle reads the same configs itself (``hf_oracle``).
 
-Tolerances are those of ``cases.compare`` (1e-5 for f32 storage, 2e-3 for f16), RoPE
-at large positions included: the kernels split each angle into whole turns and a
-remainder, so f32 angles stay exact there.
+Tolerances are those of ``cases.TOLERANCE`` (f32 rounding scaled by the sizes of each
+computation; f16 out correctly rounded), RoPE at large positions included: the kernels
+split each angle into whole turns and a remainder, so f32 angles stay exact there.
 """
 from __future__ import annotations
 
@@ -17,79 +20,68 @@ import numpy as np
 import pytest
 
 import clattn
-from clattn import AttentionSpec
 
-from cases import compare, decode_args, make_case, naive_kwargs
-from model_configs import model, rope_scaling_of, rotary_dim_of, sm_scale_of
+from cases import compare, config_scenario, decode_args, lse_bound, make_case, oracle, \
+    spec_scenario
+from model_configs import load_models, model
 from naive import naive_decode, naive_merge, naive_merge_k
 
 cl = pytest.importorskip("pyopencl")
 import pyopencl.array as cla  # noqa: E402
 
-DTYPES = ["float32", "float16"]
+F16, F32 = "float16", "float32"
+DTYPES = [F32, F16]
 NEG = -np.inf
+LLAMA32_ROPE = model("Llama-3.2-1B")["rope_scaling"]   # a complete llama3 dict
 
-# ---------------------------------------------------------------------------- specs
+# ---------------------------------------------------------------------------- scenarios
+#: the small all-features scenario: group 4, D 64, sliding window, Llama-3 RoPE
+WIN = {dt: spec_scenario(f"win-{dt}", 8, 2, 64, page_size=16, dtype=dt, sliding_window=True,
+                         rope_scaling=LLAMA32_ROPE, max_position_embeddings=131072)
+       for dt in DTYPES}
+
+#: real models, full size, from their raw configs
 MODEL_SHAPES = {  # name in tests/data/models.json -> (H_qo, H_kv, D) it must give
     "Llama-3.2-1B": (32, 8, 64),
     "Llama-3.1-8B": (32, 8, 128),
     "Qwen2.5-0.5B": (14, 2, 64),
-    "Gemma-2-2B": (8, 4, 256),      # softcap 50, sliding window
+    "Gemma-2-2B": (8, 4, 256),      # softcap 50, sliding window, query_pre_attn_scalar
     "Phi-3-mini-4k": (32, 32, 96),  # group 1, sliding window
 }
+MODELS = {(name, dt): config_scenario(f"{name}-{dt}", model(name), dtype=dt)
+          for name in MODEL_SHAPES for dt in DTYPES}
 
-
-def model_spec(name: str, dtype: str) -> AttentionSpec:
-    """The spec of a real model (its RoPE scaling, softcap and window mode included)."""
-    return AttentionSpec.from_hf_config(model(name), page_size=16, dtype=dtype)
-
-
-LLAMA32_ROPE = rope_scaling_of(model("Llama-3.2-1B"))
-
-
-def window_spec(dtype: str) -> AttentionSpec:
-    """The small all-features spec: group 4, D 64, sliding window, Llama-3 RoPE."""
-    return AttentionSpec(8, 2, 64, page_size=16, dtype=dtype, sliding_window=True,
-                         rope_scaling=LLAMA32_ROPE, max_position_embeddings=131072)
-
-
-# group size / head_dim / page size coverage (one dtype each; both dtypes overall)
-SHAPE_SPECS = {
-    "g8-d80-ps1-win": AttentionSpec(16, 2, 80, page_size=1, dtype="float32", sliding_window=True),
-    "g8-d64-ps64": AttentionSpec(8, 1, 64, page_size=64, dtype="float16"),
-    "g1-d128-ps128-win": AttentionSpec(4, 4, 128, page_size=128, dtype="float32",
-                                       sliding_window=True),
-    "g7-d96-ps16": AttentionSpec(7, 1, 96, page_size=16, dtype="float16", softcap=30.0),
+#: group size / head_dim / page size coverage (one dtype each; both dtypes overall)
+SHAPES = {
+    "g8-d80-ps1-win": spec_scenario("g8-d80-ps1-win", 16, 2, 80, page_size=1, dtype=F32,
+                                    sliding_window=True),
+    "g8-d64-ps64": spec_scenario("g8-d64-ps64", 8, 1, 64, page_size=64, dtype=F16),
+    "g1-d128-ps128-win": spec_scenario("g1-d128-ps128-win", 4, 4, 128, page_size=128,
+                                       dtype=F32, sliding_window=True),
+    "g7-d96-ps16": spec_scenario("g7-d96-ps16", 7, 1, 96, page_size=16, dtype=F16, softcap=30.0),
 }
 
-
-def _rope_from_model(name, heads, dtype="float32", **extra):
-    m = model(name)
-    return AttentionSpec(heads[0], heads[1], m["head_dim"], page_size=16, dtype=dtype,
-                         rope_scaling=extra.pop("rope_scaling", rope_scaling_of(m)),
-                         rotary_dim=rotary_dim_of(m),
-                         max_position_embeddings=m["max_position_embeddings"], **extra)
-
-
-def _theta(name):
-    return float(model(name)["rope_theta"] or 10000.0)
-
-
-# rope type -> (spec factory(dtype), rope_theta); llama3/default reuse the model specs
-ROPE_SPECS = {
-    "llama3": (lambda dt: model_spec("Llama-3.2-1B", dt), _theta("Llama-3.2-1B")),
-    "default": (lambda dt: model_spec("Qwen2.5-0.5B", dt), _theta("Qwen2.5-0.5B")),
-    "yarn": (lambda dt: _rope_from_model("gpt-oss-20b", (8, 1), dt), _theta("gpt-oss-20b")),
-    "longrope": (lambda dt: _rope_from_model("Phi-3.5-mini", (4, 4), dt), _theta("Phi-3.5-mini")),
-    "gptj": (lambda dt: _rope_from_model("GPT-J-6B", (4, 4), dt), _theta("GPT-J-6B")),
-    "linear": (lambda dt: _rope_from_model("Gemma-3-4B", (8, 4), dt), _theta("Gemma-3-4B")),
-    "llama4": (lambda dt: _rope_from_model(
-        "Llama-3.1-8B", (4, 2), dt,
-        rope_scaling=dict(rope_scaling_of(model("Llama-3.1-8B")), rope_type="llama4")),
-        _theta("Llama-3.1-8B")),
+#: one scenario per RoPE type, from a real config (heads shrunk) where one exists
+_LLAMA4 = dict(model("Llama-3.1-8B")["rope_scaling"], rope_type="llama4")
+ROPE = {
+    "llama3": lambda dt: MODELS["Llama-3.2-1B", dt],
+    "default": lambda dt: MODELS["Qwen2.5-0.5B", dt],
+    "yarn": lambda dt: config_scenario("gpt-oss", model("gpt-oss-20b"), heads=(8, 1), dtype=dt,
+                                       sliding_window=False),
+    "longrope": lambda dt: config_scenario("phi3.5", model("Phi-3.5-mini"), heads=(4, 4),
+                                           dtype=dt, sliding_window=False),
+    "gptj": lambda dt: config_scenario("gptj", model("GPT-J-6B"), heads=(4, 4), dtype=dt),
+    "linear": lambda dt: config_scenario("gemma3", model("Gemma-3-4B"), heads=(8, 4), dtype=dt,
+                                         sliding_window=False),
+    "llama4": lambda dt: spec_scenario("llama4", 4, 2, 128, page_size=16, dtype=dt,
+                                       rope_scaling=_LLAMA4, max_position_embeddings=131072),
+    # half the dims rotate, paired (i, i + 16) (partial_rotary_factor, as Phi-2 and StableLM)
+    "partial": lambda dt: config_scenario("partial", dict(model("Qwen2.5-0.5B"),
+                                                          partial_rotary_factor=0.5),
+                                          heads=(4, 2), dtype=dt),
 }
-# RoPE types whose extra specs run in f32 only (llama3/default run in both via MODEL_SHAPES)
-ROPE_PARAMS = [(k, "float32") for k in ROPE_SPECS] + [("llama3", "float16"), ("default", "float16")]
+# RoPE types whose extra scenarios run in f32 only (llama3/default run in both via MODELS)
+ROPE_PARAMS = [(k, F32) for k in ROPE] + [("llama3", F16), ("default", F16)]
 
 
 # ---------------------------------------------------------------------------- helpers
@@ -97,23 +89,18 @@ def host(a):
     return a if a is None or isinstance(a, np.ndarray) else a.get()
 
 
-def naive_for(spec, case, **call):
-    args, kw = decode_args(case)
-    return naive_decode(*args, **kw, **naive_kwargs(spec), **call)
-
-
-def run_case(dec, case, *, lib=None, **call):
+def run_case(dec, sc, case, *, lib=None, **call):
     """``dec.run`` on a case (numpy in, numpy out); ``lib``: library-only keywords."""
     args, kw = decode_args(case)
-    return dec.run(*args, **kw, **call, **(lib or {}))
+    return dec.run(*args, **kw, **dict(sc.call, **call), **(lib or {}))
 
 
-def check(dec, case, *, tol=None, what="", ref=None, lib=None, **call):
-    """Run on the device and compare with the oracle; returns (result, reference)."""
-    res = run_case(dec, case, lib=lib, **call)
+def check(dec, sc, case, *, what="", ref=None, lib=None, **call):
+    """Run on the target and compare with the oracle; returns (result, reference)."""
+    res = run_case(dec, sc, case, lib=lib, **call)
     if ref is None:
-        ref = naive_for(dec.spec, case, **call)
-    compare(res.out, res.lse, *ref, dec.spec.dtype, tol=tol, what=what)
+        ref = oracle(sc, case, **call)
+    compare(res.out, res.lse, *ref, sc.spec.dtype, what=f"{sc}: {what}")
     return res, ref
 
 
@@ -141,86 +128,89 @@ B16_LENGTHS = [0, 1, 15, 16, 17, 31, 32, 33, 47, 64, 5, 100, 2, 0, 48, 9]
 # ---------------------------------------------------------------------------- real models
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("name", list(MODEL_SHAPES))
-def test_model_shapes(device, get_decoder, name, dtype):
-    spec = model_spec(name, dtype)
+def test_model_shapes(target, get_decoder, name, dtype):
+    sc = MODELS[name, dtype]
+    spec = sc.spec
     assert (spec.num_qo_heads, spec.num_kv_heads, spec.head_dim) == MODEL_SHAPES[name]
-    if name == "Gemma-2-2B":
-        assert spec.softcap == 50.0 and spec.sliding_window
-    dec = get_decoder(spec, device)
-    sm = sm_scale_of(model(name))
-    case = plain_case(spec, B16_LENGTHS, seed=sum(map(ord, name)))
-    check(dec, case, sm_scale=sm, what=f"{name}/{dtype} B=16: ")
+    dec = get_decoder(spec, target)
+    check(dec, sc, plain_case(spec, B16_LENGTHS, seed=sum(map(ord, name))), what="B=16: ")
     # B = 1 and B = 3 with the same kernel
-    check(dec, plain_case(spec, [40], seed=3), sm_scale=sm, what=f"{name} B=1: ")
-    check(dec, plain_case(spec, [1, 0, 33], seed=4), sm_scale=sm, what=f"{name} B=3: ")
+    check(dec, sc, plain_case(spec, [40], seed=3), what="B=1: ")
+    check(dec, sc, plain_case(spec, [1, 0, 33], seed=4), what="B=3: ")
     if spec.sliding_window:
         case = window_case(spec, [50, 40, 17], window=[20, 40, 16], sinks=[4, 0, 16], seed=5)
-        check(dec, case, sm_scale=sm, what=f"{name} window: ")
+        check(dec, sc, case, what="window: ")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_gemma2_softcap_binds(device, get_decoder, dtype):
+def test_gemma2_softcap_binds(target, get_decoder, dtype):
     """Scores large enough that Gemma-2's softcap of 50 changes the result."""
-    spec = model_spec("Gemma-2-2B", dtype)
-    dec = get_decoder(spec, device)
-    case = plain_case(spec, [20, 5, 33], seed=6)
+    sc = MODELS["Gemma-2-2B", dtype]
+    dec = get_decoder(sc.spec, target)
+    case = plain_case(sc.spec, [20, 5, 33], seed=6)
     case["q"] = (case["q"].astype(np.float32) * 8).astype(dtype)
-    res, ref = check(dec, case, what="softcap: ")
-    nocap = naive_decode(*decode_args(case)[0], **decode_args(case)[1])
+    res, ref = check(dec, sc, case, what="softcap: ")
+    nocap = naive_decode(*decode_args(case)[0], **decode_args(case)[1], **sc.call)
     assert np.abs(nocap[1] - res.lse).max() > 0.1, "the softcap did not bind"
 
 
 # ---------------------------------------------------------------------------- shapes, pages
-@pytest.mark.parametrize("key", list(SHAPE_SPECS))
-def test_group_head_dim_page_size(device, get_decoder, key):
-    spec = SHAPE_SPECS[key]
+@pytest.mark.parametrize("key", list(SHAPES))
+def test_group_head_dim_page_size(target, get_decoder, key):
+    sc = SHAPES[key]
+    spec = sc.spec
     ps = spec.page_size
-    dec = get_decoder(spec, device)
+    dec = get_decoder(spec, target)
     lengths = sorted({0, 1, 2, max(ps - 1, 1), ps, ps + 1, 2 * ps, 2 * ps + 1, 3 * ps - 1, 37})
-    case = plain_case(spec, lengths, seed=ps)
-    check(dec, case, what=f"{key}: ")
+    check(dec, sc, plain_case(spec, lengths, seed=ps))
     # poisoned pool: slots nobody owns (spare pages, tails of last pages) are NaN
     case = plain_case(spec, [ps + 1, 1, 0, 2 * ps - 1], seed=ps + 1, poison=True)
-    check(dec, case, what=f"{key} poisoned: ")
+    check(dec, sc, case, what="poisoned: ")
+    check(dec, sc, case, what="poisoned, split: ", lib=dict(split=max(ps, 2)))
     # unshuffled pool without spare pages
     case = plain_case(spec, [2 * ps, 3], seed=ps + 2, shuffle_pages=False, extra_pages=0)
-    check(dec, case, what=f"{key} no spare: ")
+    check(dec, sc, case, what="no spare: ")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("B", [1, 3, 16])
-def test_batch_sizes_and_sm_scale(device, get_decoder, B, dtype):
-    spec = window_spec(dtype)
-    dec = get_decoder(spec, device)
+def test_batch_sizes_and_sm_scale(target, get_decoder, B, dtype):
+    sc = WIN[dtype]
+    dec = get_decoder(sc.spec, target)
     rng = np.random.default_rng(B)
     lengths = [int(x) for x in rng.integers(0, 70, size=B)]
     if B > 1:
         lengths[0], lengths[1] = 0, 1
-    case = plain_case(spec, lengths, seed=B)
-    check(dec, case, what=f"B={B}: ")
-    check(dec, case, sm_scale=0.3, what=f"B={B} sm_scale=0.3: ")
+    case = plain_case(sc.spec, lengths, seed=B)
+    check(dec, sc, case, what=f"B={B}: ")
+    check(dec, sc, case, sm_scale=0.3, what=f"B={B} sm_scale=0.3: ")
 
 
-def test_all_empty_batch(device, get_decoder):
-    """Every sequence empty: out = 0 exactly, lse = -inf, never NaN."""
+def test_empty_batches(target, get_decoder):
+    """Every sequence empty: out = 0 exactly, lse = -inf, never NaN; and B = 0."""
     for dtype in DTYPES:
-        spec = window_spec(dtype)
-        dec = get_decoder(spec, device)
-        case = plain_case(spec, [0, 0, 0], seed=7)
-        res, _ = check(dec, case)
+        sc = WIN[dtype]
+        dec = get_decoder(sc.spec, target)
+        case = plain_case(sc.spec, [0, 0, 0], seed=7)
+        res, _ = check(dec, sc, case)
         assert (res.out == 0).all() and np.isneginf(res.lse).all()
         for split in (False, 16, None):
-            r = run_case(dec, case, lib=dict(split=split))
+            r = run_case(dec, sc, case, lib=dict(split=split))
             assert (r.out == 0).all() and np.isneginf(r.lse).all()
+        res, _ = check(dec, sc, plain_case(sc.spec, [], seed=7), what="B=0: ")
+        assert res.out.shape == (0, 8, 64) and res.lse.shape == (0, 8)
 
 
-def test_large_scores_stable(device, get_decoder):
-    for dtype, scale in (("float32", 40.0), ("float16", 12.0)):
-        spec = window_spec(dtype)
-        dec = get_decoder(spec, device)
-        case = plain_case(spec, [40, 3, 17], seed=8)
-        case["q"] = (case["q"].astype(np.float32) * scale).astype(dtype)
-        check(dec, case, sm_scale=1.0, what=f"{dtype} x{scale}: ")
+@pytest.mark.parametrize("dtype,scale", [(F32, 40.0), (F16, 12.0)])
+def test_large_scores_stable(target, get_decoder, dtype, scale):
+    """Scores in the hundreds (lse 200-1000): no overflow, lse within the f32 bound of
+    scores that large (cases.TOLERANCE), not a relative tolerance on |lse|."""
+    sc = WIN[dtype]
+    dec = get_decoder(sc.spec, target)
+    case = plain_case(sc.spec, [40, 3, 17], seed=8)
+    case["q"] = (case["q"].astype(np.float32) * scale).astype(dtype)
+    res, ref = check(dec, sc, case, sm_scale=1.0, what=f"x{scale}: ")
+    assert np.abs(ref[1]).max() > 200
 
 
 # ---------------------------------------------------------------------------- sliding window
@@ -245,87 +235,85 @@ def _window_limits(ps):
     return list(lengths), list(wo), list(sk)
 
 
-@pytest.mark.parametrize("key", ["win-f16", "win-f32", "g8-d80-ps1-win", "g1-d128-ps128-win",
-                                 "gemma2-f16"])
-def test_sliding_window_limits(device, get_decoder, key):
-    spec = {"win-f16": lambda: window_spec("float16"), "win-f32": lambda: window_spec("float32"),
-            "gemma2-f16": lambda: model_spec("Gemma-2-2B", "float16")}.get(
-        key, lambda: SHAPE_SPECS[key])()
-    dec = get_decoder(spec, device)
-    ps = spec.page_size
+WINDOW_KEYS = {"win-f16": lambda: WIN[F16], "win-f32": lambda: WIN[F32],
+               "g8-d80-ps1-win": lambda: SHAPES["g8-d80-ps1-win"],
+               "g1-d128-ps128-win": lambda: SHAPES["g1-d128-ps128-win"],
+               "gemma2-f16": lambda: MODELS["Gemma-2-2B", F16]}
+
+
+@pytest.mark.parametrize("key", list(WINDOW_KEYS))
+def test_sliding_window_limits(target, get_decoder, key):
+    sc = WINDOW_KEYS[key]()
+    dec = get_decoder(sc.spec, target)
+    ps = sc.spec.page_size
     lengths, wo, sk = _window_limits(max(ps, 2))
-    case = window_case(spec, lengths, wo, sk, seed=9, poison=True)
-    res, _ = check(dec, case, what=f"{key} limits: ")
+    case = window_case(sc.spec, lengths, wo, sk, seed=9, poison=True)
+    res, _ = check(dec, sc, case, what="limits: ")
     empty = case["rows"] == 0
     assert np.isneginf(res.lse[empty]).all() and (res.out[empty] == 0).all()
     # the packed length_info [3, B] gives the same bits
     args, _ = decode_args(case)
-    packed = dec.run(*args[:4], length_info=case["length_info"])
+    packed = dec.run(*args[:4], length_info=case["length_info"], **sc.call)
     assert_same(res, packed, "length_info: ")
 
 
 # ---------------------------------------------------------------------------- RoPE
-def _rope_case(spec, key, seed):
+def _rope_case(sc, key, seed):
     """Positions around 100000 (and small ones); longrope on both sides of its switch."""
     if key == "longrope":
-        orig = spec.rope_scaling["original_max_position_embeddings"]
-        return make_case(spec, [20, 20, 20, 20, 7], seed=seed, rope=True,
-                         pos_offset=[40, orig - 25, orig - 24, 99_980, 5],
-                         q_pos=[60, orig - 1, orig, 100_000, 99_999])
-    return make_case(spec, [37, 0, 16, 1, 20], seed=seed, rope=True,
-                     pos_offset=[99_963, 0, 7, 100_000, 1234],
-                     q_pos=[100_000, 0, 23, 100_001, 1254])
+        orig = model("Phi-3.5-mini")["original_max_position_embeddings"]
+        return plain_case(sc.spec, [20, 20, 20, 20, 7], seed=seed, rope=True,
+                          pos_offset=[40, orig - 25, orig - 24, 99_980, 5],
+                          q_pos=[60, orig - 1, orig, 100_000, 99_999])
+    return plain_case(sc.spec, [37, 0, 16, 1, 20], seed=seed, rope=True,
+                      pos_offset=[99_963, 0, 7, 100_000, 1234],
+                      q_pos=[100_000, 0, 23, 100_001, 1254])
 
 
 @pytest.mark.parametrize("key,dtype", ROPE_PARAMS, ids=[f"{k}-{d}" for k, d in ROPE_PARAMS])
-def test_rope_types_large_positions(device, get_decoder, key, dtype):
-    make_spec, theta = ROPE_SPECS[key]
-    spec = make_spec(dtype)
-    rt = (spec.rope_scaling or {}).get("rope_type", (spec.rope_scaling or {}).get("type"))
-    assert (rt or "default") == key
-    if key == "gptj":
-        assert spec.rotary_dim == 64 and spec.head_dim == 256
-    dec = get_decoder(spec, device)
-    case = _rope_case(spec, key, seed=len(key))
-    if spec.sliding_window:
-        case.update(window_offset=np.zeros(len(case["stored"]), np.int32),
-                    sink_size=np.zeros(len(case["stored"]), np.int32))
-    check(dec, case, rotary_mode=1, rope_theta=theta, what=f"{key}/{dtype} RoPE: ")
+def test_rope_types_large_positions(target, get_decoder, key, dtype):
+    sc = ROPE[key](dtype)
+    dec = get_decoder(sc.spec, target)
+    case = _rope_case(sc, key, seed=len(key))
+    check(dec, sc, case, rotary_mode=1, what=f"{key} RoPE: ")
     if key == "longrope":
         # the switch is real: short factors only would give other results for q_pos >= orig
         args, kw = decode_args(case)
-        short = dict(spec.rope_scaling, long_factor=spec.rope_scaling["short_factor"])
-        ref_short = naive_decode(*args, **kw, rope_scaling=short, rotary_dim=spec.rotary_dim,
-                                 max_position_embeddings=spec.max_position_embeddings,
-                                 rotary_mode=1, rope_theta=theta)
-        res = run_case(dec, case, rotary_mode=1, rope_theta=theta)
+        short = sc.oracle["inv_freq_fn"](0)
+        ref_short = naive_decode(*args, **kw, **dict(sc.oracle, inv_freq_fn=lambda p: short),
+                                 **sc.call, rotary_mode=1)
+        res = run_case(dec, sc, case, rotary_mode=1)
         assert np.abs(ref_short[1][2:4] - res.lse[2:4]).max() > 1e-3
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_rope_runtime_scalars_no_rebuild(device, get_decoder, dtype):
-    """rope_theta / rope_scale / rotary_mode / sm_scale vary per call on one kernel."""
-    spec = window_spec(dtype)
-    dec = get_decoder(spec, device)
-    kernels = dec._kernels()
-    case = window_case(spec, [45, 0, 17, 1], window=[10, 0, 16, 0], sinks=[3, 0, 1, 0],
-                       seed=11, rope=True, pos_offset=[99_950, 0, 3, 100_000])
-    for theta, scale, sm in ((500000.0, 1.0, None), (10000.0, 1.0, None), (10000.0, 0.5, 0.2),
-                             (1e6, 2.5, None), (500000.0, 1.0 / 3.0, 0.125)):
-        check(dec, case, rotary_mode=1, rope_theta=theta, rope_scale=scale, sm_scale=sm,
-              what=f"theta={theta} scale={scale}: ")
-    check(dec, case, rotary_mode=0, what="rotary_mode=0: ")
-    assert dec._kernels() is not None and dec._kernels()[0] is kernels[0], "rebuilt"
-
-
-def test_rope_gptj_interleaved_differs(device, get_decoder):
-    spec = ROPE_SPECS["gptj"][0]("float32")
-    dec = get_decoder(spec, device)
-    case = make_case(spec, [12], seed=47, rope=True, pos_offset=[30])
-    res = run_case(dec, case, rotary_mode=1)
+def test_rope_gptj_pairs_adjacent_dims(target, get_decoder):
+    """GPT-J rotates (2i, 2i+1) pairs of its first 64 dims: rotate-half pairing differs."""
+    sc = ROPE["gptj"](F32)
+    dec = get_decoder(sc.spec, target)
+    case = make_case(sc.spec, [12], seed=47, rope=True, pos_offset=[30])
+    res = run_case(dec, sc, case, rotary_mode=1)
     args, kw = decode_args(case)
-    half = naive_decode(*args, **kw, rotary_dim=64, rotary_mode=1)
-    assert np.abs(half[1] - res.lse).max() > 1e-3
+    for wrong in (dict(sc.oracle, interleaved=False), dict(sc.oracle, rotary_dim=256,
+                                                          inv_freq_fn=None)):
+        other = naive_decode(*args, **kw, **wrong, **sc.call, rotary_mode=1)
+        assert np.abs(other[1] - res.lse).max() > 1e-3
+
+
+def test_rope_runtime_scalars_no_rebuild(device_target, get_decoder):
+    """rope_theta / rope_scale / rotary_mode / sm_scale vary per call on one kernel."""
+    for dtype in DTYPES:
+        sc = WIN[dtype]
+        dec = get_decoder(sc.spec, device_target)
+        kernels = dec._kernels()
+        case = window_case(sc.spec, [45, 0, 17, 1], window=[10, 0, 16, 0], sinks=[3, 0, 1, 0],
+                           seed=11, rope=True, pos_offset=[99_950, 0, 3, 100_000])
+        for theta, scale, sm in ((500000.0, 1.0, None), (10000.0, 1.0, None),
+                                 (10000.0, 0.5, 0.2), (1e6, 2.5, None),
+                                 (500000.0, 1.0 / 3.0, 0.125)):
+            check(dec, sc, case, rotary_mode=1, rope_theta=theta, rope_scale=scale, sm_scale=sm,
+                  what=f"theta={theta} scale={scale}: ")
+        check(dec, sc, case, rotary_mode=0, what="rotary_mode=0: ")
+        assert dec._kernels()[0] is kernels[0], "rebuilt"
 
 
 # ---------------------------------------------------------------------------- split-KV
@@ -333,107 +321,154 @@ SPLIT_LENGTHS = [300, 0, 1, 17, 64, 129, 16]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_split_vs_unsplit(device, get_decoder, dtype):
-    spec = window_spec(dtype)
-    dec = get_decoder(spec, device)
-    case = window_case(spec, SPLIT_LENGTHS, window=[40, 0, 0, 0, 16, 100, 0],
+def test_split_vs_unsplit(target, get_decoder, dtype):
+    sc = WIN[dtype]
+    dec = get_decoder(sc.spec, target)
+    case = window_case(sc.spec, SPLIT_LENGTHS, window=[40, 0, 0, 0, 16, 100, 0],
                        sinks=[4, 0, 0, 0, 1, 100, 0], seed=12, rope=True,
                        pos_offset=[99_000, 0, 5, 6, 7, 8, 9])
-    ref = naive_for(spec, case, rotary_mode=1)
-    base, _ = check(dec, case, ref=ref, rotary_mode=1, lib=dict(split=False), what="unsplit: ")
+    ref = oracle(sc, case, rotary_mode=1)
+    check(dec, sc, case, ref=ref, rotary_mode=1, lib=dict(split=False), what="unsplit: ")
     for split in (16, 32, 64, None):
         plan = dec.plan(case["page_indptr"], case["last_page_len"],
                         window_offset=case["window_offset"], sink_size=case["sink_size"],
                         split=split)
-        if split in (16, 64):
+        if split in (16, 64) and not target.is_cpu:
             parts = np.diff(plan.part_indptr)
             assert plan.split and (parts == 1).any() and (parts > 1).any(), \
                 f"split={split}: want a mixed batch, got {plan}"
-        res, _ = check(dec, case, ref=ref, rotary_mode=1, lib=dict(split=split),
-                       what=f"split={split}: ")
-        compare(res.out, res.lse, base.out.astype(np.float64), base.lse, dtype,
-                what=f"split={split} vs unsplit: ")
+        check(dec, sc, case, ref=ref, rotary_mode=1, lib=dict(split=split),
+              what=f"split={split}: ")
         # the same plan, reused (as for every layer of a step)
-        again = run_case(dec, case, rotary_mode=1, lib=dict(plan=plan))
-        if plan.split:
-            compare(again.out, again.lse, *ref, dtype, what=f"plan reuse {split}: ")
+        check(dec, sc, case, ref=ref, rotary_mode=1, lib=dict(plan=plan),
+              what=f"plan reuse {split}: ")
 
 
-def test_split_tiny_partitions_page_size_1(device, get_decoder):
+def test_split_tiny_partitions_page_size_1(target, get_decoder):
     """page_size 1: partitions of a single row; every sequence split."""
-    spec = SHAPE_SPECS["g8-d80-ps1-win"]
-    dec = get_decoder(spec, device)
-    case = window_case(spec, [9, 2, 5], window=[3, 0, 5], sinks=[1, 0, 2], seed=13)
-    ref = naive_for(spec, case)
+    sc = SHAPES["g8-d80-ps1-win"]
+    dec = get_decoder(sc.spec, target)
+    case = window_case(sc.spec, [9, 2, 5], window=[3, 0, 5], sinks=[1, 0, 2], seed=13)
+    ref = oracle(sc, case)
     for split in (1, 2, 3):
-        check(dec, case, ref=ref, lib=dict(split=split), what=f"split={split}: ")
+        check(dec, sc, case, ref=ref, lib=dict(split=split), what=f"split={split}: ")
 
 
-def test_determinism(device, get_decoder):
+def test_determinism(target, get_decoder):
     for dtype in DTYPES:
-        spec = window_spec(dtype)
-        dec = get_decoder(spec, device)
-        case = window_case(spec, SPLIT_LENGTHS, window=[40, 0, 0, 0, 16, 100, 0],
+        sc = WIN[dtype]
+        dec = get_decoder(sc.spec, target)
+        case = window_case(sc.spec, SPLIT_LENGTHS, window=[40, 0, 0, 0, 16, 100, 0],
                            sinks=[4, 0, 0, 0, 1, 100, 0], seed=14, rope=True)
         for split in (False, 16, None):
-            a = run_case(dec, case, rotary_mode=1, lib=dict(split=split))
-            b = run_case(dec, case, rotary_mode=1, lib=dict(split=split))
+            a = run_case(dec, sc, case, rotary_mode=1, lib=dict(split=split))
+            b = run_case(dec, sc, case, rotary_mode=1, lib=dict(split=split))
             assert_same(a, b, f"{dtype} split={split}: ")
 
 
 # ---------------------------------------------------------------------------- long contexts
-_LONG_REFS: dict = {}
+_LONG: dict = {}
 
 
-def _long_ref(key, spec, case, **call):
-    """The oracle of a long case, computed once for every device."""
-    if key not in _LONG_REFS:
-        _LONG_REFS[key] = naive_for(spec, case, **call)
-    return _LONG_REFS[key]
+def _long(key, make):
+    """A long case and its oracle, made once for every target: (case, reference)."""
+    if key not in _LONG:
+        _LONG[key] = make()
+    return _LONG[key]
 
 
-def test_long_context_32k(device, get_decoder):
-    """32768 tokens (f16, Qwen2.5-0.5B shape): auto split, forced split and unsplit agree."""
-    spec = model_spec("Qwen2.5-0.5B", "float16")
-    dec = get_decoder(spec, device)
-    case = make_case(spec, [32768], seed=15, rope=True, pos_offset=[0])
-    theta = _theta("Qwen2.5-0.5B")
-    ref = _long_ref("qwen32k", spec, case, rotary_mode=1, rope_theta=theta)
-    assert dec.plan(case["page_indptr"], case["last_page_len"]).split or \
-        int(dec.setup.info.get("max_compute_units") or 1) * dec.profile.wgs_per_cu <= \
-        spec.num_kv_heads, "auto split expected for one sequence on this device"
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_long_context_32k(target, get_decoder, dtype):
+    """32768 tokens (Qwen2.5-0.5B with RoPE): auto split, forced split and unsplit."""
+    sc = MODELS["Qwen2.5-0.5B", dtype]
+    dec = get_decoder(sc.spec, target)
+
+    def make():
+        case = make_case(sc.spec, [32768], seed=15, rope=True, pos_offset=[0])
+        return case, oracle(sc, case, rotary_mode=1)
+
+    case, ref = _long(("qwen32k", dtype), make)
+    if not target.is_cpu:
+        assert dec.plan(case["page_indptr"], case["last_page_len"]).split or \
+            int(dec.setup.info.get("max_compute_units") or 1) * dec.profile.wgs_per_cu <= \
+            sc.spec.num_kv_heads, "auto split expected for one sequence on this device"
     for split in (None, False, 4096):
-        check(dec, case, ref=ref, rotary_mode=1, rope_theta=theta, lib=dict(split=split),
+        check(dec, sc, case, ref=ref, rotary_mode=1, lib=dict(split=split),
               what=f"32k split={split}: ")
 
 
-def test_long_context_32k_window_sinks(device, get_decoder):
-    spec = window_spec("float16")
-    dec = get_decoder(spec, device)
-    case = window_case(spec, [32768, 1000], window=[32768 - 4000, 0], sinks=[4, 0], seed=16)
-    ref = _long_ref("win32k", spec, case)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_long_context_32k_window_sinks(target, get_decoder, dtype):
+    """32768 stored tokens, a 4000-row window and 4 sinks: the lse check is tight enough
+    that one window row less, or no sinks, would fail it (asserted on the oracle)."""
+    sc = WIN[dtype]
+    dec = get_decoder(sc.spec, target)
+    wo, sinks = [32768 - 4000, 0], [4, 0]
+
+    def make():
+        case = window_case(sc.spec, [32768, 1000], window=wo, sinks=sinks, seed=16)
+        ref = oracle(sc, case)
+        args, kw = decode_args(case)
+        bound = lse_bound(*ref)
+        for what, w, s in (("one window row less", [wo[0] + 1, 0], sinks),
+                           ("no sinks", wo, [0, 0])):
+            alt = naive_decode(*args, **dict(kw, window_offset=np.array(w, np.int32),
+                                             sink_size=np.array(s, np.int32)), **sc.oracle)
+            assert (np.abs(alt[1][0] - ref[1][0]) > 3 * bound[0]).any(), \
+                f"the check cannot see {what}"
+        return case, ref
+
+    case, ref = _long(("win32k", dtype), make)
     for split in (None, False, 2048):
-        check(dec, case, ref=ref, lib=dict(split=split), what=f"32k window split={split}: ")
+        check(dec, sc, case, ref=ref, lib=dict(split=split), what=f"32k window split={split}: ")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_long_context_128k_window_sinks(target, get_decoder, dtype):
+    """131072 stored tokens, an 8192-row window, 4 sinks, RoPE at the far end (-m slow)."""
+    sc = WIN[dtype]
+    dec = get_decoder(sc.spec, target)
+    n = 131072
+    case, ref = _long(("win128k", dtype), lambda: (
+        lambda c: (c, oracle(sc, c, rotary_mode=1)))(
+            window_case(sc.spec, [n], window=[n - 8192], sinks=[4], seed=26, rope=True,
+                        pos_offset=[0])))
+    for split in (None, False):
+        check(dec, sc, case, ref=ref, rotary_mode=1, lib=dict(split=split),
+              what=f"128k split={split}: ")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", [m["name"] for m in load_models()])
+def test_every_model_full_size(target, get_decoder, name, dtype):
+    """Every model of tests/data/models.json at full size, RoPE on (-m slow: a build each)."""
+    sc = config_scenario(f"{name}-{dtype}", model(name), dtype=dtype)
+    dec = get_decoder(sc.spec, target)
+    case = plain_case(sc.spec, [0, 1, 33, 70], seed=27, rope=True,
+                      pos_offset=[0, 5, 1000, 30000])
+    check(dec, sc, case, rotary_mode=1, what="full size: ")
 
 
 # ---------------------------------------------------------------------------- host / device I/O
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_numpy_out_and_lse_given(device, get_decoder, dtype):
-    spec = window_spec(dtype)
-    dec = get_decoder(spec, device)
-    case = plain_case(spec, [33, 0, 2], seed=17)
-    ref = naive_for(spec, case)
+def test_numpy_out_and_lse_given(target, get_decoder, dtype):
+    sc = WIN[dtype]
+    dec = get_decoder(sc.spec, target)
+    case = plain_case(sc.spec, [33, 0, 2], seed=17)
+    ref = oracle(sc, case)
     out = np.full((3, 8, 64), 123, dtype=dtype)
     lse = np.full((3, 8), 123, dtype=np.float32)
-    res = run_case(dec, case, lib=dict(out=out, lse=lse))
+    res = run_case(dec, sc, case, lib=dict(out=out, lse=lse))
     assert res.out is out and res.lse is lse
     compare(out, lse, *ref, dtype)
     out2 = np.empty_like(out)
-    r = run_case(dec, case, lib=dict(out=out2))
+    r = run_case(dec, sc, case, lib=dict(out=out2))
     assert r.out is out2 and isinstance(r.lse, np.ndarray) and r.lse.dtype == np.float32
     compare(*r[:2], *ref, dtype)
     lse2 = np.empty_like(lse)
-    r = run_case(dec, case, lib=dict(lse=lse2, split=16))
+    r = run_case(dec, sc, case, lib=dict(lse=lse2, split=16))
     assert r.lse is lse2 and r.out.dtype == np.dtype(dtype)
     compare(*r[:2], *ref, dtype)
 
@@ -451,13 +486,13 @@ def _pad_view(queue, a, pad=1, fill=0):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_device_arrays_with_offset_views(device, get_decoder, cl_queue, dtype):
-    spec = window_spec(dtype)
-    dec = get_decoder(spec, device)
-    queue = cl_queue(device)
-    case = window_case(spec, [37, 0, 16, 1, 70], window=[5, 0, 16, 1, 33], sinks=[2, 0, 3, 1, 0],
+def test_device_arrays_with_offset_views(device_target, get_decoder, cl_queue, dtype):
+    sc = WIN[dtype]
+    dec = get_decoder(sc.spec, device_target)
+    queue = cl_queue(device_target.device)
+    case = window_case(sc.spec, [37, 0, 16, 1, 70], window=[5, 0, 16, 1, 33], sinks=[2, 0, 3, 1, 0],
                        seed=18, rope=True, pos_offset=[99_000, 0, 1, 2, 3])
-    ref = naive_for(spec, case, rotary_mode=1)
+    ref = oracle(sc, case, rotary_mode=1)
     B, H, D = case["q"].shape
     nanf = np.nan
     _, q = _pad_view(queue, case["q"], 1, nanf)
@@ -507,13 +542,14 @@ def test_device_arrays_with_offset_views(device, get_decoder, cl_queue, dtype):
 def test_event_chaining(device, get_decoder, cl_queue):
     """wait_for and returned events order work across queues (and an out-of-order queue)."""
     dtype = "float32"
-    spec = window_spec(dtype)
+    sc = WIN[dtype]
+    spec = sc.spec
     dec = get_decoder(spec, device)
     queue = cl_queue(device)
     ctx = queue.context
     case = window_case(spec, [50, 3, 20], window=[10, 0, 4], sinks=[2, 0, 1], seed=19)
     args, kw = decode_args(case)
-    ref = naive_for(spec, case)
+    ref = oracle(sc, case)
     side = cl.CommandQueue(ctx)
     # q arrives through a non-blocking copy on another queue; the decode waits on its event
     qbuf = cl.Buffer(ctx, cl.mem_flags.READ_WRITE, case["q"].nbytes)
@@ -538,7 +574,7 @@ def test_event_chaining(device, get_decoder, cl_queue):
     r2 = dec.run(res.out, *dev_tab, **dkw, queue=side, wait_for=[evt])
     r2.event.wait()
     case2 = dict(case, q=res.out.get())
-    compare(r2.out.get(queue=side), r2.lse.get(queue=side), *naive_for(spec, case2), dtype,
+    compare(r2.out.get(queue=side), r2.lse.get(queue=side), *oracle(sc, case2), dtype,
             what="chained decode: ")
 
 
@@ -556,13 +592,14 @@ def test_wait_for_user_event_gates_device_run(device, get_decoder, cl_queue, ooo
 
     (Unsplit: the split path uploads its plan table, see the out-of-order test below.)
     """
-    spec = window_spec("float32")
+    sc = WIN[F32]
+    spec = sc.spec
     dec = get_decoder(spec, device)
     queue = cl_queue(device)
     run_q = _ooo_queue(queue.context) if ooo else cl.CommandQueue(queue.context)
     case = window_case(spec, [50, 3, 20], window=[10, 0, 4], sinks=[2, 0, 1], seed=20)
     args, kw = decode_args(case)
-    ref = naive_for(spec, case)
+    ref = oracle(sc, case)
     dargs = [cla.to_device(queue, a) for a in args]
     dkw = {k: cla.to_device(queue, v) for k, v in kw.items()}
     out = cla.to_device(queue, np.full(case["q"].shape, 42, np.float32))
@@ -591,13 +628,14 @@ def test_out_of_order_queue_host_io(device, get_decoder, cl_queue):
     """numpy in/out on an out-of-order queue, with the kernel held back by a wait_for event."""
     import threading
 
-    spec = window_spec("float32")
+    sc = WIN[F32]
+    spec = sc.spec
     dec = get_decoder(spec, device)
     queue = cl_queue(device)
     ooo = _ooo_queue(queue.context)
     case = window_case(spec, [50, 3, 20], window=[10, 0, 4], sinks=[2, 0, 1], seed=21)
     args, kw = decode_args(case)
-    ref = naive_for(spec, case)
+    ref = oracle(sc, case)
     gate = cl.UserEvent(queue.context)
     timer = threading.Timer(0.5, lambda: gate.set_status(cl.command_execution_status.COMPLETE))
     timer.start()
@@ -611,13 +649,14 @@ def test_out_of_order_queue_host_io(device, get_decoder, cl_queue):
 def test_out_of_order_queue_split_device_tables(request, device, device_id, get_decoder,
                                                 cl_queue):
     """Split decode (decode + merge pass) with device tables on an out-of-order queue."""
-    spec = window_spec("float32")
+    sc = WIN[F32]
+    spec = sc.spec
     dec = get_decoder(spec, device)
     queue = cl_queue(device)
     ooo = _ooo_queue(queue.context)
     case = window_case(spec, [50, 3, 20, 40], window=[10, 0, 4, 0], sinks=[2, 0, 1, 0], seed=22)
     args, kw = decode_args(case)
-    ref = naive_for(spec, case)
+    ref = oracle(sc, case)
     dargs = [cla.to_device(queue, a) for a in args]
     dkw = {k: cla.to_device(queue, v) for k, v in kw.items()}
     bad = []
@@ -739,15 +778,16 @@ def test_merge_host_io_on_out_of_order_queue(device, cl_queue, kind):
 
 def test_two_split_runs_in_flight(device, get_decoder, cl_queue):
     """Two independent split decodes enqueued back to back on an out-of-order queue."""
-    spec = window_spec("float32")
+    sc = WIN[F32]
+    spec = sc.spec
     dec = get_decoder(spec, device)
     queue = cl_queue(device)
     ooo = _ooo_queue(queue.context)
     case = window_case(spec, [300, 3, 200], window=[10, 0, 4], sinks=[2, 0, 1], seed=23)
     q2_host = make_case(spec, [300, 3, 200], window=[10, 0, 4], sinks=[2, 0, 1], seed=24)["q"]
     args, kw = decode_args(case)
-    ref1 = naive_for(spec, case)
-    ref2 = naive_for(spec, dict(case, q=q2_host))
+    ref1 = oracle(sc, case)
+    ref2 = oracle(sc, dict(case, q=q2_host))
     dargs = [cla.to_device(queue, a) for a in args]
     q2 = cla.to_device(queue, q2_host)
     dkw = {k: cla.to_device(queue, v) for k, v in kw.items()}

@@ -6,7 +6,8 @@ import pytest
 
 from naive import (naive_decode, naive_inv_freq, naive_merge, naive_merge_k, naive_rotate,
                    chunk_offsets)
-from model_configs import load_models, model, rope_scaling_of
+from hf_oracle import read_config
+from model_configs import load_models, model
 
 
 def test_default_and_gptj_and_linear():
@@ -42,9 +43,11 @@ def test_llama3_bands():
 
 def test_longrope_phi35():
     m = model("Phi-3.5-mini")
-    rs = rope_scaling_of(m)
+    # HF keeps original_max_position_embeddings at the config's top level
+    rs = dict(m["rope_scaling"], original_max_position_embeddings=m["original_max_position_embeddings"])
     assert rs["type"] == "longrope" and rs["original_max_position_embeddings"] == 4096
     assert "factor" not in rs
+    assert read_config(m).rope_params["attention_factor"] == pytest.approx(1.1902380714238083)
     # factor = 131072 / 4096 = 32; attention_factor = sqrt(1 + ln 32 / ln 4096) = sqrt(17/12)
     for use_long, key in ((False, "short_factor"), (True, "long_factor")):
         inv, af = naive_inv_freq(96, 10000.0, rs, m["max_position_embeddings"], use_long)
@@ -63,7 +66,7 @@ def test_longrope_phi35():
 
 def test_yarn_gpt_oss():
     m = model("gpt-oss-20b")
-    rs = rope_scaling_of(m)
+    rs = m["rope_scaling"]
     assert rs["truncate"] is False
     inv, af = naive_inv_freq(64, 150000.0, rs, m["max_position_embeddings"])
     assert af == pytest.approx(1.3465735902799727, rel=1e-14)  # 0.1 ln 32 + 1
@@ -195,7 +198,7 @@ def test_model_fixture():
     ms = load_models()
     assert len(ms) >= 20 and all(m["head_dim"] for m in ms)
     assert model("Llama-3.2-1B")["rope_scaling"]["rope_type"] == "llama3"
-    assert rope_scaling_of(model("GPT-J-6B")) == {"rope_type": "gptj"}
+    assert model("GPT-J-6B")["rope_scaling"] is None and read_config(model("GPT-J-6B")).interleaved
     assert model("GPT-J-6B")["rotary_dim"] == 64
     assert len(model("Phi-3.5-mini")["rope_scaling"]["short_factor"]) == 48
     assert model("Gemma-2-2B")["attn_logit_softcapping"] == 50.0

@@ -16,25 +16,26 @@ import clattn
 from clattn.profiles import builtin_profiles
 from clattn.profiles.device_info import subgroup_support
 
-from cases import compare, decode_args, make_case, merge_cases, naive_kwargs
-from model_configs import model, rope_scaling_of
-from naive import naive_decode, naive_merge, naive_merge_k
+from cases import compare, decode_args, make_case, merge_cases, oracle, spec_scenario
+from model_configs import model
+from naive import naive_merge, naive_merge_k
 
 PROFILES = list(builtin_profiles())
 
 # a profile forced onto a device it does not fit warns when fitted (by design)
 pytestmark = pytest.mark.filterwarnings("ignore:clattn. profile .* reduced to fit:RuntimeWarning")
 
-SPECS = {
+SCENARIOS = {
     # group 4, f16, sliding window + Llama-3 RoPE: the subgroup-capable shape (bdx 16 at vec 4)
-    "g4-d64-f16-win-rope": clattn.AttentionSpec(
-        8, 2, 64, page_size=16, dtype="float16", sliding_window=True,
-        rope_scaling=rope_scaling_of(model("Llama-3.2-1B")), max_position_embeddings=131072),
+    "g4-d64-f16-win-rope": spec_scenario(
+        "g4-d64-f16-win-rope", 8, 2, 64, page_size=16, dtype="float16", sliding_window=True,
+        rope_scaling=model("Llama-3.2-1B")["rope_scaling"], max_position_embeddings=131072),
     # group 1 (tile_rows > 1 applies), f32, D 96 (bdx 24), GPT-J partial RoPE, softcap
-    "g1-d96-f32-gptj-cap": clattn.AttentionSpec(
-        4, 4, 96, page_size=8, dtype="float32", rope_scaling={"rope_type": "gptj"},
-        rotary_dim=32, softcap=30.0),
+    "g1-d96-f32-gptj-cap": spec_scenario(
+        "g1-d96-f32-gptj-cap", 4, 4, 96, page_size=8, dtype="float32",
+        rope_scaling={"rope_type": "gptj"}, rotary_dim=32, softcap=30.0),
 }
+SPECS = {k: sc.spec for k, sc in SCENARIOS.items()}
 
 
 @pytest.fixture(autouse=True)
@@ -87,12 +88,12 @@ def test_builtin_profile_on_device(device, get_decoder, name, spec_key):
     # -- correctness: plain, windowed + RoPE at large positions, split
     case = _case(spec)
     args, kw = decode_args(case)
-    ref = naive_decode(*args, **kw, **naive_kwargs(spec), rotary_mode=1, rope_theta=500000.0)
+    ref = oracle(SCENARIOS[spec_key], case, rotary_mode=1, rope_theta=500000.0)
     for split in (False, 16):
         res = dec.run(*args, **kw, rotary_mode=1, rope_theta=500000.0, split=split)
         compare(res.out, res.lse, *ref, spec.dtype, what=f"{name}/{spec_key} split={split}: ")
     res = dec.run(*args, **kw)
-    compare(res.out, res.lse, *naive_decode(*args, **kw, **naive_kwargs(spec)), spec.dtype,
+    compare(res.out, res.lse, *oracle(SCENARIOS[spec_key], case), spec.dtype,
             what=f"{name}/{spec_key} no rope: ")
 
 
@@ -126,14 +127,15 @@ def test_tiled_geometry_notes_are_notes_and_warned():
     """A sub-group profile on a device whose required sizes lack bdx: a note, warned once."""
     import warnings
 
-    from clattn.codegen import Limits, decode_geometry
+    from clattn.fit import Limits, decode_geometry
 
     spec = SPECS["g1-d96-f32-gptj-cap"]                      # bdx = 96 / 4 = 24
     prof = clattn.Profile(reduction="subgroup", subgroup_size=16)
-    g = decode_geometry(spec, prof, Limits(subgroup_sizes=(8, 16)))
+    g = decode_geometry(spec, prof, Limits(subgroups="intel", subgroup_sizes=(8, 16)))
     assert g.reduction == "local"
     assert isinstance(g.denorms, bool), f"denorms={g.denorms!r}"
-    assert any("sub-group size of 24" in n for n in g.notes), g
+    cut = "reduction subgroup -> local"
+    assert any(cut in n and "head_dim 96" in n for n in g.notes), g
     # and through the public API on a device that has sub-groups (Intel's CPU runtime)
     from clattn import runtime
 
@@ -143,7 +145,7 @@ def test_tiled_geometry_notes_are_notes_and_warned():
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 clattn.BatchDecode(spec, dev, profile=prof)
-            assert any("sub-group size of 24" in str(w.message) for w in caught)
+            assert any(cut in str(w.message) for w in caught)
 
 
 def test_user_profile_dict_overrides_vec(device, get_decoder):
@@ -163,7 +165,7 @@ def test_user_profile_dict_overrides_vec(device, get_decoder):
     assert dec.profile.strategy == base.profile.strategy
     case = _case(spec)
     args, kw = decode_args(case)
-    ref = naive_decode(*args, **kw, **naive_kwargs(spec), rotary_mode=1)
+    ref = oracle(SCENARIOS["g4-d64-f16-win-rope"], case, rotary_mode=1)
     for split in (False, 16):
         res = dec.run(*args, **kw, rotary_mode=1, split=split)
         compare(res.out, res.lse, *ref, spec.dtype, what=f"vec=2 split={split}: ")
@@ -180,7 +182,7 @@ def test_user_profile_object(device, get_decoder):
     assert g.bdx * g.bdy * g.bdz <= 64
     case = _case(spec)
     args, kw = decode_args(case)
-    ref = naive_decode(*args, **kw, **naive_kwargs(spec), rotary_mode=1)
+    ref = oracle(SCENARIOS["g1-d96-f32-gptj-cap"], case, rotary_mode=1)
     for split in (False, 8):
         res = dec.run(*args, **kw, rotary_mode=1, split=split)
         compare(res.out, res.lse, *ref, spec.dtype, what=f"custom split={split}: ")

@@ -2,10 +2,11 @@
 import numpy as np
 import pytest
 
-from clattn.reference import batch_decode, merge_state, merge_state_, merge_states
+from clattn.cpu_backend import batch_decode, merge_state, merge_state_, merge_states
 from clattn.spec import AttentionSpec
 
-from cases import make_case
+from cases import compare, make_case
+from naive import naive_decode
 
 BAD_SEQ = 3          # the sequence made invalid in per-sequence cases
 LENGTHS = [5, 0, 8, 6]
@@ -44,10 +45,14 @@ def expect_raise(spec, args, kw, pattern, exc=ERR, seq=None):
 
 
 def test_valid_base_cases_run():
+    """The base cases the bad ones are made from are valid: they run and are right."""
     for window in (False, True):
         for rope in (False, True):
             spec, args, kw = base(window=window, rope=rope)
-            batch_decode(spec, *args, **kw)
+            out, lse = batch_decode(spec, *args, **kw)
+            compare(out, lse, *naive_decode(*args, **kw), spec.dtype,
+                    what=f"window={window} rope={rope}: ")
+            assert np.isneginf(lse[1]).all() and np.isfinite(lse[[0, 2, 3]]).all()
 
 
 # --------------------------------------------------------------------------- q and pages
@@ -216,11 +221,14 @@ def test_last_page_len_range(value):
 
 def test_last_page_len_ignored_for_empty_sequence():
     spec, args, kw = base()
+    want = batch_decode(spec, *args, **kw)
     for value in (0, PS + 7, -3):
         lpl = args[4].copy()
         lpl[1] = value                  # sequence 1 owns no page
-        args[4] = lpl
-        batch_decode(spec, *args, **kw)
+        got = batch_decode(spec, *args[:4], lpl, **kw)
+        np.testing.assert_array_equal(got[0], want[0])
+        np.testing.assert_array_equal(got[1], want[1])
+        assert (got[0][1] == 0).all() and np.isneginf(got[1][1]).all()
 
 
 def test_last_page_len_length():

@@ -1,0 +1,44 @@
+"""CI's rules in tests/conftest.py: a required device that is missing fails, a skip fails
+while devices are required, and CLATTN_TEST_DEVICES narrows the backends."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PROBE = "tests/test_kernel_fit.py"   # one test per device, no CPU target
+
+
+def _pytest(*args, **env):
+    full = {k: v for k, v in os.environ.items()
+            if k not in ("CLATTN_REQUIRE_DEVICES", "CLATTN_TEST_DEVICES")}
+    full.update(env)
+    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                          "-rA", *args], cwd=ROOT, env=full, capture_output=True, text=True,
+                         timeout=300)
+    return res.returncode, res.stdout + res.stderr
+
+
+def test_a_missing_required_device_fails():
+    rc, out = _pytest(PROBE, "-k", "missing", CLATTN_REQUIRE_DEVICES="no-such-device")
+    assert rc == 1, out
+    assert "no-such-device-missing" in out and "is not present" in out
+
+
+def test_a_skip_fails_while_devices_are_required():
+    # no device selected: the device test would be skipped; required devices make it fail
+    rc, out = _pytest(PROBE, CLATTN_TEST_DEVICES="cpu", CLATTN_REQUIRE_DEVICES="pocl")
+    assert rc == 1, out
+    assert "in CI every test must run" in out
+
+
+def test_narrowing_skips_without_requirements():
+    rc, out = _pytest(PROBE, CLATTN_TEST_DEVICES="cpu")
+    assert rc == 0 and "1 skipped" in out, out
+    rc, out = _pytest("tests/test_kernels.py", "-k", "test_empty_batches", "--collect-only",
+                      CLATTN_TEST_DEVICES="cpu,pocl-tiled")
+    assert rc == 0, out
+    assert "test_empty_batches[cpu]" in out and "test_empty_batches[pocl-tiled]" in out
+    assert "test_empty_batches[pocl]" not in out and "intel" not in out

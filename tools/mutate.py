@@ -1,0 +1,415 @@
+#!/usr/bin/env python3
+"""Mutation check: does the test suite catch deliberate bugs?
+
+Each mutant below is a small, plausible bug: a file (a glob, so that a template may move
+between files), exact anchor text that must occur there exactly once (or ``count`` times),
+its replacement, and the default-run tests that must catch it. The script copies the
+repository to a temporary directory once, checks that Python there imports the copy's
+``clattn`` (not the installed one), runs each mutant's tests unmodified (the baseline must
+pass), then applies one mutant at a time, runs ``python -m pytest -q -x <tests>`` in the
+copy, and restores the file.
+
+Results per mutant:
+  caught     a test failed (the first failing test is shown)
+  SURVIVED   every selected test passed with the bug in place
+  STALE      an anchor is missing or ambiguous: the code moved; re-anchor the mutant
+  INVALID    the mutant does not build (an OpenCL build or template error): it tests nothing
+  ERROR      pytest could not run or selected no test
+The exit status is 0 only when every mutant was caught.
+
+    .venv/bin/python tools/mutate.py                 # all mutants
+    .venv/bin/python tools/mutate.py --list          # names, files, anchors found or not
+    .venv/bin/python tools/mutate.py f16-store-rtz gqa-heads-swapped-rows
+    .venv/bin/python tools/mutate.py --json out.json # the table as data too
+
+Anchors are written against the current text; when a file is rewritten, ``--list``
+shows which mutants went stale (``kernel`` mutants target the OpenCL templates).
+"""
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+DECODE = "clattn/kernels/decode*.mako"          # the decode templates (rows, tiled, shared)
+COMMON = "clattn/kernels/common.clh.mako"
+MERGE = "clattn/kernels/merge.cl.mako"
+IGNORE = (".git", ".venv", "__pycache__", ".pytest_cache", ".hypothesis", "*.egg-info",
+          "build", "dist", ".mypy_cache", ".ruff_cache")
+#: text in pytest's output meaning "the mutated code does not build", not "a test caught it"
+BUILD_FAILURE = re.compile(r"BUILD_PROGRAM_FAILURE|clBuildProgram failed|mako\.exceptions|"
+                           r"CompileException|SyntaxException|SyntaxError|IndentationError")
+
+KT = "tests/test_kernels.py"
+ROWS = "(pocl- or intel-) and not tiled and not cpu"     # -k: the rows kernel on both drivers
+TILED = "tiled"
+
+
+@dataclass
+class Mutant:
+    name: str
+    path: str                      # a file or a glob, relative to the repository root
+    edits: list                    # [(anchor, replacement)]
+    tests: list                    # pytest arguments
+    why: str = ""
+    kind: str = "python"           # "kernel" for OpenCL templates
+    count: int = 1                 # occurrences each anchor must have (0: at least one);
+    #                                all are replaced
+    env: dict = field(default_factory=dict)
+
+
+def k(*words: str) -> str:
+    return " and ".join(f"({w})" for w in words)
+
+
+MUTANTS = [
+    # ---- issue 17: what the audit found surviving -------------------------------------
+    Mutant("f16-store-rtz", COMMON, [
+        ("vstore_half_rte(${val}, 0, ${ptr});", "vstore_half_rtz(${val}, 0, ${ptr});"),
+        ("vstore_half${vec}_rte(${val}, 0, ${ptr});", "vstore_half${vec}_rtz(${val}, 0, ${ptr});")],
+        [KT, "-k", k("model_shapes", "float16", "not cpu")],
+        "the decode's f16 store rounds toward zero (rows and tiled kernels)", "kernel"),
+    Mutant("f2h-truncates", COMMON, [
+        ("const ${UI} nrm = (a - (112u << 23) + 0xfffu + ((a >> 13) & 1u)) >> 13;",
+         "const ${UI} nrm = (a - (112u << 23)) >> 13;")],
+        [KT, "tests/test_kernel_numerics.py", "-k", k("split or merge", "pocl")],
+        "the CPU kernels' own f32->f16 conversion (merge of split partitions) truncates",
+        "kernel"),
+    Mutant("merge-native-f16-rtz", MERGE, [
+        ('convert_%s_rte(%s);" % (ptr, FV.replace("float", "half"), val)',
+         'convert_%s_rtz(%s);" % (ptr, FV.replace("float", "half"), val)')],
+        [KT, "tests/test_kernel_numerics.py", "-k", k("split or merge", "intel")],
+        "the merge kernel's native f16 store (cl_khr_fp16 drivers) rounds toward zero",
+        "kernel"),
+    Mutant("from-hf-config-drops-gptj-pairing", "clattn/spec.py", [
+        ('if config.get("model_type") == "gptj" and not scaling:',
+         'if config.get("model_type") == "gpt-j" and not scaling:')],
+        ["tests/test_hf_config.py"],
+        "AttentionSpec.from_hf_config forgets GPT-J's interleaved RoPE"),
+    Mutant("from-hf-config-ignores-rotary-dim", "clattn/spec.py", [
+        ('rd = config.get("rotary_dim")', 'rd = None')],
+        ["tests/test_hf_config.py"],
+        "AttentionSpec.from_hf_config rotates all of GPT-J's 256 dims instead of 64"),
+    Mutant("last-split-partition-clipped", DECODE, [
+        ("const int r_hi = (nparts_b > 1 && part < nparts_b - 1) ? min(r_lo + part_rows, chunk) : chunk;",
+         "const int r_hi = nparts_b > 1 ? min(r_lo + part_rows, chunk) : chunk;")],
+        ["tests/test_kernel_numerics.py", "-k", "stale_plan"],
+        "the last partition stops at part_rows (rows of a grown table are dropped)", "kernel"),
+    Mutant("q-f16-before-scoring-rows", DECODE, [
+        ('q${g}_${i} = ${("f[%d]" % i) if V == 1 else "vload%d(0, f + %d)" % (V, i * V)} * qscale;',
+         'q${g}_${i} = as_${FV}((as_${UI}(${("f[%d]" % i) if V == 1 else "vload%d(0, f + %d)" % (V, i * V)} * qscale) + (${UI})0x1000u) & (${UI})0xffffe000u);')],
+        [KT, "-k", k("model_shapes", ROWS)],
+        "the rows kernel keeps the scaled q at f16 precision", "kernel"),
+    Mutant("q-f16-before-scoring-tiled", DECODE, [
+        ('qv *= sm_scale${" * CLATTN_LOG2E" if SOFTCAP is None else ""};',
+         'qv *= sm_scale${" * CLATTN_LOG2E" if SOFTCAP is None else ""};\n'
+         '        qv = as_float${"" if VEC == 1 else VEC}((as_uint${"" if VEC == 1 else VEC}(qv) '
+         '+ 0x1000u) & 0xffffe000u);')],
+        [KT, "-k", k("model_shapes", TILED)],
+        "the tiled kernel keeps the scaled q at f16 precision", "kernel"),
+    # ---- what the audit found caught already ------------------------------------------
+    Mutant("sinks-dropped", DECODE, [
+        ("const int sink = clamp(sink_size[b], 0, wo);", "const int sink = 0 * clamp(sink_size[b], 0, wo);")],
+        [KT, "-k", k("window", "not cpu")],
+        "sink rows are never attended", "kernel"),
+    Mutant("lse-natural-log", COMMON, [
+        ("return l > 0.0f ? m + log2(l) :", "return l > 0.0f ? m + log(l) :")],
+        [KT, "-k", k("model_shapes", "not cpu")],
+        "lse = m + ln(l) instead of log2", "kernel"),
+    Mutant("last-page-len-off-by-one", DECODE, [
+        ("clamp(last_page_len[b], 1, ${PS})", "clamp(last_page_len[b] - 1, 1, ${PS})")],
+        [KT, "-k", k("model_shapes", "not cpu")],
+        "the last page holds one row less", "kernel"),
+    Mutant("gqa-heads-swapped-rows", DECODE, [
+        ("const __global st_t* qp = q + ((ulong)b * ${HQO} + kvh * ${G} + ${g}) * ${D};",
+         "const __global st_t* qp = q + ((ulong)b * ${HQO} + ${g} * ${HKV} + kvh) * ${D};")],
+        [KT, "-k", k("model_shapes", ROWS)],
+        "query head g of KV head kvh read as head g * H_kv + kvh (rows)", "kernel"),
+    Mutant("gqa-heads-swapped-tiled", DECODE, [
+        ("const int h = kvh * ${G} + min(gi, ${G - 1});",
+         "const int h = min(gi, ${G - 1}) * ${HKV} + kvh;")],
+        [KT, "-k", k("model_shapes", TILED)],
+        "query head mapping swapped (tiled)", "kernel"),
+    Mutant("softcap-skipped", "clattn/kernels/decode_common.clh.mako", [
+        ('return "(%.9ef * tanh((%s) * %.9ef) * CLATTN_LOG2E)" % (softcap, x, 1.0 / softcap)',
+         'return "((%s) * CLATTN_LOG2E)" % x')],
+        [KT, "-k", k("gemma2_softcap", "not cpu")],
+        "the kernels ignore the soft-cap", "kernel"),
+    Mutant("softcap-skipped-cpu", "clattn/cpu_backend.py", [
+        ("return s if softcap is None else softcap * np.tanh(s / softcap)", "return s")],
+        [KT, "-k", k("gemma2_softcap", "cpu")],
+        "the CPU backend ignores the soft-cap"),
+    Mutant("merge-exp-for-exp2", COMMON, [
+        ("return s == -INFINITY ? 0.0f : exp2(s - mx);", "return s == -INFINITY ? 0.0f : exp(s - mx);")],
+        [KT, "-k", k("merge_state_on_device or merge_states_on_device")],
+        "merge weights e^(s - m) for base-2 states (kernels)", "kernel"),
+    Mutant("merge-exp-for-exp2-cpu", "clattn/cpu_backend.py", [
+        ("np.exp2(s - m_safe)", "np.exp(s - m_safe)")],
+        ["tests/test_merge.py", "-k", "commutative or associative"],
+        "merge weights e^(s - m) (CPU backend): commutative and associative all the same"),
+    Mutant("exp2-polynomial-cut", DECODE, [
+        ("${TT} p = 1.5403530e-4f;\n    p = p * f + 1.3333558e-3f;",
+         "${TT} p = 0.0f;\n    p = p * f + 0.0f;")],
+        [KT, "-k", k("model_shapes", ROWS)],
+        "the rows kernel's exp2 polynomial loses its two highest terms", "kernel"),
+    # ---- one per kernel feature ---------------------------------------------------------
+    Mutant("window-row-dropped", DECODE, [
+        ("const int wo = clamp(window_offset[b], 0, stored);",
+         "const int wo = clamp(window_offset[b] + 1, 0, stored);")],
+        [KT, "-k", k("long_context_32k_window", "float32", "not cpu")],
+        "the window starts one row late", "kernel"),
+    Mutant("window-row-address", DECODE, [
+        ("const int off = row < sink ? row : row - sink + wo;",
+         "const int off = row <= sink ? row : row - sink + wo;")],
+        [KT, "-k", k("sliding_window_limits", "not cpu")],
+        "the first window row is read from the sinks' side", "kernel", count=0),
+    Mutant("rope-angle-lo-dropped", COMMON, [
+        ("const float pl = (float)pos * t.y;", "const float pl = 0.0f;")],
+        [KT, "-k", k("rope_types_large_positions", "not cpu")],
+        "the RoPE angle drops the low part of the frequency (f32 angles at 1e5)", "kernel"),
+    Mutant("rope-att-dropped-rows", DECODE, [
+        ("${f}[i] = (a * cs - bb * sn) * rope_att;", "${f}[i] = (a * cs - bb * sn);")],
+        [KT, "-k", k("rope_types_large_positions", "yarn or longrope", ROWS)],
+        "the attention factor (yarn, longrope) is not applied to half of q's pairs (rows)",
+        "kernel"),
+    Mutant("rope-att-dropped-tiled", DECODE, [
+        ("xf[e] = (xf[e] * cs + sgn * partner * sn) * rope_att;",
+         "xf[e] = (xf[e] * cs + sgn * partner * sn);")],
+        [KT, "-k", k("rope_types_large_positions", "yarn or longrope", TILED)],
+        "the attention factor is not applied (tiled)", "kernel"),
+    Mutant("partial-rotary-pairs", DECODE, [
+        ("const float a = ${f}[i], bb = ${f}[i + ${ROT // 2}];",
+         "const float a = ${f}[i], bb = ${f}[i + ${D // 2}];"),
+        ("${f}[i + ${ROT // 2}] = (bb * cs + a * sn) * rope_att;",
+         "${f}[i + ${D // 2}] = (bb * cs + a * sn) * rope_att;")],
+        [KT, "-k", k("rope_types_large_positions", "partial", ROWS)],
+        "partial rotary dims pair i with i + head_dim/2 instead of i + rotary_dim/2",
+        "kernel"),
+    Mutant("longrope-switch-late", DECODE, [
+        ("q_pos[b] >= long_from", "q_pos[b] > long_from")],
+        [KT, "-k", k("rope_types_large_positions", "longrope", "not cpu")],
+        "the long factors start one position late", "kernel"),
+    Mutant("longrope-switch-early-cpu", "clattn/cpu_backend.py", [
+        ("int(q_pos[b]) + 1 > long_from", "int(q_pos[b]) + 1 >= long_from")],
+        ["tests/test_fallback.py", "-k", "longrope"],
+        "the CPU backend switches to the long factors one position early"),
+    Mutant("page-index-unclamped", DECODE, [
+        ("const int page = pg < 0 ? 0 : (pg >= num_pages ? num_pages - 1 : pg);",
+         "const int page = pg;")],
+        ["tests/test_oclgrind.py", "-k", "variant_clean_under_oclgrind and adversarial-rows"],
+        "garbage page indices are used as they are (Oclgrind sees the reads)", "kernel",
+        count=0),
+    Mutant("merge-weights-swapped-rows", MERGE, [
+        ('${rload("vp + %d" % (i * VEC), DTYPE)} * w.x) +', '${rload("vp + %d" % (i * VEC), DTYPE)} * w.y) +')],
+        [KT, "-k", "merge_state_on_device"],
+        "the pairwise merge weighs v by the other state's weight (rows merge)", "kernel"),
+    Mutant("merge-weights-swapped-tiled", MERGE, [
+        ('${c.loadv(VEC, "vp")} * w.x) +', '${c.loadv(VEC, "vp")} * w.y) +')],
+        ["tests/test_profiles_on_devices.py", "-k", "merges_on_device"],
+        "the pairwise merge weighs v by the other state's weight (tiled merge)", "kernel"),
+    Mutant("tiled-slice-merge-unweighted", DECODE, [
+        ("const float w = clattn_state_weight(md_red[z][ty][0], mt);   /* empty slice: 0 */",
+         "const float w = md_red[z][ty][1] > 0.0f ? 1.0f : 0.0f;")],
+        [KT, "-k", k("model_shapes", TILED)],
+        "the tiled kernel merges its row slices without their weights", "kernel"),
+    Mutant("tiled-local-reduction-short", DECODE, [
+        ("for (int x = 0; x < ${BDX}; ++x) t += red[tz][ty][j][x];",
+         "for (int x = 0; x < ${BDX} - 1; ++x) t += red[tz][ty][j][x];")],
+        [KT, "-k", k("model_shapes", "pocl-tiled")],
+        "the local-memory dot-product reduction drops a lane (tiled)", "kernel"),
+    Mutant("tiled-subgroup-reduce-max", DECODE, [
+        ("s[j] = sub_group_reduce_add(", "s[j] = sub_group_reduce_max(")],
+        [KT, "-k", k("model_shapes", "intel-tiled")],
+        "the sub-group reduction takes the max instead of the sum (tiled, Intel)", "kernel"),
+    Mutant("tiled-tile-staging-shifted", DECODE, [
+        ("const int rs = (tz * ${BDY} + ty) * ${TILE} + j;\n            const int row = t0 + rs;",
+         "const int rs = (tz * ${BDY} + ty) * ${TILE} + j;\n            const int row = t0 + rs + (rs == 0);")],
+        [KT, "-k", k("model_shapes", TILED)],
+        "the first row of each staged K/V tile is loaded from the next row (tiled)", "kernel"),
+    Mutant("plan-floor-partitions", "clattn/plan.py", [
+        ("parts = np.maximum(1, -(-chunk // rows))", "parts = np.maximum(1, chunk // rows)")],
+        ["tests/test_plan.py"],
+        "the planner rounds partition counts down (the kernel's last partition hides it)"),
+]
+
+
+# ---------------------------------------------------------------------------- machinery
+def _files(base: Path, pattern: str) -> list[Path]:
+    if any(ch in pattern for ch in "*?["):
+        return sorted(p for p in base.glob(pattern) if p.is_file())
+    p = base / pattern
+    return [p] if p.is_file() else []
+
+
+def locate(base: Path, m: Mutant) -> tuple[dict, str | None]:
+    """{file: mutated text} for mutant ``m`` under ``base``, or ({}, why it is stale)."""
+    files = _files(base, m.path)
+    if not files:
+        return {}, f"no file matches {m.path!r}"
+    texts = {f: f.read_text(encoding="utf-8") for f in files}
+    out: dict = {}
+    for anchor, repl in m.edits:
+        hits = {f: t.count(anchor) for f, t in {**texts, **out}.items() if anchor in t}
+        total = sum(hits.values())
+        if total != m.count and not (m.count == 0 and total > 0):
+            where = ", ".join(f"{f.relative_to(base)} x{n}" for f, n in hits.items()) or "nowhere"
+            return {}, (f"anchor found {total} times (want {m.count}) in {m.path}: "
+                        f"{anchor[:70]!r} ({where})")
+        for f in hits:
+            out[f] = out.get(f, texts[f]).replace(anchor, repl)
+    return out, None
+
+
+def _env(copy: Path, extra: dict) -> dict:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("CLATTN_REQUIRE_DEVICES", "CLATTN_TEST_DEVICES", "PYTEST_ADDOPTS")}
+    env.update(PYTHONPATH=os.pathsep.join([str(copy), str(copy / "tests")]),
+               PYTHONDONTWRITEBYTECODE="1", **extra)
+    return env
+
+
+def run_pytest(copy: Path, tests: list, env: dict, timeout: int) -> tuple[int, str, float]:
+    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+           "-W", "ignore", *tests]
+    t0 = time.monotonic()
+    try:
+        proc = subprocess.run(cmd, cwd=copy, env=env, capture_output=True, text=True,
+                              timeout=timeout)
+        return proc.returncode, proc.stdout + proc.stderr, time.monotonic() - t0
+    except subprocess.TimeoutExpired as exc:
+        out = (exc.stdout or b"").decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+        return -1, out + "\n[timed out]", time.monotonic() - t0
+
+
+def first_failure(output: str) -> str:
+    """The first failing test and what failed it (an assertion, or another exception)."""
+    m = re.search(r"^(?:FAILED|ERROR) (\S+)", output, re.M)
+    e = re.search(r"^E\s+(\w+(?:Error|Exception|Failed))\b", output, re.M)
+    kind = e.group(1) if e else ""
+    return (m.group(1) if m else "") + (f" ({kind})" if kind and kind != "AssertionError" else "")
+
+
+def classify(rc: int, output: str) -> tuple[str, str]:
+    if rc == 0:
+        return "SURVIVED", "every selected test passed"
+    if rc == 1:
+        if BUILD_FAILURE.search(output):
+            return "INVALID", "the mutated code does not build: " + first_failure(output)
+        return "caught", first_failure(output)
+    if rc == 5:
+        return "ERROR", "no test selected"
+    if rc == -1:
+        return "ERROR", "timed out"
+    return "ERROR", f"pytest exit status {rc}: " + output.strip().splitlines()[-1:][0][:200] \
+        if output.strip() else f"pytest exit status {rc}"
+
+
+def make_copy(tmp: Path) -> Path:
+    copy = tmp / "repo"
+    shutil.copytree(ROOT, copy, ignore=shutil.ignore_patterns(*IGNORE), symlinks=True)
+    return copy
+
+
+def check_import(copy: Path) -> None:
+    code = "import clattn, sys; print(clattn.__file__)"
+    res = subprocess.run([sys.executable, "-c", code], cwd=copy, env=_env(copy, {}),
+                         capture_output=True, text=True)
+    path = res.stdout.strip()
+    if res.returncode or not Path(path).resolve().is_relative_to(copy.resolve()):
+        raise SystemExit(f"mutate: the copy's clattn is not the one imported ({path or res.stderr})")
+
+
+def table(rows: list) -> str:
+    head = ("mutant", "kind", "result", "seconds", "detail")
+    widths = [max(len(str(r[i])) for r in rows + [head]) for i in range(4)]
+    lines = [" | ".join(str(h).ljust(w) for h, w in zip(head, widths + [0])).rstrip()]
+    lines.append("-|-".join("-" * w for w in widths + [6]))
+    for r in rows:
+        lines.append(" | ".join(str(c).ljust(w) for c, w in zip(r, widths + [0])).rstrip())
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("names", nargs="*", help="mutants to run (glob patterns; default all)")
+    ap.add_argument("--list", action="store_true", help="list mutants and whether their anchors hold")
+    ap.add_argument("--no-baseline", action="store_true", help="skip the unmodified runs")
+    ap.add_argument("--timeout", type=int, default=900, help="seconds per pytest run")
+    ap.add_argument("--json", help="also write the results to this file")
+    args = ap.parse_args(argv)
+
+    chosen = [m for m in MUTANTS if not args.names or
+              any(fnmatch.fnmatch(m.name, pat) for pat in args.names)]
+    if not chosen:
+        print(f"mutate: no mutant matches {args.names}", file=sys.stderr)
+        return 2
+    if args.list:
+        bad = 0
+        for m in chosen:
+            _, why = locate(ROOT, m)
+            bad += why is not None
+            print(f"{m.name:36} {m.kind:7} {'STALE: ' + why if why else 'ok'}")
+        return 1 if bad else 0
+
+    rows, results = [], []
+    with tempfile.TemporaryDirectory(prefix="clattn-mutate-") as tmp:
+        copy = make_copy(Path(tmp))
+        check_import(copy)
+        print(f"mutate: {len(chosen)} mutants; copy at {copy}", flush=True)
+        baseline_ok: dict = {}
+        for m in chosen:
+            mutated, why = locate(copy, m)
+            if why:
+                rows.append((m.name, m.kind, "STALE", 0, why))
+                print(f"  {m.name}: STALE ({why})", flush=True)
+                continue
+            key = json.dumps([m.tests, m.env])
+            if not args.no_baseline and key not in baseline_ok:
+                rc, out, secs = run_pytest(copy, m.tests, _env(copy, m.env), args.timeout)
+                baseline_ok[key] = (rc == 0, first_failure(out) or out.strip()[-300:])
+                print(f"  baseline {' '.join(m.tests)}: rc={rc} ({secs:.0f}s)", flush=True)
+            if not args.no_baseline and not baseline_ok[key][0]:
+                rows.append((m.name, m.kind, "ERROR", 0,
+                             f"baseline fails without the mutant: {baseline_ok[key][1]}"))
+                continue
+            originals = {f: f.read_text(encoding="utf-8") for f in mutated}
+            try:
+                for f, text in mutated.items():
+                    f.write_text(text, encoding="utf-8")
+                rc, out, secs = run_pytest(copy, m.tests, _env(copy, m.env), args.timeout)
+            finally:
+                for f, text in originals.items():
+                    f.write_text(text, encoding="utf-8")
+            result, detail = classify(rc, out)
+            files = ", ".join(str(f.relative_to(copy)) for f in mutated)
+            rows.append((m.name, m.kind, result, round(secs), detail))
+            results.append(dict(name=m.name, kind=m.kind, files=files, result=result,
+                                seconds=round(secs, 1), detail=detail, why=m.why,
+                                tests=m.tests))
+            print(f"  {m.name}: {result} ({secs:.0f}s) {detail}", flush=True)
+            if result == "SURVIVED":
+                print("    --- output tail ---\n" + "\n".join(out.splitlines()[-5:]), flush=True)
+    print()
+    print(table(rows))
+    bad = [r for r in rows if r[2] != "caught"]
+    print(f"\n{len(rows) - len(bad)} of {len(rows)} mutants caught"
+          + (f"; not caught: {', '.join(r[0] + ' (' + r[2] + ')' for r in bad)}" if bad else ""))
+    if args.json:
+        stale = [dict(name=r[0], kind=r[1], result=r[2], detail=r[4]) for r in rows
+                 if r[2] in ("STALE", "ERROR") and r[0] not in {x["name"] for x in results}]
+        Path(args.json).write_text(json.dumps(results + stale, indent=2), encoding="utf-8")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
