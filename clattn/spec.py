@@ -24,6 +24,10 @@ DEFAULT_ROPE_THETA = 10000.0
 LOG2E = 1.4426950408889634
 
 
+#: model types whose configs carry ``sliding_window`` with ``use_sliding_window`` false by default
+_WINDOW_OFF_BY_DEFAULT = frozenset({"qwen2", "qwen2_moe", "qwen3", "qwen3_moe"})
+
+
 def default_sm_scale(head_dim: int) -> float:
     """`sm_scale` when the caller passes None: 1/sqrt(head_dim)."""
     return 1.0 / math.sqrt(head_dim)
@@ -167,8 +171,9 @@ class AttentionSpec:
         kv = config.get("num_key_value_heads") or h
         hd = config.get("head_dim") or (config.get("hidden_size", config.get("n_embd")) // h)
         rd = config.get("rotary_dim")
-        if rd is None and config.get("partial_rotary_factor") is not None:
-            rd = int(hd * float(config["partial_rotary_factor"]))
+        frac = config.get("partial_rotary_factor", config.get("rotary_pct"))  # NeoX: rotary_pct
+        if rd is None and frac is not None:
+            rd = int(hd * float(frac))
         scaling = config.get("rope_scaling")
         if config.get("model_type") == "gptj" and not scaling:
             scaling = {"rope_type": "gptj"}
@@ -176,9 +181,11 @@ class AttentionSpec:
         if scaling is not None and "original_max_position_embeddings" not in scaling and \
                 config.get("original_max_position_embeddings"):
             scaling["original_max_position_embeddings"] = config["original_max_position_embeddings"]
-        if sliding_window is None:
+        if sliding_window is None:  # Qwen's configs keep a window size that is off by default
+            default_on = config.get("model_type") not in _WINDOW_OFF_BY_DEFAULT
+            use = config.get("use_sliding_window")
             sliding_window = bool(config.get("sliding_window")) and \
-                config.get("use_sliding_window", True) is not False
+                (default_on if use is None else bool(use))
         return cls(num_qo_heads=h, num_kv_heads=kv, head_dim=hd, page_size=page_size,
                    dtype=dtype, sliding_window=sliding_window, rope_scaling=scaling,
                    rotary_dim=rd, softcap=config.get("attn_logit_softcapping"),

@@ -169,3 +169,19 @@ def test_partial_rotary_factor_and_raw_gptj_keys():
     assert (att.num_qo_heads, att.num_kv_heads, att.head_dim, att.rotary_dim) == (16, 16, 256, 64)
     assert att.interleaved and att.max_position_embeddings == 2048
 
+
+
+def test_window_and_partial_rotary_defaults_follow_transformers():
+    """A Qwen config without use_sliding_window has no window in transformers (its
+    config class defaults it to False); Mistral's window is on; GPT-NeoX's rotary_pct
+    is its partial rotary factor."""
+    import clattn
+    base = dict(num_attention_heads=8, num_key_value_heads=2, hidden_size=512,
+                sliding_window=4096)
+    assert not clattn.AttentionSpec.from_hf_config(dict(base, model_type="qwen2")).sliding_window
+    assert clattn.AttentionSpec.from_hf_config(dict(base, model_type="mistral")).sliding_window
+    assert clattn.AttentionSpec.from_hf_config(
+        dict(base, model_type="qwen2", use_sliding_window=True)).sliding_window
+    neox = clattn.AttentionSpec.from_hf_config(dict(num_attention_heads=8, hidden_size=512,
+                                                    model_type="gpt_neox", rotary_pct=0.25))
+    assert neox.rotary_dim == 16
