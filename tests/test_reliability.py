@@ -28,8 +28,10 @@ def _decoder(spec, where, prof):
 @pytest.mark.parametrize("base", [2**24 + 12345, 2**30 + 777, 2**31 - 200])
 def test_rope_positions_exact_over_int32(where, prof, base):
     spec = clattn.AttentionSpec(8, 2, 64, page_size=16, dtype="float32")
-    case = make_case(spec, [50, 7], seed=1, rope=True, pos_offset=base,
-                     q_pos=[base - 9, base + 3])
+    # RoPE is relative: positions whose high 16 bits differ between q and the keys, so
+    # an angle that lost any part of the absolute position shows
+    case = make_case(spec, [50, 7], seed=1, rope=True, pos_offset=[base, base - 2**20],
+                     q_pos=[base - 9 - 2**17, base + 3])
     args, kw = decode_args(case)
     kw["rotary_mode"] = 1
     ref = _decoder(spec, "cpu", None).run(*args, **kw)   # float64 angles

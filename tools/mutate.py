@@ -240,6 +240,43 @@ MUTANTS = [
         ("parts = np.maximum(1, -(-chunk // rows))", "parts = np.maximum(1, chunk // rows)")],
         ["tests/test_plan.py"],
         "the planner rounds partition counts down (the kernel's last partition hides it)"),
+    # ---- quantized pages, non-finite states, prepared steps ---------------------------
+    Mutant("q4-nibbles-swapped", DECODE, [
+        ('return (float${v})(${", ".join("lo.s%x, hi.s%x" % (i, i) for i in range(nb))}) * d;',
+         'return (float${v})(${", ".join("hi.s%x, lo.s%x" % (i, i) for i in range(nb))}) * d;')],
+        ["tests/test_quant.py", "-k", "decode and q4_0"],
+        "q4 lanes read from the wrong nibble", "kernel"),
+    Mutant("q8-scale-ignored", DECODE, [
+        ('return "(convert_%s(*(const __global %s*)(%s + (%s))) * %s)" % (fv, c, name, lane, scale)',
+         'return "(convert_%s(*(const __global %s*)(%s + (%s))))" % (fv, c, name, lane)')],
+        ["tests/test_quant.py", "-k", "decode and q8_0"],
+        "q8 values used without their block scale", "kernel"),
+    Mutant("q-rounding-half-away", "clattn/quant.py", [
+        ("np.rint(blocks.astype(np.float64) / np.where(d32 != 0, d32, 1))",
+         "np.trunc(blocks.astype(np.float64) / np.where(d32 != 0, d32, 1) + "
+         "np.copysign(0.5, blocks))")],
+        ["tests/test_quant.py", "-k", "half_to_even"],
+        "quantizer rounds half away from zero instead of to even"),
+    Mutant("broken-state-labelled-empty", COMMON, [
+        ("return l > 0.0f ? m + log2(l) : (l == 0.0f ? -INFINITY : NAN);",
+         "return l > 0.0f ? m + log2(l) : -INFINITY;")],
+        ["tests/test_nonfinite.py"],
+        "a NaN state gets lse = -inf (reads as empty)", "kernel"),
+    Mutant("empty-side-v-read", MERGE, [
+        ("if (sk == -INFINITY) continue;   /* empty: weight 0, v not read */",
+         "/* v of empty states read */")],
+        ["tests/test_nonfinite.py", "-k", "merges"],
+        "the merge multiplies an empty state's v by 0 (NaN poisons it)", "kernel", count=2),
+    Mutant("rope-angle-high-half-dropped", COMMON, [
+        ("float frac = (pa - rint(pa)) + (pb - rint(pb))",
+         "float frac = (pb - rint(pb))")],
+        ["tests/test_reliability.py", "-k", "rope_positions"],
+        "RoPE angles lose the high 16 bits of the position", "kernel"),
+    Mutant("step-reuses-stale-q", "clattn/launch.py", [
+        ("if v is not None and refs.get(name) is v:",
+         "if v is not None and refs.get(name) is not None:")],
+        ["tests/test_decode_step.py", "-k", "equals_run"],
+        "a prepared step keeps the first layer's q and pages", "python"),
 ]
 
 
