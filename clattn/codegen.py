@@ -7,7 +7,7 @@ from pathlib import Path
 from mako.lookup import TemplateLookup
 
 from . import signatures
-from .fit import DecodeGeometry, MergeGeometry
+from .fit import DecodeGeometry, MergeGeometry, PrefillGeometry
 from .quant import row_bytes
 from .rope import parse_rope_scaling
 from .spec import AttentionSpec
@@ -62,3 +62,33 @@ def render_merge(head_dim: int, dtype: str, vin: str, geom: MergeGeometry) -> st
         DENORMS=geom.denorms, PRAGMAS=(), STRATEGY=geom.strategy, VEC=geom.vec, MH=geom.mh,
         PAIR_SIGNATURE=pair.signature(), PAIR_FIXUP=pair.fixup(),
         VARLEN_SIGNATURE=varlen.signature(), VARLEN_FIXUP=varlen.fixup())
+
+
+def render_append(spec: AttentionSpec, geom: MergeGeometry) -> str:
+    """OpenCL C source of the KV-cache append and page-copy kernels (``append.cl.mako``;
+    tables :data:`clattn.signatures.APPEND` and :data:`~clattn.signatures.PAGE_COPY`)."""
+    scaling = parse_rope_scaling(spec.rope_scaling, spec.max_position_embeddings)
+    app, cp = signatures.APPEND, signatures.PAGE_COPY
+    fmt = {"float16": "half", "float32": "float"}
+    return _lookup().get_template("append.cl.mako").render(
+        D=spec.head_dim, HKV=spec.num_kv_heads, PS=spec.page_size, ROT=spec.rotary_dim,
+        INTERLEAVED=scaling.interleaved, DTYPE=_cl_dtype(spec.dtype),
+        NATIVE_HALF=geom.native_fp16, DENORMS=geom.denorms, PRAGMAS=(),
+        STRATEGY=geom.strategy, VEC=geom.vec, MH=geom.mh,
+        KFMT=fmt.get(spec.k_format, spec.k_format), VFMT=fmt.get(spec.v_format, spec.v_format),
+        APPEND_SIGNATURE=app.signature(), APPEND_FIXUP=app.fixup(),
+        COPY_SIGNATURE=cp.signature(), COPY_FIXUP=cp.fixup())
+
+
+def render_prefill(spec: AttentionSpec, geom: PrefillGeometry) -> str:
+    """OpenCL C source of the prefill kernel (``prefill_<strategy>.cl.mako``; argument
+    table :data:`clattn.signatures.PREFILL`)."""
+    scaling = parse_rope_scaling(spec.rope_scaling, spec.max_position_embeddings)
+    table = signatures.PREFILL
+    return _lookup().get_template(f"prefill_{geom.strategy}.cl.mako").render(
+        D=spec.head_dim, HQO=spec.num_qo_heads, HKV=spec.num_kv_heads, G=spec.group_size,
+        PS=spec.page_size, ROT=spec.rotary_dim, INTERLEAVED=scaling.interleaved,
+        SLIDING=spec.sliding_window, SOFTCAP=spec.softcap, DTYPE=_cl_dtype(spec.dtype),
+        DENORMS=geom.denorms, NATIVE_HALF=geom.native_fp16, PRAGMAS=(), VEC=geom.vec,
+        QB=geom.qb, KB=geom.kb, RM=geom.rm, TC=geom.tc, TR=geom.tr,
+        SIGNATURE=table.signature(), FIXUP=table.fixup(), **_pool_params(spec))

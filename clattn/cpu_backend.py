@@ -11,7 +11,7 @@ import numpy as np
 from . import rope as _rope
 from .quant import unpack_pool
 from .spec import LOG2E, LSE_DTYPE, AttentionSpec, default_sm_scale
-from .validate import check_decode, check_merge_k, check_merge_pair
+from .validate import check_decode, check_merge_k, check_merge_pair, check_prefill
 
 BLOCK_ROWS = 4096  # rows gathered at once per sequence (bounds temporary memory)
 
@@ -99,6 +99,104 @@ def batch_decode(spec: AttentionSpec, q: np.ndarray, pages: np.ndarray, page_ind
     return out, lse
 
 
+QUERY_ROWS = 128  # queries of a sequence scored at once by batch_prefill
+
+
+def batch_prefill(spec: AttentionSpec, q: np.ndarray, pages: np.ndarray, qo_indptr: np.ndarray,
+                  page_indptr: np.ndarray, page_indices: np.ndarray,
+                  last_page_len: np.ndarray | None = None, *,
+                  length_info: np.ndarray | None = None, window_offset: np.ndarray | None = None,
+                  sink_size: np.ndarray | None = None, q_pos: np.ndarray | None = None,
+                  k_pos_offset: np.ndarray | None = None, rotary_mode: int = 0,
+                  causal: bool = True, rope_scale: float = 1.0, rope_theta: float = 1e4,
+                  sm_scale: float | None = None, out: np.ndarray | None = None,
+                  lse: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Paged-KV prefill on the CPU (docs/prefill.md); returns ``(out, lse)``, lse base 2.
+
+    Query ``i`` of sequence ``b`` is chunk row ``chunk - n + i``; causal, it attends chunk
+    rows ``[0, chunk - n + i]``, else the whole chunk. f32 accumulation, key blocks merged
+    as in :func:`batch_decode`.
+    """
+    args = check_prefill(spec, q, pages, qo_indptr, page_indptr, page_indices, last_page_len,
+                         length_info=length_info, window_offset=window_offset,
+                         sink_size=sink_size, q_pos=q_pos, k_pos_offset=k_pos_offset,
+                         rotary_mode=rotary_mode, causal=causal, sm_scale=sm_scale,
+                         rope_scale=rope_scale, rope_theta=rope_theta, out=out, lse=lse)
+    t = args.tables
+    if spec.byte_pool:
+        pages, page_indices = _float_pages(spec, pages, page_indices)
+    T, H, D = q.shape
+    Hkv, G, ps = spec.num_kv_heads, spec.group_size, spec.page_size
+    scale = np.float32(default_sm_scale(D) if sm_scale is None else float(sm_scale))
+    res_o = np.zeros((T, H, D), dtype=np.float32)
+    res_s = np.full((T, H), -np.inf, dtype=np.float32)
+    if rotary_mode == 1:
+        scaling = _rope.parse_rope_scaling(spec.rope_scaling, spec.max_position_embeddings)
+        inv2, att, long_from = _rope.rope_tables(spec.rotary_dim, float(rope_theta), scaling,
+                                                 spec.max_position_embeddings)
+    for b in range(t.B):
+        n, chunk, qs = int(args.n_q[b]), int(t.chunk[b]), int(qo_indptr[b])
+        if n == 0 or chunk == 0:  # no query, or nothing to attend (not causal): empty rows
+            continue
+        p0 = int(page_indptr[b])
+        offs = chunk_offsets(int(t.stored[b]), int(t.window_offset[b]) if spec.sliding_window
+                             else 0, int(t.sink_size[b]) if spec.sliding_window else 0)
+        if rotary_mode == 1:
+            kpos = int(k_pos_offset[b])
+            qpos = kpos + chunk - n if q_pos is None else int(q_pos[b])  # the first query's
+            inv = inv2[1] if qpos + n - 1 >= long_from else inv2[0]
+        for i0 in range(0, n, QUERY_ROWS):
+            rows_q = np.arange(chunk - n + i0, chunk - n + min(n, i0 + QUERY_ROWS))  # chunk rows
+            if not causal:
+                rows_q = np.maximum(rows_q, chunk - 1)  # every query sees the whole chunk
+            qb = q[qs + i0:qs + i0 + len(rows_q)].astype(np.float32)  # [nq, H, D]
+            if rotary_mode == 1:
+                qb = _rope.rotate(qb.transpose(1, 0, 2),
+                                  (qpos + np.arange(i0, i0 + len(rows_q))) * float(rope_scale),
+                                  inv, att, scaling.interleaved).astype(np.float32).transpose(1, 0, 2)
+            qb = qb.reshape(len(rows_q), Hkv, G, D)
+            m = np.full((Hkv, G, len(rows_q)), -np.inf, dtype=np.float32)
+            l = np.zeros_like(m)
+            acc = np.zeros((Hkv, G, len(rows_q), D), dtype=np.float32)
+            for r0 in range(0, int(rows_q[-1]) + 1, BLOCK_ROWS):
+                o = offs[r0:min(r0 + BLOCK_ROWS, int(rows_q[-1]) + 1)]
+                pid = page_indices[p0 + o // ps]
+                k = pages[pid, 0, :, o % ps, :].astype(np.float32)  # [rows, Hkv, D]
+                v = pages[pid, 1, :, o % ps, :].astype(np.float32)
+                if rotary_mode == 1:
+                    pos = (kpos + np.arange(r0, r0 + len(o))) * float(rope_scale)
+                    k = _rope.rotate(k.transpose(1, 0, 2), pos, inv, att,
+                                     scaling.interleaved).astype(np.float32).transpose(1, 0, 2)
+                s = np.einsum("qhgd,rhd->hgqr", qb, k, dtype=np.float32) * scale
+                s = _apply_softcap(s, spec.softcap).astype(np.float32) * np.float32(LOG2E)
+                seen = np.arange(r0, r0 + len(o))[None, :] <= rows_q[:, None]  # causal [q, r]
+                s = np.where(seen, s, -np.inf)
+                live = seen[:, 0]  # the block's first row is attended by the query
+                m_new = np.where(live, np.maximum(m, s.max(axis=-1)), m)
+                with np.errstate(invalid="ignore"):  # -inf - -inf in the branches not taken
+                    alpha = np.where(live, np.exp2(m - m_new), 1.0).astype(np.float32)
+                    p = np.where(seen, np.exp2(s - m_new[..., None]), 0.0).astype(np.float32)
+                l = l * alpha + p.sum(axis=-1)
+                pv = np.einsum("hgqr,rhd->hgqd", p, v, dtype=np.float32)
+                if not np.isfinite(v).all():  # a masked row's value must not reach (0 * inf)
+                    for i, rows in enumerate(seen.sum(axis=1)):  # attended: a leading run
+                        pv[:, :, i] = np.einsum("hgr,rhd->hgd", p[:, :, i, :rows], v[:rows],
+                                                dtype=np.float32)
+                acc = acc * alpha[..., None] + pv
+                m = m_new
+            res_o[qs + i0:qs + i0 + len(rows_q)] = (acc / l[..., None]).transpose(2, 0, 1, 3) \
+                .reshape(len(rows_q), H, D)
+            res_s[qs + i0:qs + i0 + len(rows_q)] = (m + np.log2(l)).transpose(2, 0, 1) \
+                .reshape(len(rows_q), H)
+    if out is None:
+        out = np.empty((T, H, D), dtype=spec.np_dtype)
+    if lse is None:
+        lse = np.empty((T, H), dtype=LSE_DTYPE)
+    out[...] = res_o
+    lse[...] = res_s
+    return out, lse
+
+
 def _float_pages(spec: AttentionSpec, pool: np.ndarray,
                  page_indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(f32 pages [n, 2, H_kv, page_size, D] of the pages the table names, the table
@@ -179,4 +277,4 @@ def merge_varlen(v: np.ndarray, s: np.ndarray, indptr: np.ndarray) -> tuple[np.n
     return np.concatenate([o[0] for o in outs]), np.concatenate([o[1] for o in outs])
 
 
-__all__ = ["batch_decode", "merge_state", "merge_state_", "merge_states", "chunk_offsets"]
+__all__ = ["batch_decode", "batch_prefill", "merge_state", "merge_state_", "merge_states", "chunk_offsets"]

@@ -173,6 +173,7 @@ class Launcher:
 
     def __init__(self, program: Any, table: ArgTable, dummy: Any) -> None:
         self.table = table
+        self.program = program
         self.kernel = cl.Kernel(program, table.kernel)
         self.kernel.set_scalar_arg_dtypes(table.scalar_dtypes())
         self._dummy = dummy
@@ -211,7 +212,7 @@ class BoundKernel:
     def __init__(self, launcher: Launcher, named: Mapping[str, Any]) -> None:
         self.table = launcher.table
         self._dummy = launcher._dummy
-        self.kernel = cl.Kernel(launcher.kernel.program, self.table.kernel)
+        self.kernel = cl.Kernel(launcher.program, self.table.kernel)
         self.kernel.set_scalar_arg_dtypes(self.table.scalar_dtypes())
         self.kernel.set_args(*self.table.values(named, self._dummy))
         # a kernel object does not keep its buffers alive: hold them while they are set

@@ -39,4 +39,41 @@ MERGE_VARLEN = ArgTable("clattn_merge_varlen", [
     Scalar("N", "int"), Scalar("H", "int"),
 ])
 
+#: KV-cache append (clattn.cache): token t's key/value rows of every KV head to flat slot
+#: slots[t] = page * page_size + slot; keys rotated at k_pos[t] when rotary_mode is 1
+APPEND = ArgTable("clattn_append", [
+    Buffer("k", "st_t"), Buffer("v", "st_t"),
+    Buffer("pages", "kv_t", const=False, offset="ulong"), Scalar("num_pages", "int"),
+    Buffer("slots", "int"), Scalar("n_tokens", "int"),
+    Buffer("k_pos", "int"), Scalar("rotary_mode", "int"),
+    Buffer("rope_turns", "float2", offset=None), Scalar("long_from", "int"),
+    Scalar("rope_att", "float"),
+])
+
+#: copy-on-write of pages (clattn.cache): rows [0, rows) of page src to page dst, for
+#: each (src, dst, rows) row of the [n_copies, 3] table
+PAGE_COPY = ArgTable("clattn_page_copy", [
+    Buffer("pages", "kv_t", const=False, offset="ulong"), Scalar("num_pages", "int"),
+    Buffer("copies", "int"), Scalar("n_copies", "int"),
+])
+
+#: prefill (both strategies): the ragged queries q [total_q, H_qo, D] of each sequence
+#: over the paged cache, causal or not; work unit u is a tile of one sequence's queries,
+#: units[4u .. 4u+3] = (sequence, its first query in the tile, the sequence's queries, the
+#: tile's first row of q), made by clattn.prefill's plan (tiles never share a row of q);
+#: q_pos_mode 1: query i of sequence b at RoPE position q_pos[b] + i (0: at its chunk row)
+PREFILL = ArgTable("clattn_prefill", [
+    Buffer("q", "st_t"), Scalar("total_q", "int"),
+    Buffer("pages", "kv_t", offset="ulong"), Scalar("num_pages", "int"),
+    Buffer("page_indptr", "int"), Buffer("page_indices", "int"), Scalar("nnz", "int"),
+    Buffer("last_page_len", "int"), Buffer("window_offset", "int"), Buffer("sink_size", "int"),
+    Buffer("q_pos", "int"), Buffer("k_pos_offset", "int"), Scalar("q_pos_mode", "int"),
+    Scalar("batch", "int"), Buffer("units", "int"), Scalar("n_units", "int"),
+    Scalar("causal", "int"),
+    Buffer("out", "st_t", const=False), Buffer("lse", "float", const=False),
+    Scalar("rotary_mode", "int"), Scalar("sm_scale", "float"),
+    Buffer("rope_turns", "float2", offset=None), Scalar("long_from", "int"),
+    Scalar("rope_att", "float"),
+])
+
 ALL = (DECODE, MERGE_PAIR, MERGE_VARLEN)

@@ -1,0 +1,663 @@
+"""A paged KV cache an app can run: a page pool per layer, sequences, and a decode step.
+
+:class:`PagedKVCache` owns, for one model (an :class:`~clattn.AttentionSpec` and a number
+of layers) on one device, a pool of pages per layer allocated once, the free-page
+accounting, and each sequence's page list. A model step is::
+
+    cache.begin(seq_ids, lengths)          # reserve slots, build and upload the tables once
+    for layer in range(num_layers):
+        cache.append(layer, k, v)          # the new tokens' keys and values (append kernel)
+        out, lse, event = cache.attend(layer, q)
+    cache.end()                            # commit the lengths
+
+Sequences are added, removed, forked (the child shares the parent's pages; the first
+write into a shared, partly filled page copies it on the device), popped (speculative
+decoding rollback) and may keep a sliding window with attention sinks (whole pages that
+fall out of the window go back to the pool). docs/cache.md states the semantics; the
+page bookkeeping itself is :mod:`clattn.cache_tables`.
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any, Hashable, Sequence
+
+import numpy as np
+
+from . import cpu_backend, runtime, signatures
+from .cache_tables import CacheFullError, PageTable, StepTables
+from .codegen import render_append
+from .decode import BatchDecode
+from .fit import append_geometry
+from .result import DecodeResult
+from .rope import parse_rope_scaling, rope_tables, rotate
+from .spec import LSE_DTYPE, AttentionSpec
+from .staging import Call
+from .validate import check_array, is_host
+
+__all__ = ["PagedKVCache", "CacheFullError", "CacheStats", "LayerIndexError", "StepError",
+           "StepShapeError"]
+
+ROPE_MODES = (None, "attend", "append")
+
+
+class LayerIndexError(IndexError):
+    """A layer index outside ``0 .. num_layers - 1``."""
+
+
+class StepError(RuntimeError):
+    """A step call out of order (append before begin, end before every layer's append, ...)."""
+
+
+class StepShapeError(ValueError):
+    """An append or attend whose arrays disagree with the step that begin() made."""
+
+
+@dataclass(frozen=True)
+class CacheStats:
+    """What :meth:`PagedKVCache.stats` reports.
+
+    ``pages_shared``: pages more than one sequence holds (forks); ``pages_reserved``:
+    pages taken by the step in progress; ``bytes_per_token``: pool bytes one token takes
+    over all layers; ``free_tokens``: the longest context the free pages still hold.
+    """
+
+    num_pages: int
+    page_size: int
+    pages_used: int
+    pages_free: int
+    pages_shared: int
+    pages_reserved: int
+    sequences: int
+    bytes_per_token: int
+    pool_bytes: int
+    free_tokens: int
+
+    def __str__(self) -> str:
+        return (f"{self.pages_used}/{self.num_pages} pages used ({self.pages_shared} shared, "
+                f"{self.pages_reserved} reserved by the step), {self.pages_free} free: "
+                f"{self.free_tokens} more tokens at {self.bytes_per_token} bytes per token "
+                f"(all layers); {self.sequences} sequences")
+
+
+class PagedKVCache:
+    """Paged KV cache for ``num_layers`` layers of one model on one device.
+
+    Parameters
+    ----------
+    spec : AttentionSpec
+        The model's attention (heads, head_dim, page size, dtype, window, RoPE scaling).
+        ``spec.sliding_window`` must be True for sequences with a window.
+    num_layers : int
+        Layers; each has its own pool ``[num_pages, 2, H_kv, page_size, D]``.
+    num_pages : int, optional
+        Pages per layer's pool. Exactly one of ``num_pages`` and ``budget_bytes``.
+    budget_bytes : int, optional
+        Bytes for all the pools together; ``num_pages`` is what fits.
+    device, profile, backend
+        As in :class:`~clattn.BatchDecode`; ``backend="cpu"`` keeps numpy pools and runs
+        the CPU backend through the same API.
+    rope : {None, "attend", "append"}
+        None: keys are stored as given and nothing is rotated (the app rotates q and k).
+        ``"attend"``: keys stored unrotated, q and keys rotated inside the decode kernel
+        at chunk positions (``k_pos_offset + row``; windows keep positions contiguous).
+        ``"append"``: keys rotated by the append kernel at their absolute positions
+        (``pos_offset + token index``); the app rotates q at :attr:`positions`.
+    rope_theta, rope_scale, sm_scale
+        As in :meth:`~clattn.BatchDecode.run`.
+    rollback : int
+        Tokens behind each window whose pages are kept, so that :meth:`pop` can take back
+        that many tokens of a windowed sequence (speculative decoding); 0 gives back
+        every page that falls out of a window at once.
+
+    Examples
+    --------
+    >>> cache = PagedKVCache(spec, 32, num_pages=4096)          # doctest: +SKIP
+    >>> cache.add("a"); cache.add("b")                         # doctest: +SKIP
+    >>> cache.begin(["a", "b"])                                # doctest: +SKIP
+    >>> for layer in range(32):                                # doctest: +SKIP
+    ...     cache.append(layer, k[layer], v[layer])
+    ...     out = cache.attend(layer, q[layer]).out
+    >>> cache.end()                                            # doctest: +SKIP
+    """
+
+    def __init__(self, spec: AttentionSpec, num_layers: int, *, num_pages: int | None = None,
+                 budget_bytes: int | None = None, device: Any = None, profile: Any = None,
+                 backend: str = "auto", rope: str | None = None, rope_theta: float = 1e4,
+                 rope_scale: float = 1.0, sm_scale: float | None = None,
+                 rollback: int = 0) -> None:
+        if not isinstance(spec, AttentionSpec):
+            raise TypeError(f"spec: expected an AttentionSpec, got {type(spec).__name__}")
+        if spec.byte_pool:
+            raise NotImplementedError(
+                f"PagedKVCache: k_format={spec.k_format!r}/v_format={spec.v_format!r}: "
+                f"quantizing on append is the quantized-pages issue (13); the cache stores "
+                f"{spec.dtype} pages today")
+        if not _is_int(num_layers) or num_layers < 1:
+            raise ValueError(f"num_layers={num_layers!r}: must be a positive integer")
+        if rope not in ROPE_MODES:
+            raise ValueError(f"rope={rope!r}: allowed {ROPE_MODES}")
+        self.spec = spec
+        self.num_layers = int(num_layers)
+        self.page_bytes = int(np.prod(spec.pool_shape(1))) * spec.pool_dtype.itemsize
+        self.num_pages = _pool_size(num_pages, budget_bytes, self.num_layers, self.page_bytes,
+                                    spec.page_size)
+        self.rope = rope
+        self.rope_theta, self.rope_scale = float(rope_theta), float(rope_scale)
+        self.sm_scale = sm_scale
+        self.decoder = BatchDecode(spec, device, backend=backend, profile=profile)
+        self.backend = self.decoder.backend
+        if rope is not None:  # checks theta/scale now (the kernel tables are built once)
+            self._rope = rope_tables(spec.rotary_dim, self.rope_theta, parse_rope_scaling(
+                spec.rope_scaling, spec.max_position_embeddings), spec.max_position_embeddings)
+        if not _is_int(rollback) or rollback < 0:
+            raise ValueError(f"rollback={rollback!r}: must be an integer >= 0")
+        self.table = PageTable(spec, self.num_pages, int(rollback))
+        self._lock = threading.RLock()
+        self._step: _Step | None = None
+        self.bytes_uploaded = 0  # bytes the cache sent to the device (tables, k, v, q)
+        shape = spec.pool_shape(self.num_pages)
+        if self.backend == "cpu":
+            self.pools = [np.zeros(shape, spec.pool_dtype) for _ in range(self.num_layers)]
+            return
+        setup = self.decoder.setup
+        self._rt = setup.runtime
+        self.geometry = append_geometry(spec.head_dim, spec.dtype, setup.profile, setup.limits)
+        cl = runtime.cl()
+        size = int(np.prod(shape)) * spec.pool_dtype.itemsize
+        limit = int(self._rt.device.max_mem_alloc_size)
+        if size > limit:
+            raise ValueError(f"num_pages={self.num_pages}: one layer's pool is {size} bytes, "
+                             f"more than {self._rt.device.name!r} allocates at once ({limit}); "
+                             f"use fewer pages")
+        q = self._rt.queue
+        self.pools = []
+        for _ in range(self.num_layers):
+            a = cl.array.empty(q, shape, spec.pool_dtype)
+            a.events.append(cl.enqueue_fill_buffer(q, a.base_data, np.uint8(0), 0, size))
+            self.pools.append(a)
+        self._device = _DeviceSteps(self)
+
+    # -- sequences ------------------------------------------------------------------
+    def add(self, seq_id: Hashable, *, window: int | None = None, sink: int = 0,
+            pos_offset: int = 0) -> None:
+        """Add an empty sequence.
+
+        ``window``: keep only the last ``window`` tokens besides the first ``sink``
+        (needs ``spec.sliding_window``); pages wholly between them go back to the pool.
+        ``pos_offset``: RoPE position of token 0 (``rope="append"``) or the chunk's
+        ``k_pos_offset`` (``rope="attend"``).
+        """
+        with self._lock:
+            self._no_step("add")
+            self.table.add(seq_id, window=window, sink=sink, pos_offset=pos_offset)
+
+    def remove(self, seq_id: Hashable) -> None:
+        """Remove a sequence; pages no other sequence holds go back to the pool."""
+        with self._lock:
+            self._no_step("remove")
+            self.table.remove(seq_id)
+
+    def fork(self, parent: Hashable, child: Hashable) -> None:
+        """Add ``child`` as a copy of ``parent`` sharing its pages (copied on first write)."""
+        with self._lock:
+            self._no_step("fork")
+            self.table.fork(parent, child)
+
+    def pop(self, seq_id: Hashable, n: int) -> None:
+        """Drop the last ``n`` tokens of a sequence (pages emptied go back to the pool)."""
+        with self._lock:
+            self._no_step("pop")
+            self.table.pop(seq_id, n)
+
+    def length(self, seq_id: Hashable) -> int:
+        """Tokens the sequence holds (committed; a window's dropped tokens count)."""
+        return self.table.seq(seq_id).length
+
+    def __contains__(self, seq_id: Hashable) -> bool:
+        return seq_id in self.table.seqs
+
+    def __len__(self) -> int:
+        return len(self.table.seqs)
+
+    @property
+    def sequences(self) -> tuple:
+        """The sequence ids, in the order they were added."""
+        return tuple(self.table.seqs)
+
+    def stats(self) -> CacheStats:
+        """Pages used, free, shared and reserved; bytes per token; free tokens."""
+        with self._lock:
+            t = self.table
+            free = len(t.free)
+            return CacheStats(
+                num_pages=self.num_pages, page_size=self.spec.page_size,
+                pages_used=self.num_pages - free, pages_free=free,
+                pages_shared=int(np.count_nonzero(t.refcount > 1)),
+                pages_reserved=self._step.tables.reserved if self._step else 0,
+                sequences=len(t.seqs), bytes_per_token=self.page_bytes * self.num_layers //
+                self.spec.page_size, pool_bytes=self.page_bytes * self.num_pages * self.num_layers,
+                free_tokens=free * self.spec.page_size)
+
+    # -- the step ------------------------------------------------------------------
+    def begin(self, seq_ids: Sequence[Hashable], lengths: Sequence[int] | None = None) -> None:
+        """Start a step: reserve ``lengths[i]`` new slots (default 1) for ``seq_ids[i]``.
+
+        Builds the step's page tables and split plan and uploads them once. Raises
+        :class:`CacheFullError` (nothing changed) when the free pages do not suffice.
+        """
+        with self._lock:
+            if self._step is not None:
+                raise StepError(f"begin: a step over {list(self._step.tables.seq_ids)} is in "
+                                f"progress; call end() or cancel() first")
+            tables = self.table.reserve(seq_ids, lengths, rope=self.rope)
+            try:
+                self._step = _Step(self, tables)
+            except BaseException:
+                self.table.release(tables)
+                raise
+
+    @property
+    def positions(self) -> np.ndarray:
+        """RoPE positions of the step's new tokens (int32 ``[T]``), in token order: the
+        absolute positions (``rope="append"`` and None) or the in-kernel query positions
+        (``rope="attend"``)."""
+        step = self._current("positions")
+        t = step.tables
+        return t.q_pos if self.rope == "attend" else t.k_pos
+
+    @property
+    def num_tokens(self) -> int:
+        """New tokens of the step in progress (``T``: the first axis of append/attend)."""
+        return self._current("num_tokens").tables.T
+
+    def append(self, layer: int, k: Any, v: Any) -> Any:
+        """Write the step's new keys and values ``k, v [T, H_kv, D]`` into ``layer``'s pool.
+
+        ``T`` is the sum of the step's lengths, tokens in ``begin``'s order. numpy or
+        device arrays (the call returns at once; the event completes the write).
+        Returns the event (None on the CPU backend).
+        """
+        with self._lock:
+            step = self._current("append")
+            self._layer(layer)
+            return step.append(layer, k, v)
+
+    def attend(self, layer: int, q: Any, *, out: Any = None, lse: Any = None) -> DecodeResult:
+        """Attention of the step's new queries ``q [T, H_qo, D]`` over ``layer``'s cache.
+
+        Each new token attends to the sequence up to and including itself (a prompt
+        chunk is causal). ``out``/``lse`` as in :meth:`clattn.DecodeStep.run`.
+        """
+        with self._lock:
+            step = self._current("attend")
+            self._layer(layer)
+            return step.attend(layer, q, out, lse)
+
+    def end(self) -> None:
+        """Commit the step: the new tokens become part of their sequences; pages that fell
+        out of a window go back to the pool."""
+        with self._lock:
+            step = self._current("end")
+            missing = [i for i in range(self.num_layers) if not step.appended[i]]
+            if missing:
+                raise StepError(f"end: layers {_short(missing)} were not appended this step; "
+                                f"append every layer (or cancel())")
+            self.table.commit(step.tables)
+            self._step = None
+
+    def cancel(self) -> None:
+        """Abandon the step in progress: its reserved pages go back, lengths unchanged.
+
+        A sequence that copied a shared page for this step keeps its copy (the rows it
+        held; the copy is made now for the layers not appended): another holder may
+        have written into the shared page already.
+        """
+        with self._lock:
+            step = self._current("cancel")
+            if step.tables.n_copies:
+                for layer in range(self.num_layers):
+                    if not step.appended[layer]:
+                        step.copy_pages(layer)
+            self.table.release(step.tables, keep_copies=True)
+            self._step = None
+
+    # -- helpers ---------------------------------------------------------------------
+    def _no_step(self, what: str) -> None:
+        if self._step is not None:
+            raise StepError(f"{what}: not allowed while a step is in progress; end() or "
+                            f"cancel() it first")
+
+    def _current(self, what: str) -> "_Step":
+        if self._step is None:
+            raise StepError(f"{what}: no step in progress; call begin(seq_ids, lengths) first")
+        return self._step
+
+    def _layer(self, layer: int) -> None:
+        if not _is_int(layer) or not 0 <= layer < self.num_layers:
+            raise LayerIndexError(f"layer={layer!r}: the cache has layers 0..{self.num_layers - 1}")
+
+
+class _Step:
+    """One step: its tables, which layers were appended, and (device) its launches."""
+
+    def __init__(self, cache: PagedKVCache, tables: StepTables) -> None:
+        self.cache = cache
+        self.tables = tables
+        self.appended = [False] * cache.num_layers
+        spec = cache.spec
+        self.kv_shape = (tables.T, spec.num_kv_heads, spec.head_dim)
+        self.q_shape = (tables.T, spec.num_qo_heads, spec.head_dim)
+        if cache.backend != "cpu":
+            cache._device.start(tables)
+
+    def _check(self, name: str, a: Any, shape: tuple) -> None:
+        try:
+            check_array(name, a, shape=shape, dtypes=(self.cache.spec.np_dtype,))
+        except ValueError as exc:
+            raise StepShapeError(f"{exc}: the step begun for {self.tables.T} new tokens "
+                                 f"(lengths {_short(self.tables.lengths)}) takes {name} of "
+                                 f"shape {shape}") from None
+
+    def append(self, layer: int, k: Any, v: Any) -> Any:
+        cache = self.cache
+        dev = cache._device if cache.backend != "cpu" else None
+        if dev is None or not (dev.ready(k, self.kv_shape) and dev.ready(v, self.kv_shape)):
+            self._check("k", k, self.kv_shape)
+            self._check("v", v, self.kv_shape)
+        if dev is None:
+            if not (is_host(k) and is_host(v)):
+                raise TypeError("append: the CPU backend takes numpy k and v")
+            self._append_host(cache.pools[layer], k, v)
+            evt = None
+        else:
+            evt = dev.append(cache.pools[layer], k, v)
+        self.appended[layer] = True
+        return evt
+
+    def copy_pages(self, layer: int) -> None:
+        """The step's copy-on-write copies alone, in ``layer``'s pool."""
+        if self.cache.backend == "cpu":
+            self._copy_host(self.cache.pools[layer])
+        else:
+            self.cache._device.copy(self.cache.pools[layer])
+
+    def _copy_host(self, pool: np.ndarray) -> None:
+        for src, dst, rows in self.tables.copies.reshape(-1, 3):
+            pool[dst, :, :, :rows] = pool[src, :, :, :rows]
+
+    def _append_host(self, pool: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:
+        """The append and page-copy kernels' semantics in numpy (CPU backend)."""
+        t, cache = self.tables, self.cache
+        spec, ps = cache.spec, cache.spec.page_size
+        self._copy_host(pool)
+        if cache.rope == "append":
+            inv, att, long_from = cache._rope
+            interleaved = parse_rope_scaling(spec.rope_scaling,
+                                             spec.max_position_embeddings).interleaved
+            kf = k.astype(np.float64)
+            for tab in (0, 1):
+                sel = (t.k_pos >= long_from) == bool(tab)
+                if sel.any():
+                    kf[sel] = rotate(kf[sel].transpose(1, 0, 2), t.k_pos[sel] * cache.rope_scale,
+                                     inv[tab], att, interleaved).transpose(1, 0, 2)
+            k = kf.astype(spec.np_dtype)
+        page, slot = t.slots // ps, t.slots % ps
+        pool[page, 0, :, slot] = k
+        pool[page, 1, :, slot] = v
+
+    def attend(self, layer: int, q: Any, out: Any, lse: Any) -> DecodeResult:
+        cache, t = self.cache, self.tables
+        if not self.appended[layer]:
+            raise StepError(f"attend: layer {layer} has not been appended this step; call "
+                            f"append({layer}, k, v) first")
+        if cache.backend == "cpu":
+            self._check("q", q, self.q_shape)
+            attend_rope = cache.rope == "attend"
+            o, s = cpu_backend.batch_decode(
+                cache.spec, q, cache.pools[layer], t.page_indptr, t.page_indices,
+                t.last_page_len, window_offset=t.window_offset, sink_size=t.sink_size,
+                q_pos=t.q_pos if attend_rope else None,
+                k_pos_offset=t.k_pos_offset if attend_rope else None,
+                rotary_mode=int(attend_rope), rope_scale=cache.rope_scale,
+                rope_theta=cache.rope_theta, sm_scale=cache.sm_scale, out=out, lse=lse)
+            return DecodeResult(o, s)
+        dev = cache._device
+        if dev.ready(q, self.q_shape) and out is not None and lse is not None and \
+                dev.ready(out, self.q_shape) and dev.ready(lse, self.q_shape[:2], LSE_DTYPE):
+            return dev.attend(cache.pools[layer], q, out, lse)
+        self._check("q", q, self.q_shape)
+        for name, a, shape, dt in (("out", out, self.q_shape, cache.spec.np_dtype),
+                                   ("lse", lse, self.q_shape[:2], LSE_DTYPE)):
+            if a is not None:
+                check_array(name, a, shape=shape, dtypes=(dt,), writable=True)
+        call = Call(cache._rt)
+        dq = call.input("q", q)
+        dout = call.output("out", out, self.q_shape, cache.spec.np_dtype)
+        dlse = call.output("lse", lse, self.q_shape[:2], LSE_DTYPE)
+        res = dev.attend(cache.pools[layer], dq, dout, dlse, call.wait_list())
+        o, s = call.finish([dout, dlse], list(res.events), host=is_host(q))
+        return DecodeResult(o, s, res.event, res.events)
+
+
+class _DeviceSteps:
+    """The cache's kernel objects and buffers on the device, made once per cache.
+
+    Creating and typing a kernel object costs 0.3-1.3 ms on the CPU drivers and a
+    pyopencl array view 40 us, so a step sets the new tables (``(buffer, offset)`` pairs
+    into one upload) on kernel objects bound when the cache was made; its uploads go
+    into a ring of two table buffers, each reused once the launches of the step that
+    last used it are done. The split plan is kept while the batch is the same and no
+    chunk has grown by a page (a plan made for shorter chunks stays correct: the last
+    partition runs to the chunk's end).
+    """
+
+    def __init__(self, cache: PagedKVCache) -> None:
+        self.cache = cache
+        spec, dec = cache.spec, cache.decoder
+        rt = self.rt = cache._rt
+        self.queue = rt.queue
+        self.ctx = rt.context
+        # on the runtime's in-order queue the launches are ordered by the queue itself: only
+        # the caller's arrays bring events to wait for (an out-of-order queue: every one)
+        cl = runtime.cl()
+        self.in_order = not (self.queue.properties &
+                             cl.command_queue_properties.OUT_OF_ORDER_EXEC_MODE_ENABLE)
+        self.dtype = spec.np_dtype
+        decode, merge = dec._kernels()  # builds (and may refit the geometry) first
+        self.geometry, self.merge_geometry = dec.geometry, dec.merge_geometry
+        attend_rope = int(cache.rope == "attend")
+        none = dict.fromkeys(("q", "pages", "out", "lse", "page_indptr", "page_indices",
+                              "last_page_len", "window_offset", "sink_size", "q_pos",
+                              "k_pos_offset", "ws_o", "ws_s", "part_indptr"))
+        self.decode = decode.bind(**none, num_pages=cache.num_pages, nnz=0, n_ws=0, split=0,
+                                  part_rows=0, **dec._scalars(attend_rope, cache.rope_theta,
+                                                              cache.rope_scale, cache.sm_scale))
+        self.merge = merge.bind(vin=None, sv=None, indptr=None, fixed_k=-1, skip_single=1,
+                                n_states=0, out=None, lse=None, N=0, H=spec.num_qo_heads)
+        key = ("append", spec.key(), cache.geometry)
+        source = lambda: render_append(spec, cache.geometry)  # noqa: E731
+        turns, long_from, att = dec._rope_buffer(int(cache.rope == "append"), cache.rope_theta,
+                                                 cache.rope_scale)
+        self.append_k = rt.launcher(key, signatures.APPEND, source).bind(
+            k=None, v=None, pages=None, num_pages=cache.num_pages, slots=None, n_tokens=0,
+            k_pos=None, rotary_mode=int(cache.rope == "append"), rope_turns=turns,
+            long_from=long_from, rope_att=att)
+        self.copy_k = rt.launcher(key, signatures.PAGE_COPY, source).bind(
+            pages=None, num_pages=cache.num_pages, copies=None, n_copies=0)
+        self.ring = [[None, 0, []], [None, 0, []]]  # [buffer, capacity (ints), its step's events]
+        self.ring_at = 0
+        self.stage = {"k": [None, 0, []], "v": [None, 0, []]}  # host k/v staging buffers
+        self.ws = (0, None, None)
+        self.plan_key: Any = None
+        self.plan = self.plan_buf = None
+        self.ws_event = None
+
+    # -- per step --------------------------------------------------------------------
+    def start(self, t: StepTables) -> None:
+        """Upload the step's tables (once) and set them on the kernel objects."""
+        cl = runtime.cl()
+        packed, views = t.packed()
+        slot = self.ring[self.ring_at]
+        self.ring_at ^= 1
+        if slot[1] < len(packed):
+            slot[0] = cl.Buffer(self.ctx, cl.mem_flags.READ_ONLY, max(len(packed), 256) * 4)
+            slot[1] = max(len(packed), 256)
+        upload = cl.enqueue_copy(self.queue, slot[0], packed, is_blocking=False,
+                                 wait_for=slot[2] or None)
+        self.cache.bytes_uploaded += packed.nbytes
+        slot[2] = self.events = [upload]  # the step's launches (the last one, in order)
+        self.waits = [] if self.in_order else [upload]
+        tab = {name: (slot[0], a) for name, (a, _) in views.items()}
+        plan = self._plan(t)
+        spec = self.cache.spec
+        H, D = spec.num_qo_heads, spec.head_dim
+        ws_o = ws_s = None
+        if plan.split:
+            if self.ws[0] < plan.n_ws:
+                n = plan.n_ws
+                self.ws = (n, cl.Buffer(self.ctx, cl.mem_flags.READ_WRITE, n * H * D * 4),
+                           cl.Buffer(self.ctx, cl.mem_flags.READ_WRITE, n * H * 4))
+            ws_o, ws_s = self.ws[1], self.ws[2]
+            self.merge.set(vin=(ws_o, 0), sv=(ws_s, 0), indptr=self.plan_buf,
+                           n_states=plan.n_ws, N=t.T)
+            self.merge_sizes = self.merge_geometry.sizes(t.T * H, D)
+        attend_rope = self.cache.rope == "attend"
+        self.decode.set(page_indptr=tab["page_indptr"], page_indices=tab["page_indices"],
+                        nnz=len(t.page_indices), last_page_len=tab["last_page_len"],
+                        window_offset=tab.get("window_offset"), sink_size=tab.get("sink_size"),
+                        q_pos=tab["q_pos"] if attend_rope else None,
+                        k_pos_offset=tab["k_pos_offset"] if attend_rope else None,
+                        ws_o=ws_o, ws_s=ws_s, n_ws=plan.n_ws, split=int(plan.split),
+                        part_rows=plan.part_rows if plan.split else 0,
+                        part_indptr=self.plan_buf if plan.split else None)
+        self.split = plan.split
+        self.decode_sizes = (self.geometry.global_size(t.T, spec.num_kv_heads,
+                                                       plan.num_parts if plan.split else 1),
+                             self.geometry.local_size())
+        self.append_k.set(slots=tab["slots"], n_tokens=t.T, k_pos=tab["k_pos"])
+        geom = self.cache.geometry
+        self.append_sizes = geom.sizes(t.T * spec.num_kv_heads, D)
+        self.n_copies = t.n_copies
+        if t.n_copies:
+            self.copy_k.set(copies=tab["copies"], n_copies=t.n_copies)
+            self.copy_sizes = geom.sizes(t.n_copies * 2 * spec.num_kv_heads * spec.page_size, D)
+
+    def _plan(self, t: StepTables) -> Any:
+        """The split plan: the last one while it still fits this batch, else a new one."""
+        last = self.plan
+        key = (t.seq_ids, t.lengths)
+        ps = self.cache.spec.page_size
+        if last is not None and key == self.plan_key and \
+                np.all((t.chunk >= last.chunk) & (t.chunk < last.chunk + ps)):
+            return last
+        plan = self.cache.decoder.plan(t.page_indptr, t.last_page_len,
+                                       window_offset=t.window_offset, sink_size=t.sink_size)
+        self.plan, self.plan_key = plan, key
+        if plan.split:
+            cl = runtime.cl()
+            self.plan_buf = cl.Buffer(self.ctx, cl.mem_flags.READ_ONLY |
+                                      cl.mem_flags.COPY_HOST_PTR, hostbuf=plan.part_indptr)
+            self.cache.bytes_uploaded += plan.part_indptr.nbytes
+        return plan
+
+    # -- per layer -------------------------------------------------------------------
+    def ready(self, a: Any, shape: tuple, dtype: Any = None) -> bool:
+        """True for a device array of the cache's context with the given shape and dtype
+        (checked field by field; anything else takes the checked path)."""
+        return (not is_host(a) and hasattr(a, "base_data") and a.shape == shape and
+                a.dtype == (dtype or self.dtype) and a.flags.c_contiguous and a.context == self.ctx)
+
+    def _device_input(self, name: str, a: Any) -> tuple[Any, list]:
+        """``(buffer or array, events)`` of k or v: a device array as is, a numpy array
+        copied into the cache's staging buffer (no new buffer per call)."""
+        if not is_host(a):
+            if a.context != self.ctx:
+                raise ValueError(f"append: {name} lives in another OpenCL context than the "
+                                 f"cache's device")
+            return a, list(a.events)
+        cl = runtime.cl()
+        a = np.ascontiguousarray(a)
+        st = self.stage[name]
+        if st[1] < a.nbytes:
+            st[0], st[1] = cl.Buffer(self.ctx, cl.mem_flags.READ_ONLY, a.nbytes), a.nbytes
+        evt = cl.enqueue_copy(self.queue, st[0], a, is_blocking=False, wait_for=st[2] or None)
+        self.cache.bytes_uploaded += a.nbytes
+        return (st[0], 0), [evt]
+
+    def _track(self, evt: Any) -> None:
+        if self.in_order:
+            self.events[:] = [evt]
+        else:
+            self.events.append(evt)
+
+    def copy(self, pool: Any, waits: list | None = None) -> Any:
+        """The step's copy-on-write copies in ``pool``; returns the event."""
+        if not self.in_order:
+            waits = self.waits + pool.events + (waits or [])
+        evt = self.copy_k.launch(self.queue, *self.copy_sizes, waits, pages=pool)
+        pool.events[:] = [evt]
+        self._track(evt)
+        return evt
+
+    def append(self, pool: Any, k: Any, v: Any) -> Any:
+        (dk, ek), (dv, ev) = self._device_input("k", k), self._device_input("v", v)
+        waits = ek + ev if self.in_order else self.waits + pool.events + ek + ev
+        if self.n_copies:  # copy-on-write first: the appends may land in the copies
+            waits = [self.copy(pool, ek + ev)]
+        evt = self.append_k.launch(self.queue, *self.append_sizes, waits, k=dk, v=dv, pages=pool)
+        pool.events[:] = [evt]
+        if not self.in_order:
+            for st in self.stage.values():
+                st[2] = [evt]  # the staging buffers are free again once this append has run
+        self._track(evt)
+        return evt
+
+    def attend(self, pool: Any, q: Any, out: Any, lse: Any,
+               waits: list | None = None) -> DecodeResult:
+        waits = waits if waits is not None else q.events + out.events + lse.events
+        if not self.in_order:
+            waits = self.waits + pool.events + waits
+            if self.split and self.ws_event is not None:
+                waits.append(self.ws_event)  # layers share the workspace: ordered on it
+        evts = [self.decode.launch(self.queue, *self.decode_sizes, waits, q=q, pages=pool,
+                                   out=out, lse=lse)]
+        if not self.in_order:
+            pool.events.append(evts[0])  # the next write of the pool waits for this read
+        if self.split:
+            evts.append(self.merge.launch(self.queue, *self.merge_sizes, [evts[0]], out=out,
+                                          lse=lse))
+            self.ws_event = evts[-1]
+        out.events[:] = [evts[-1]]
+        lse.events[:] = [evts[-1]]
+        self._track(evts[-1])
+        return DecodeResult(out, lse, evts[-1], tuple(evts))
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+
+def _short(items: Sequence) -> str:
+    items = list(items)
+    return str(items) if len(items) <= 8 else f"[{', '.join(map(str, items[:8]))}, ...]"
+
+
+def _pool_size(num_pages: Any, budget_bytes: Any, layers: int, page_bytes: int,
+               page_size: int) -> int:
+    if (num_pages is None) == (budget_bytes is None):
+        raise ValueError("PagedKVCache: give exactly one of num_pages= (pages per layer) and "
+                         "budget_bytes= (bytes for every layer's pool)")
+    if num_pages is None:
+        if not _is_int(budget_bytes) or budget_bytes < 0:
+            raise ValueError(f"budget_bytes={budget_bytes!r}: must be a non-negative integer")
+        num_pages = int(budget_bytes) // (layers * page_bytes)
+        if num_pages < 1:
+            raise ValueError(f"budget_bytes={budget_bytes}: less than one page per layer "
+                             f"({layers} x {page_bytes} bytes)")
+    if not _is_int(num_pages) or num_pages < 1:
+        raise ValueError(f"num_pages={num_pages!r}: must be a positive integer")
+    if int(num_pages) * page_size > 2**31 - 1:
+        raise ValueError(f"num_pages={num_pages}: slots (pages x page_size) must stay below "
+                         f"2**31")
+    return int(num_pages)

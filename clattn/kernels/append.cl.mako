@@ -1,0 +1,161 @@
+<%doc>
+clattn KV-cache writes (clattn.cache.PagedKVCache; docs/cache.md):
+
+clattn_append     the new tokens' keys and values into their slots: token t's rows of KV
+                  head h go to flat slot slots[t] = page * PS + slot of the pool
+                  [P, 2, HKV, PS, D]; with rotary_mode the key is rotated first at
+                  position k_pos[t] (RoPE at append, for apps that cache rotated keys).
+clattn_page_copy  copy-on-write: for each copy c of the [C, 3] table (src page, dst page,
+                  rows), rows [0, rows) of every (kind, head) of page src go to page dst.
+
+Template parameters (clattn.codegen.render_append; geometry clattn.fit.append_geometry):
+  D, HKV, PS          head_dim, KV heads, page size
+  ROT, INTERLEAVED    rotary dims; GPT-J pairs (2i, 2i+1) instead of halves (i, i + ROT/2)
+  DTYPE, NATIVE_HALF, DENORMS, PRAGMAS   storage type and the prelude's switches
+  STRATEGY, VEC, MH   rows (CPU drivers): work-groups of one work-item, each striding over
+                      (token, head) rows, VEC elements at a time; tiled (GPUs): D/VEC
+                      lanes per row, MH rows per work-group
+  KFMT, VFMT          page formats; only DTYPE itself today (quantized pages quantize on
+                      append: issue 13)
+  APPEND_SIGNATURE/APPEND_FIXUP, COPY_SIGNATURE/COPY_FIXUP  from clattn.signatures
+                      APPEND and PAGE_COPY
+Every index is checked or clamped: a slot outside the pool, or a copy whose destination
+is outside it, writes nothing; a copy's source page and row count are clamped. Values
+without RoPE are copied bit for bit.
+</%doc>
+<%namespace name="c" file="common.clh.mako"/>
+${c.prelude()}
+<%
+assert KFMT == DTYPE and VFMT == DTYPE, "quantized pages: append is issue 13's work"
+NV = D // VEC
+RAW = "ushort" if DTYPE == "half" else "uint"     # the bits of one stored element
+%>\
+typedef st_t kv_t;      /* element of the pool */
+typedef ${RAW} raw_t;   /* its bits: copies move bits, never values */
+
+/* element offset of row `slot` of (page, kind, head) */
+inline ulong clattn_slot_at(const ulong page, const int kind, const int h, const ulong slot)
+{
+    return (((page * 2 + kind) * ${HKV} + h) * ${PS} + slot) * ${D};
+}
+
+## copy VEC raw elements from src to dst (element pointers)
+<%def name="mv(dst, src)">\
+% if VEC == 1:
+(${dst})[0] = (${src})[0];\
+% else:
+vstore${VEC}(vload${VEC}(0, ${src}), 0, ${dst});\
+% endif
+</%def>
+
+## write lanes [e0, e0 + VEC) of token t, head h (rows at element offsets kd, vd)
+<%def name="lanes(e0)">
+            {
+                const int e0 = ${e0};
+                ${mv('vr + vd + e0', 'vs + e0')}
+                if (!rotary_mode || e0 >= ${ROT}) {
+                    ${mv('kr + kd + e0', 'ks + e0')}
+                } else {
+                    /* RoPE at append: the key at position k_pos[t] (the decode kernel's
+                       formula and angles); cos and sin apart, no private pointer */
+                    const int pos = k_pos[t];
+                    const __global float2* tt = rope_turns + (pos >= long_from ? ${ROT // 2} : 0);
+                    const __global st_t* kx = k + ((ulong)t * ${HKV} + h) * ${D};
+                    for (int e = e0; e < e0 + ${VEC}; ++e) {
+% if INTERLEAVED:
+                        const int fi = e >> 1, pe = e ^ 1;
+                        const float sgn = (e & 1) ? 1.0f : -1.0f;
+% else:
+                        const int fi = e < ${ROT // 2} ? e : e - ${ROT // 2};
+                        const int pe = e < ${ROT // 2} ? e + ${ROT // 2} : e - ${ROT // 2};
+                        const float sgn = e < ${ROT // 2} ? -1.0f : 1.0f;
+% endif
+                        float x = ${c.loadv(1, "kx + e")};
+                        if (e < ${ROT}) {
+                            const float ang = clattn_rope_angle(pos, tt[fi]);
+                            const float cs = cos(ang), sn = sin(ang);
+                            x = (x * cs + sgn * ${c.loadv(1, "kx + pe")} * sn) * rope_att;
+                        }
+                        ${c.storev(1, "x", "pages + kd + e")}
+                    }
+                }
+            }
+</%def>
+
+## one (token, head) row pair: set-up shared by the strategies
+<%def name="row_setup()">
+            const int t = th / ${HKV}, h = th % ${HKV};
+            const long flat = (long)slots[t];
+            if (flat < 0 || flat >= cap) continue;   /* outside the pool: nothing written */
+            const ulong kd = clattn_slot_at((ulong)flat / ${PS}, 0, h, (ulong)flat % ${PS});
+            const ulong vd = kd + (ulong)${HKV * PS * D};
+            const __global raw_t* ks = (const __global raw_t*)k + ((ulong)t * ${HKV} + h) * ${D};
+            const __global raw_t* vs = (const __global raw_t*)v + ((ulong)t * ${HKV} + h) * ${D};
+</%def>
+
+## one (copy, kind, head, row) of the page copy
+<%def name="copy_setup()">
+            const int cidx = it / ${2 * HKV * PS};
+            const int rem = it % ${2 * HKV * PS};
+            const int kind = rem / ${HKV * PS}, h = (rem / ${PS}) % ${HKV}, r = rem % ${PS};
+            const int dst = copies[3 * cidx + 1];
+            const int rows = clamp(copies[3 * cidx + 2], 0, ${PS});
+            if (dst < 0 || dst >= num_pages || r >= rows) continue;
+            const int src = clamp(copies[3 * cidx], 0, num_pages - 1);
+            __global raw_t* dr = (__global raw_t*)pages + clattn_slot_at((ulong)dst, kind, h, (ulong)r);
+            const __global raw_t* sr = (const __global raw_t*)pages + clattn_slot_at((ulong)src, kind, h, (ulong)r);
+</%def>
+
+% if STRATEGY == "rows":
+__kernel void clattn_append(${APPEND_SIGNATURE})
+{
+    ${APPEND_FIXUP}
+    const long cap = (long)max(num_pages, 0) * ${PS};
+    __global raw_t* kr = (__global raw_t*)pages;
+    __global raw_t* vr = kr;
+    for (int th = get_global_id(0); th < n_tokens * ${HKV}; th += get_global_size(0)) {
+${row_setup()}
+% for i in range(NV):
+${lanes(i * VEC)}
+% endfor
+    }
+}
+
+__kernel void clattn_page_copy(${COPY_SIGNATURE})
+{
+    ${COPY_FIXUP}
+    for (int it = get_global_id(0); it < n_copies * ${2 * HKV * PS}; it += get_global_size(0)) {
+${copy_setup()}
+% for i in range(NV):
+        ${mv('dr + %d' % (i * VEC), 'sr + %d' % (i * VEC))}
+% endfor
+    }
+}
+% else:
+__kernel __attribute__((reqd_work_group_size(${NV}, ${MH}, 1)))
+void clattn_append(${APPEND_SIGNATURE})
+{
+    ${APPEND_FIXUP}
+    const long cap = (long)max(num_pages, 0) * ${PS};
+    __global raw_t* kr = (__global raw_t*)pages;
+    __global raw_t* vr = kr;
+    const int lane = get_global_id(0);
+    if (lane >= ${NV}) return;
+    for (int th = get_global_id(1); th < n_tokens * ${HKV}; th += get_global_size(1)) {
+${row_setup()}
+${lanes("lane * %d" % VEC)}
+    }
+}
+
+__kernel __attribute__((reqd_work_group_size(${NV}, ${MH}, 1)))
+void clattn_page_copy(${COPY_SIGNATURE})
+{
+    ${COPY_FIXUP}
+    const int lane = get_global_id(0);
+    if (lane >= ${NV}) return;
+    for (int it = get_global_id(1); it < n_copies * ${2 * HKV * PS}; it += get_global_size(1)) {
+${copy_setup()}
+        ${mv('dr + lane * %d' % VEC, 'sr + lane * %d' % VEC)}
+    }
+}
+% endif

@@ -1,0 +1,61 @@
+<%doc>
+Pieces shared by the two prefill templates (prefill_rows.cl.mako, prefill_tiled.cl.mako):
+the set-up of one work unit (its sequence, its queries, the attended chunk, the causal
+limit) and RoPE with given cos/sin. Parameters: those of decode_common.clh.mako (PS, HKV,
+D, SLIDING, FIXUP rendered from clattn.signatures.PREFILL, the pool), QB (queries per
+unit), ROT, INTERLEAVED.
+
+Semantics (docs/prefill.md): query i of the n_q queries of sequence b is chunk row
+chunk - n_q + i; causal, it attends chunk rows [0, its own row], else the whole chunk. Its RoPE position is k_pos_offset[b] + its row (q_pos_mode 0) or
+q_pos[b] + i (q_pos_mode 1). Every index read from a table is clamped.
+</%doc>
+<%namespace name="d" file="decode_common.clh.mako"/>
+<%def name="setup()">
+${d.setup()}
+/* work unit u: sequence b and its queries [q0, q0 + nq), rows [qs, qs + nq) of q and
+   out; c0 is the chunk row of query q0; query q0 + i attends chunk rows [0, QLIM(i)] and
+   sits at position qpos0 + i; the unit reads rows [0, r_end) */
+#define UNIT_SETUP \
+    ${FIXUP} \
+    const int b = clamp(units[4 * u], 0, batch - 1); \
+    const int q0 = max(units[4 * u + 1], 0); \
+    const int n_q = max(units[4 * u + 2], 0); \
+    const int qs = clamp(units[4 * u + 3], 0, total_q); \
+    const int p0 = clamp(page_indptr[b], 0, nnz); \
+    const int npages = num_pages > 0 ? clamp(page_indptr[b + 1], p0, nnz) - p0 : 0; \
+    const int stored = npages > 0 ? (npages - 1) * ${PS} + clamp(last_page_len[b], 1, ${PS}) : 0; \
+    SEQ_WINDOW \
+    const int chunk = stored - wo + sink; \
+    const int nq = q0 < n_q ? min(min(n_q - q0, ${QB}), total_q - qs) : 0; \
+    const int c0 = nq > 0 ? chunk - n_q + q0 : 0; \
+    const int r_end = nq <= 0 ? 0 : (causal ? clamp(c0 + nq, 0, chunk) : chunk); \
+    const int kpos0 = rotary_mode ? k_pos_offset[b] : 0; \
+    const int qpos_b = !rotary_mode ? 0 : (q_pos_mode ? q_pos[b] : kpos0 + chunk - n_q); \
+    const int qpos0 = qpos_b + q0; \
+    const int rope_table = (rotary_mode && (long)qpos_b + n_q - 1 >= long_from) ? 1 : 0; \
+    const __global float2* tt = rope_turns + rope_table * ${ROT // 2};
+
+/* the last chunk row query q0 + i of the unit attends (-1: none) */
+#define QLIM(i) ((i) < nq ? (causal ? c0 + (i) : chunk - 1) : -1)
+
+/* rotate the private row f (RoPE pairs of the spec) by the angles of cs/sn, scaled by att */
+inline void clattn_rotate_cs(float* f, const float* cs, const float* sn, const float att)
+{
+    for (int i = 0; i < ${ROT // 2}; ++i) {
+% if INTERLEAVED:
+        const int ia = 2 * i, ib = 2 * i + 1;
+% else:
+        const int ia = i, ib = i + ${ROT // 2};
+% endif
+        const float x = f[ia], y = f[ib];
+        f[ia] = (x * cs[i] - y * sn[i]) * att;
+        f[ib] = (y * cs[i] + x * sn[i]) * att;
+    }
+}
+
+/* cos/sin of every RoPE frequency of tt at position pos */
+inline void clattn_rope_cs(const int pos, const __global float2* tt, float* cs, float* sn)
+{
+    for (int i = 0; i < ${ROT // 2}; ++i) sn[i] = sincos(clattn_rope_angle(pos, tt[i]), cs + i);
+}
+</%def>

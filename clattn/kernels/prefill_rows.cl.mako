@@ -1,0 +1,248 @@
+<%doc>
+clattn paged-KV prefill, "rows" strategy (CPU drivers): one work-item per (work unit,
+KV head); global (n_units, HKV), local (1, 1). A unit is up to QB consecutive queries of
+one sequence; with the G query heads of the KV head that makes QB * G rows (query i,
+head g -> row i * G + g), padded to M, a multiple of the vector width. Everything a row
+keeps is in private arrays (a CPU core's L1):
+  * q transposed, qt[d] = the M rows' element d as NRV vectors, so that scores, the
+    causal mask and the online softmax run across rows, VEC rows per vector, with no
+    horizontal sums: scores of NK keys x NRV row vectors per register tile;
+  * the accumulators row-major, acc[r] = head_dim as NV vectors: the values are added
+    in register tiles of MV rows x NI vectors, each weight broadcast from memory;
+  * keys and values, KB rows per block, converted to f32 (keys rotated) once per block.
+The semantics are docs/prefill.md's.
+
+Template parameters (clattn.codegen.render_prefill, from clattn.fit.PrefillGeometry):
+  D, HQO, HKV, G, PS   head_dim, query heads, KV heads, group size, page size
+  ROT, INTERLEAVED     rotary dims; GPT-J pairs (2i, 2i+1) instead of (i, i + ROT/2)
+  SLIDING, SOFTCAP     window + sinks compiled in; soft-cap value or None
+  DTYPE, NATIVE_HALF   storage type of q and out; native half conversions (cl_khr_fp16)
+  DENORMS              the device keeps f32 subnormals (cheaper exact f16 conversion)
+  VEC                  floats per vector (along head_dim, and across rows)
+  QB, KB               queries per work-item; keys per block
+  SIGNATURE, FIXUP     parameter list and pointer fix-up from clattn.signatures.PREFILL
+  KFMT, VFMT, ...      the page storage (decode_common.clh.mako)
+</%doc>
+<%namespace name="c" file="common.clh.mako"/>
+<%namespace name="d" file="decode_common.clh.mako"/>
+<%namespace name="pc" file="prefill_common.clh.mako"/>
+${c.prelude()}
+${pc.setup()}
+<%
+V = VEC
+NV = D // V                                      # head_dim vectors of a row
+M = -(-(QB * G) // V) * V                        # rows, padded to whole vectors
+NRV = M // V                                     # row vectors
+NK = max(1, min(KB, 12 // NRV))                  # keys per score tile (<= 12 accumulators)
+while KB % NK:
+    NK -= 1
+MV = 4 if M % 4 == 0 else (2 if M % 2 == 0 else 1)   # rows per value tile
+NI = 2 if NV % 2 == 0 else 1                     # head_dim vectors per value tile
+FV = "float" if V == 1 else "float%d" % V
+IV = "int" if V == 1 else "int%d" % V
+def score(x):
+    return d.attr.score(x, SOFTCAP)
+def lane(kind, i, name):
+    """float<V> of head_dim chunk i of the K (0) / V (1) row at `name`, any format."""
+    return d.attr.lanes(kind, V, name, i * V, KFMT, VFMT, BYTE_POOL, True, lambda vec, ptr: ld(ptr))
+def ld(ptr):
+    if DTYPE == "float":
+        return "*(const __global ld_t*)(%s)" % ptr
+    if NATIVE_HALF:
+        return "convert_%s(*(const __global ldn_t*)(%s))" % (FV, ptr)
+    return "clattn_h2f(*(const __global ld_t*)(%s))" % ptr
+# private vectors through aligned pointers and selects as ?: (vloadN/vstoreN/select are
+# library calls some CPU drivers do not inline)
+def vst(val, ptr):
+    return "*(%s*)(%s) = %s;" % (FV, ptr, val)
+def vld(ptr):
+    return "*(%s*)(%s)" % (FV, ptr)
+def valid(key, v):
+    """the causal mask of key `key` (a chunk row) for row vector v"""
+    return "(%s <= lim[%s])" % (key, v) if V == 1 else "((%s)(%s) <= lim[%s])" % (IV, key, v)
+def vmax(a, b):
+    # compare-select: max() is undefined for infinities in OpenCL C
+    return "(%s > %s ? %s : %s)" % (a, b, a, b)
+%>\
+${c.raw_loads(V)}
+${d.q4_helpers()}
+% if NATIVE_HALF and DTYPE == "half":
+typedef ${"half" if V == 1 else "half%d" % V} __attribute__((aligned(2))) ldn_t;
+% endif
+
+__kernel void clattn_prefill(${SIGNATURE})
+{
+    const int u = get_global_id(0);
+    const int kvh = get_global_id(1);
+    UNIT_SETUP
+    if (nq <= 0) return;
+    const int rows = nq * ${G};                            /* live rows */
+    const int rows_v = (rows + ${MV - 1}) / ${MV} * ${MV};     /* rows the value tiles cover */
+
+    ${FV} qt[${D}][${NRV}];                /* q, transposed: element d of every row */
+    ${FV} acc[${M}][${NV}];                /* accumulators, row-major */
+    ${FV} mr[${NRV}], lr[${NRV}];          /* running max and sum of every row */
+    ${IV} lim[${NRV}];                     /* last chunk row every row attends; -1: none */
+    float pt[${KB}][${M}] __attribute__((aligned(64)));   /* weights of the block: key-major */
+    float alpha[${M}] __attribute__((aligned(64)));
+    ${FV} kf[${KB}][${NV}], vf[${KB}][${NV}];
+    float cs[${ROT // 2}], sn[${ROT // 2}];
+
+    /* q of every row: rotated at its query's position, scaled (log2 units) */
+    const float qscale = sm_scale${" * CLATTN_LOG2E" if SOFTCAP is None else ""};
+    for (int r = 0; r < ${M}; ++r) {
+        const int i = r / ${G};
+        float f[${D}];
+        ((int*)lim)[r] = QLIM(i);
+        if (i < nq) {
+            const __global st_t* qp = q + ((ulong)(qs + i) * ${HQO} + kvh * ${G} + r % ${G}) * ${D};
+            for (int e = 0; e < ${D}; ++e) f[e] = ${c.loadv(1, "qp + e")};
+            if (rotary_mode) {
+                clattn_rope_cs(qpos0 + i, tt, cs, sn);
+                clattn_rotate_cs(f, cs, sn, rope_att);
+            }
+        } else {
+            for (int e = 0; e < ${D}; ++e) f[e] = 0.0f;
+        }
+        for (int e = 0; e < ${D}; ++e) ((float*)qt[e])[r] = f[e] * qscale;
+        for (int e = 0; e < ${NV}; ++e) acc[r][e] = 0.0f;
+    }
+    for (int v = 0; v < ${NRV}; ++v) {
+        mr[v] = -INFINITY;
+        lr[v] = 0.0f;
+    }
+    /* RoPE of the keys: the angle of row r0 + j is angle(r0) + angle(j); those of
+       j = 0 .. KB-1 once, those of r0 per block, composed exactly (two rotations) */
+    float cj[${KB}][${ROT // 2}], sj[${KB}][${ROT // 2}];
+    if (rotary_mode)
+        for (int j = 0; j < ${KB}; ++j) clattn_rope_cs(j, tt, cj[j], sj[j]);
+
+    for (int r0 = 0; r0 < r_end; r0 += ${KB}) {
+        const int n = min(${KB}, r_end - r0);
+        /* the block's keys (rotated) and values as f32; rows past the end are 0 */
+        if (rotary_mode) clattn_rope_cs(kpos0 + r0, tt, cs, sn);
+        for (int j = 0; j < ${KB}; ++j) {
+            if (j < n) {
+                ${d.row_ptr(0, "kp", "r0 + j")}
+                ${d.row_ptr(1, "vp", "r0 + j")}
+% for i in range(NV):
+                kf[j][${i}] = ${lane(0, i, "kp")};
+                vf[j][${i}] = ${lane(1, i, "vp")};
+% endfor
+                if (rotary_mode) {
+                    float c2[${ROT // 2}], s2[${ROT // 2}];
+                    for (int e = 0; e < ${ROT // 2}; ++e) {
+                        c2[e] = cs[e] * cj[j][e] - sn[e] * sj[j][e];
+                        s2[e] = sn[e] * cj[j][e] + cs[e] * sj[j][e];
+                    }
+                    clattn_rotate_cs((float*)kf[j], c2, s2, rope_att);
+                }
+            } else {
+                for (int e = 0; e < ${NV}; ++e) { kf[j][e] = 0.0f; vf[j][e] = 0.0f; }
+            }
+        }
+        /* scores of NK keys x all rows per tile, the causal mask, the online softmax:
+           every row vector at once; a row with no attended key in the block keeps its
+           state (r0, the block's first key, is attended iff r0 <= lim) */
+        ${FV} bm[${NRV}];
+        for (int v = 0; v < ${NRV}; ++v) bm[v] = -INFINITY;
+        for (int j = 0; j < ${KB}; j += ${NK}) {
+% for k in range(NK):
+%   for v in range(NRV):
+            ${FV} t${k}_${v} = 0.0f;
+%   endfor
+% endfor
+            for (int e = 0; e < ${D}; ++e) {
+% for v in range(NRV):
+                const ${FV} q${v} = qt[e][${v}];
+% endfor
+% for k in range(NK):
+                {
+                    const float kk = ((const float*)kf[j + ${k}])[e];
+%   for v in range(NRV):
+                    t${k}_${v} += kk * q${v};
+%   endfor
+                }
+% endfor
+            }
+% for k in range(NK):
+%   for v in range(NRV):
+            {
+                const ${FV} sv = ${valid("r0 + j + %d" % k, v)} ? ${score("t%d_%d" % (k, v))} : (${FV})(-INFINITY);
+                bm[${v}] = ${vmax("bm[%d]" % v, "sv")};
+                ${vst("sv", "pt[j + %d] + %d" % (k, v * V))}
+            }
+%   endfor
+% endfor
+        }
+        for (int v = 0; v < ${NRV}; ++v) {
+            const ${IV} live = ${valid("r0", "v")};
+            const ${FV} mx = live ? ${vmax("mr[v]", "bm[v]")} : mr[v];
+            const ${FV} al = live ? exp2(mr[v] - mx) : (${FV})1.0f;
+            ${FV} sum = 0.0f;
+            for (int j = 0; j < ${KB}; ++j) {
+                const ${FV} p = ${valid("r0 + j", "v")} ? exp2(${vld("pt[j] + v * %d" % V)} - mx) : (${FV})0.0f;
+                sum += p;
+                ${vst("p", "pt[j] + v * %d" % V)}
+            }
+            lr[v] = lr[v] * al + sum;
+            mr[v] = mx;
+            ${vst("al", "alpha + v * %d" % V)}
+        }
+        /* values: where every row attends every key of the block (rows past the end
+           are 0), MV rows x NI head_dim vectors per tile; else (the causal diagonal)
+           row by row over the keys the row attends, so that a masked key's value is
+           never multiplied (0 * inf would be NaN) */
+        if (r0 + n - 1 <= QLIM(0)) {
+            for (int r = 0; r < rows_v; r += ${MV}) {
+                for (int e = 0; e < ${NV}; e += ${NI}) {
+% for a in range(MV):
+%   for ci in range(NI):
+                    ${FV} o${a}_${ci} = acc[r + ${a}][e + ${ci}] * alpha[r + ${a}];
+%   endfor
+% endfor
+                    for (int j = 0; j < ${KB}; ++j) {
+% for ci in range(NI):
+                        const ${FV} v${ci} = vf[j][e + ${ci}];
+% endfor
+% for a in range(MV):
+                        {
+                            const float p = pt[j][r + ${a}];
+%   for ci in range(NI):
+                            o${a}_${ci} += p * v${ci};
+%   endfor
+                        }
+% endfor
+                    }
+% for a in range(MV):
+%   for ci in range(NI):
+                    acc[r + ${a}][e + ${ci}] = o${a}_${ci};
+%   endfor
+% endfor
+                }
+            }
+        } else {
+            for (int r = 0; r < rows; ++r) {
+                const int jn = min(n, ((int*)lim)[r] - r0 + 1);
+                for (int e = 0; e < ${NV}; ++e) {
+                    ${FV} o = acc[r][e] * alpha[r];
+                    for (int j = 0; j < jn; ++j) o += pt[j][r] * vf[j][e];
+                    acc[r][e] = o;
+                }
+            }
+        }
+    }
+
+    for (int r = 0; r < rows; ++r) {
+        const int i = r / ${G};
+        const ulong at = (ulong)(qs + i) * ${HQO} + kvh * ${G} + r % ${G};
+        const float l = ((float*)lr)[r];
+        const float inv = clattn_state_inv(l);
+        __global st_t* op = out + at * ${D};
+        for (int e = 0; e < ${NV}; ++e) {
+            const ${FV} o = acc[r][e] * inv;
+            ${c.storev(V, "o", "op + e * %d" % V)}
+        }
+        lse[at] = clattn_state_lse(((float*)mr)[r], l);
+    }
+}

@@ -1,0 +1,330 @@
+"""The app-facing prefill API: many query tokens per sequence, causal over the paged cache.
+
+docs/prefill.md states the semantics: query ``i`` of sequence ``b`` is the token at chunk
+row ``chunk_b - n_b + i`` (its keys and values already appended to the cache) and attends
+chunk rows ``[0, chunk_b - n_b + i]``; every decode feature applies. A prefill with one
+query per sequence is a decode whose query sits at the chunk's last row.
+"""
+from __future__ import annotations
+
+import threading
+import warnings
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+
+from . import cpu_backend, runtime, signatures
+from .codegen import render_prefill
+from .decode import BACKENDS, BatchDecode, _host, _host_kw
+from .decode_step import upload_tables
+from .device import DeviceSetup, device_setup, warn_cpu_fallback
+from .fit import PrefillGeometry, prefill_geometry
+from .launch import Launcher
+from .result import DecodeResult
+from .spec import INDEX_DTYPE, LSE_DTYPE, AttentionSpec
+from .staging import Call
+from .validate import PrefillArgs, check_array, check_prefill, chunk_lengths, is_host
+
+@dataclass(frozen=True)
+class PrefillPlan:
+    """The work units of one prefill batch: tiles of up to ``queries_per_unit`` queries
+    of one sequence, longest work first (the causal tiles near a chunk's end read the
+    most keys). ``units`` is a read-only int32 ``[n_units, 4]`` table of (sequence, its
+    first query in the tile, the sequence's queries, the tile's first row of q): the
+    kernels take the split of q from it, so tiles never write the same row;
+    ``n_q`` the queries of each sequence."""
+
+    units: np.ndarray
+    queries_per_unit: int
+    n_q: np.ndarray
+    total_q: int
+    rows_read: int  # key rows all units read together (0 when the chunks were unknown)
+
+    @property
+    def batch(self) -> int:
+        return len(self.n_q)
+
+    def __str__(self) -> str:
+        read = f", {self.rows_read} key rows read" if self.rows_read else ""
+        return (f"{len(self.units)} work units of up to {self.queries_per_unit} queries for "
+                f"{self.batch} sequences, {self.total_q} queries{read}")
+
+
+def make_prefill_plan(n_q: np.ndarray, chunk: np.ndarray | None, qb: int) -> PrefillPlan:
+    """Cut each sequence's ``n_q[b]`` queries into tiles of ``qb``; with the chunk lengths
+    known, order the tiles by the key rows they read, most first."""
+    n_q = np.asarray(n_q, dtype=np.int64)
+    b = np.repeat(np.arange(len(n_q)), -(-n_q // qb))
+    first = np.concatenate([np.arange(0, n, qb) for n in n_q]) if len(b) else np.zeros(0, np.int64)
+    row = (np.concatenate([[0], np.cumsum(n_q)[:-1]])[b] + first) if len(b) else first
+    work = np.zeros(len(b), np.int64)
+    if chunk is not None and len(b):
+        nb = n_q[b]
+        work = np.asarray(chunk, np.int64)[b] - nb + first + np.minimum(qb, nb - first)
+        order = np.argsort(-work, kind="stable")
+        b, first, row, work = b[order], first[order], row[order], work[order]
+    units = np.stack([b, first, n_q[b] if len(b) else b, row], axis=1).astype(np.int32)
+    units = np.ascontiguousarray(units.reshape(-1, 4))
+    units.setflags(write=False)
+    n = n_q.astype(np.int32)
+    n.setflags(write=False)
+    return PrefillPlan(units, int(qb), n, int(n_q.sum()), int(work.sum()))
+
+
+class BatchPrefill:
+    """Causal paged-KV prefill for one model configuration on one device.
+
+    Parameters
+    ----------
+    spec : AttentionSpec
+        Heads, head_dim, page size, dtype and the compiled-in features (window,
+        soft-cap, RoPE scaling, page formats), as for :class:`~clattn.BatchDecode`.
+    device : None, str, pyopencl.Device, pyopencl.Context or pyopencl.CommandQueue
+        As for :class:`~clattn.BatchDecode`.
+    backend : {"auto", "opencl", "cpu"}
+        ``"auto"``: OpenCL when a device exists, else the numpy CPU backend with one
+        warning.
+    profile : None, str, Profile or dict
+        As for :class:`~clattn.BatchDecode`; the profile's strategy picks the kernel
+        (``rows`` on CPU drivers, ``tiled`` on GPUs).
+
+    Examples
+    --------
+    >>> pre = BatchPrefill(AttentionSpec(32, 8, 128, dtype="float16"))     # doctest: +SKIP
+    >>> plan = pre.plan(qo_indptr, page_indptr, last_page_len)             # doctest: +SKIP
+    >>> out, lse, event = pre.run(q, pages, qo_indptr, page_indptr, page_indices,
+    ...                           last_page_len, plan=plan)                # doctest: +SKIP
+    """
+
+    # BatchDecode's, over the same attributes (spec, setup, _lock, _turns, _kernels):
+    # the fitted profile, compiling ahead, the RoPE tables and the kernel's scalars
+    profile = BatchDecode.profile
+    build = BatchDecode.build
+    _rope_buffer = BatchDecode._rope_buffer
+    _scalars = BatchDecode._scalars
+
+    def __init__(self, spec: AttentionSpec, device: Any = None, *, backend: str = "auto",
+                 profile: Any = None) -> None:
+        if not isinstance(spec, AttentionSpec):
+            raise TypeError(f"spec: expected an AttentionSpec, got {type(spec).__name__}")
+        if backend not in BACKENDS:
+            raise ValueError(f"backend={backend!r}: allowed {BACKENDS}")
+        self.spec = spec
+        self._lock = threading.Lock()
+        self._turns: dict = {}
+        self._units: tuple | None = None
+        self._launcher: Launcher | None = None
+        self.setup: DeviceSetup | None = None
+        dev = runtime.select_device(device) if backend != "cpu" else None
+        if dev is not None:
+            self.setup = device_setup(runtime.Runtime.for_argument(device, dev), profile)
+        elif backend == "opencl":
+            raise runtime.NoDeviceError("backend='opencl' but no OpenCL device is present")
+        elif backend == "auto":
+            warn_cpu_fallback("no OpenCL device found")
+        self.backend = "opencl" if self.setup else "cpu"
+        if self.setup:
+            self.geometry: PrefillGeometry = prefill_geometry(spec, self.setup.profile,
+                                                              self.setup.limits)
+            for note in self.geometry.notes:
+                warnings.warn(f"clattn: prefill: {note}", RuntimeWarning, stacklevel=2)
+
+    # -- introspection -------------------------------------------------------------
+    def source(self) -> str:
+        """The OpenCL C this object runs (rendered for its device's profile)."""
+        if not self.setup:
+            raise RuntimeError("the CPU backend runs numpy code, not OpenCL")
+        return render_prefill(self.spec, self.geometry)
+
+    def _kernels(self) -> Launcher:
+        """The built kernel; a tiled kernel the driver allows fewer work-items per group
+        than the geometry asks (CL_KERNEL_WORK_GROUP_SIZE) is fitted again to that limit
+        and rebuilt, with one warning."""
+        with self._lock:
+            while self._launcher is None:
+                rt = self.setup.runtime
+                launcher = rt.launcher(("prefill", self.spec.key(), self.geometry),
+                                       signatures.PREFILL, self.source)
+                allowed = launcher.work_group_size(rt.device)
+                want = self.geometry.threads
+                if allowed is None or allowed >= want:
+                    self._launcher = launcher
+                    break
+                limits = replace(self.setup.limits, max_work_group_size=allowed)
+                geometry = prefill_geometry(self.spec, self.setup.profile, limits)
+                if geometry.threads >= want:
+                    raise RuntimeError(f"prefill kernel needs {want} work-items per group; "
+                                       f"{rt.device.name!r} allows {allowed} for it")
+                warnings.warn(f"clattn: the prefill kernel allows {allowed} work-items per "
+                              f"group on {rt.device.name!r}, the geometry asked for {want}",
+                              RuntimeWarning, stacklevel=4)
+                self.setup.limits, self.geometry = limits, geometry
+            return self._launcher
+
+    # -- planning ------------------------------------------------------------------
+    def plan(self, qo_indptr: np.ndarray, page_indptr: np.ndarray | None = None,
+             last_page_len: np.ndarray | None = None, *, length_info: np.ndarray | None = None,
+             window_offset: np.ndarray | None = None,
+             sink_size: np.ndarray | None = None) -> PrefillPlan:
+        """Cut a batch's queries into work units, from its host tables.
+
+        Plan once per step and pass the plan to :meth:`run` for every layer.
+
+        Parameters
+        ----------
+        qo_indptr : numpy.ndarray of int32, shape [B + 1]
+            Queries of each sequence in ``q``: sequence ``b`` owns
+            ``q[qo_indptr[b]:qo_indptr[b + 1]]``.
+        page_indptr, last_page_len, length_info, window_offset, sink_size : optional
+            The page tables as for :meth:`clattn.BatchDecode.plan`: with them the units
+            are ordered by the key rows they read, most first (better balance).
+
+        Returns
+        -------
+        PrefillPlan
+            Immutable; ``str(plan)`` says how the batch was cut.
+        """
+        check_array("qo_indptr", qo_indptr, ndim=1, dtypes=(INDEX_DTYPE,))
+        if not is_host(qo_indptr):
+            raise TypeError("qo_indptr: plan() reads host tables; pass a numpy array")
+        if len(qo_indptr) < 1 or int(qo_indptr[0]) != 0 or (np.diff(qo_indptr) < 0).any():
+            raise ValueError("qo_indptr: must start at 0 and never decrease")
+        chunk = None
+        if page_indptr is not None:
+            if len(page_indptr) != len(qo_indptr):
+                raise ValueError(f"page_indptr: {len(page_indptr) - 1} sequences, qo_indptr "
+                                 f"has {len(qo_indptr) - 1}")
+            chunk = chunk_lengths(self.spec, page_indptr, last_page_len,
+                                  length_info=length_info, window_offset=window_offset,
+                                  sink_size=sink_size)
+        qb = self.geometry.qb if self.setup else 1
+        return make_prefill_plan(np.diff(qo_indptr.astype(np.int64)), chunk, qb)
+
+    def _checked_plan(self, plan: PrefillPlan | None, args: PrefillArgs) -> PrefillPlan:
+        """The caller's plan, checked against this call, or a new one."""
+        qb = self.geometry.qb
+        n_q = args.n_q
+        if n_q is None:  # device qo_indptr: its values are needed to cut the batch
+            if plan is None:
+                n_q = np.diff(args.qo_indptr.get().astype(np.int64))
+                if (n_q < 0).any() or int(n_q.sum()) != args.total_q:
+                    raise ValueError("qo_indptr: the device table does not split q's "
+                                     f"{args.total_q} queries; pass a plan or a valid table")
+        if plan is None:
+            return make_prefill_plan(n_q, args.tables.chunk, qb)
+        if not isinstance(plan, PrefillPlan):
+            raise TypeError(f"plan: expected a PrefillPlan from BatchPrefill.plan(), got "
+                            f"{type(plan).__name__}")
+        if plan.queries_per_unit != qb:
+            raise ValueError(f"plan: made for {plan.queries_per_unit} queries per unit, this "
+                             f"kernel takes {qb}; plan with this BatchPrefill")
+        if plan.batch != args.tables.B or plan.total_q != args.total_q or \
+                (n_q is not None and not np.array_equal(plan.n_q, n_q)):
+            raise ValueError(f"plan: made for {plan.batch} sequences and {plan.total_q} "
+                             f"queries, another split than this call's; plan again")
+        return plan
+
+    def _unit_table(self, plan: PrefillPlan, queue: Any) -> Any:
+        """The plan's unit table on the device: uploaded once for the layers of a step
+        (the last plan's is kept)."""
+        with self._lock:
+            if self._units is None or self._units[0] is not plan:
+                self._units = (plan, runtime.cl().array.to_device(queue, plan.units))
+            return self._units[1]
+
+    # -- running -------------------------------------------------------------------
+    def run(self, q: Any, pages: Any, qo_indptr: Any, page_indptr: Any, page_indices: Any,
+            last_page_len: Any = None, *, length_info: Any = None, window_offset: Any = None,
+            sink_size: Any = None, q_pos: Any = None, k_pos_offset: Any = None,
+            rotary_mode: int = 0, causal: bool = True, rope_scale: float = 1.0,
+            rope_theta: float = 1e4, sm_scale: float | None = None, out: Any = None,
+            lse: Any = None, plan: PrefillPlan | None = None,
+            queue: Any = None, wait_for: list | None = None) -> DecodeResult:
+        """Attend every sequence's new queries (causally) to its paged keys and values.
+
+        Arrays are all numpy (copied in, results copied back: the call waits) or all
+        ``pyopencl.array.Array``s of this object's context (the call returns at once;
+        wait on the result's event), as for :meth:`clattn.BatchDecode.run`. Inputs are
+        validated before anything is launched. docs/prefill.md states the semantics.
+
+        Parameters
+        ----------
+        q : array of spec.dtype, shape [total_q, H_qo, D]
+            The new tokens' queries, sequence after sequence.
+        pages : array, shape [P, 2, H_kv, page_size, D] (or a quantized byte pool)
+            The pool, the new tokens' keys and values already appended.
+        qo_indptr : int32 array, shape [B + 1]
+            Sequence ``b`` owns queries ``q[qo_indptr[b]:qo_indptr[b + 1]]`` (``n_b`` of
+            them); ``qo_indptr[B] == total_q``.
+        page_indptr, page_indices, last_page_len : int32 arrays
+            The page tables, as for decode; the stored length counts the new tokens.
+        length_info, window_offset, sink_size : int32 arrays, optional
+            As for decode. Query ``i`` is chunk row ``chunk_b - n_b + i``: with ``causal``
+            the queries are the chunk's last ``n_b`` rows (inside the window, or the
+            chunk has no gap).
+        q_pos, k_pos_offset : int32 arrays, shape [B], optional
+            RoPE (``rotary_mode=1``): chunk row ``r`` is at position ``k_pos_offset[b] +
+            r``; query ``i`` at ``q_pos[b] + i``, by default at its own row's position
+            (``q_pos[b] = k_pos_offset[b] + chunk_b - n_b``).
+        rotary_mode : {0, 1}
+            1 rotates q and the keys in the kernel (keys are stored unrotated).
+        causal : bool
+            True: query ``i`` attends chunk rows ``[0, chunk_b - n_b + i]``. False: every
+            query attends the whole chunk (a shared prefix in cascade attention; an
+            empty chunk gives ``out = 0``, ``lse = -inf``).
+        rope_scale, rope_theta, sm_scale : float
+            As for decode.
+        out : array of spec.dtype, shape [total_q, H_qo, D], optional
+            Written in place (numpy or device array).
+        lse : float32 array, shape [total_q, H_qo], optional
+            Written in place (base 2).
+        plan : PrefillPlan, optional
+            From :meth:`plan`: the kernel takes the split of q among the sequences from
+            it (a device ``qo_indptr`` is then not read). Else planned here; a device
+            ``qo_indptr`` is then read back (a blocking copy).
+        queue : pyopencl.CommandQueue, optional
+            Queue to enqueue on (default: this object's).
+        wait_for : list of pyopencl.Event, optional
+            Events to wait for besides those attached to the arrays.
+
+        Returns
+        -------
+        DecodeResult
+            ``(out, lse, event)`` with ``.events``; ``out [total_q, H_qo, D]``, ``lse
+            [total_q, H_qo]`` (base 2). A causal query attends at least its own row.
+        """
+        spec = self.spec
+        kw = dict(length_info=length_info, window_offset=window_offset, sink_size=sink_size,
+                  q_pos=q_pos, k_pos_offset=k_pos_offset, rotary_mode=rotary_mode,
+                  causal=causal, rope_scale=rope_scale, rope_theta=rope_theta,
+                  sm_scale=sm_scale)
+        if not self.setup:
+            o, s = cpu_backend.batch_prefill(
+                spec, *[_host(a) for a in (q, pages, qo_indptr, page_indptr, page_indices,
+                                           last_page_len)], **_host_kw(kw), out=out, lse=lse)
+            return DecodeResult(o, s)
+        args = check_prefill(spec, q, pages, qo_indptr, page_indptr, page_indices,
+                             last_page_len, out=out, lse=lse, **kw)
+        t = args.tables
+        T, H, D = args.total_q, spec.num_qo_heads, spec.head_dim
+        plan = self._checked_plan(plan, args)
+        call = Call(self.setup.runtime, queue, wait_for)
+        named = upload_tables(call, spec, t, page_indptr, page_indices, length_info,
+                              window_offset, sink_size, q_pos, k_pos_offset, rotary_mode)
+        dout = call.output("out", out, (T, H, D), spec.np_dtype)
+        dlse = call.output("lse", lse, (T, H), LSE_DTYPE)
+        n_units = len(plan.units)
+        named.update(q=call.input("q", q), pages=call.input("pages", pages),
+                     total_q=T, batch=t.B,
+                     q_pos_mode=int(bool(rotary_mode) and q_pos is not None), causal=int(causal),
+                     units=self._unit_table(plan, call.queue) if n_units else None,
+                     n_units=n_units, out=dout, lse=dlse,
+                     **self._scalars(rotary_mode, rope_theta, rope_scale, sm_scale))
+        events: list = []
+        if n_units and T:
+            kernel = self._kernels()
+            events.append(kernel(call.queue, self.geometry.global_size(n_units, spec.num_kv_heads),
+                                 self.geometry.local_size(), call.wait_list(), **named))
+        o, s = call.finish([dout, dlse], events, host=is_host(q))
+        return DecodeResult(o, s, events[-1] if events else None, tuple(events))
