@@ -76,4 +76,4 @@ PREFILL = ArgTable("clattn_prefill", [
     Scalar("rope_att", "float"),
 ])
 
-ALL = (DECODE, MERGE_PAIR, MERGE_VARLEN)
+ALL = (DECODE, MERGE_PAIR, MERGE_VARLEN, APPEND, PAGE_COPY, PREFILL)

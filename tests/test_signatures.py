@@ -12,8 +12,9 @@ import pytest
 
 import clattn
 from clattn import signatures
-from clattn.codegen import render_decode, render_merge
-from clattn.fit import Limits, decode_geometry, merge_geometry
+from clattn.codegen import render_append, render_decode, render_merge, render_prefill
+from clattn.fit import (Limits, append_geometry, decode_geometry, merge_geometry,
+                        prefill_geometry)
 from clattn.launch import ArgTable, Buffer, Scalar
 from clattn.profiles import builtin_profiles
 
@@ -57,6 +58,11 @@ def test_every_profile_renders_its_table(name):
     msrc = render_merge(64, "float16", "float16", merge_geometry(64, "float16", prof, LIMITS))
     for table in (signatures.MERGE_PAIR, signatures.MERGE_VARLEN):
         assert _parsed(msrc, table.kernel) == _expected(table, "st_t", "in_t")
+    asrc = render_append(SPEC, append_geometry(64, "float16", prof, LIMITS))
+    for table in (signatures.APPEND, signatures.PAGE_COPY):
+        assert _parsed(asrc, table.kernel) == _expected(table, "st_t"), table.kernel
+    psrc = render_prefill(SPEC, prefill_geometry(SPEC, prof, LIMITS))
+    assert _parsed(psrc, "clattn_prefill") == _expected(signatures.PREFILL, "st_t")
 
 
 def test_table_offsets_and_dtypes():
