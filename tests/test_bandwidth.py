@@ -1,17 +1,25 @@
-"""clattn.bandwidth returns sane numbers, and tools/bench.py runs end to end (PoCL)."""
+"""clattn.tune.ceilings and clattn.tune.timing return honest numbers, and tools/bench.py
+runs end to end, checked against the CPU backend (PoCL)."""
 from __future__ import annotations
 
+import importlib.util
+import json
 import math
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
-from clattn import bandwidth, runtime
+from clattn import cpu_backend, runtime
+from clattn.tune import ceilings, timing
+from clattn.tune.checks import TOL
+from clattn.tune.workloads import pool_pages, rotating_tables
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MiB = 1 << 20
 
 
 def _pocl():
@@ -29,39 +37,167 @@ def _finite_positive(*xs: float) -> bool:
     return all(isinstance(x, float) and math.isfinite(x) and x > 0 for x in xs)
 
 
+# -- sizing: past every cache --------------------------------------------------------------------
+
+def _host_cache_dir(tmp_path, sizes):
+    for i, (level, kind, size) in enumerate(sizes):
+        d = tmp_path / f"index{i}"
+        d.mkdir()
+        (d / "level").write_text(f"{level}\n")
+        (d / "type").write_text(f"{kind}\n")
+        (d / "size").write_text(f"{size}\n")
+    return str(tmp_path)
+
+
+def _device(cache, *, cpu=True, max_alloc=64 << 30, glob=256 << 30):
+    cl = runtime.cl()
+    return SimpleNamespace(global_mem_cache_size=cache, max_mem_alloc_size=max_alloc,
+                           global_mem_size=glob,
+                           type=cl.device_type.CPU if cpu else cl.device_type.GPU)
+
+
+def test_parse_size():
+    assert ceilings.parse_size("32K") == 32 << 10
+    assert ceilings.parse_size("32768K\n") == 32 << 20
+    assert ceilings.parse_size("1M") == 1 << 20 and ceilings.parse_size("512") == 512
+    with pytest.raises(ValueError):
+        ceilings.parse_size("lots")
+
+
+def test_host_caches_read_sysfs_without_instruction_caches(tmp_path):
+    root = _host_cache_dir(tmp_path, [(1, "Data", "32K"), (1, "Instruction", "32K"),
+                                      (2, "Unified", "512K"), (3, "Unified", "300M")])
+    got = ceilings.host_caches(root)
+    assert [(c.where, c.size_bytes) for c in got] == [
+        ("host L1", 32 << 10), ("host L2", 512 << 10), ("host L3", 300 << 20)]
+
+
+def test_working_set_is_4x_the_largest_cache_of_device_or_host(tmp_path):
+    root = _host_cache_dir(tmp_path, [(3, "Unified", "300M")])
+    # the CI machine: PoCL reports 32 MiB, the host's L3 is 300 MiB -> 1200 MiB
+    s = ceilings.sizing(_device(32 << 20), host_root=root)
+    assert s.working_set_bytes == 4 * (300 << 20) and not s.cap
+    assert s.largest_cache.where == "host L3"
+    assert "4x the largest cache, host L3 300 MiB" in s.summary()
+    # a GPU: only its own cache counts; small caches still get the minimum working set
+    gpu = ceilings.sizing(_device(2 << 20, cpu=False), host_root=root)
+    assert gpu.working_set_bytes == ceilings.MIN_WORKING_SET
+    assert [c.where for c in gpu.caches] == ["device global memory cache"]
+    big = ceilings.sizing(_device(64 << 20, cpu=False), host_root=root)
+    assert big.working_set_bytes == 256 << 20
+
+
+def test_working_set_capped_by_allocation_and_memory(tmp_path):
+    root = _host_cache_dir(tmp_path, [(3, "Unified", "300M")])
+    s = ceilings.sizing(_device(0, max_alloc=512 << 20), host_root=root)
+    assert s.working_set_bytes == 512 << 20 and "max_mem_alloc_size" in s.cap
+    s = ceilings.sizing(_device(0, glob=2 << 30), host_root=root)
+    assert s.working_set_bytes == 512 << 20 and "global_mem_size" in s.cap
+    assert "capped by" in s.summary()
+
+
+# -- the timing helper ----------------------------------------------------------------------------
+
+def test_warmup_runs_are_never_samples():
+    seen = []
+
+    def call():
+        seen.append(1)
+        return {"s": 100.0 if len(seen) == 1 else 1.0}  # the first run compiles
+
+    res = timing.sample({"x": call}, warmup=1, min_runs=5, max_runs=5, seconds=0)
+    s = res["x"]["s"]
+    assert len(seen) == 6 and s.runs == 5 and s.values == (1.0,) * 5 and s.best == s.median == 1.0
+
+
+def test_sample_runs_variants_round_robin_and_observes():
+    order, seen = [], []
+    calls = {k: (lambda k=k: order.append(k) or {"s": len(order)}) for k in "ab"}
+    res = timing.sample(calls, warmup=2, min_runs=3, max_runs=3, seconds=0,
+                        observe=lambda name, r, warm: seen.append((name, warm)))
+    assert order == ["a", "a", "b", "b"] + ["a", "b"] * 3
+    assert seen.count(("a", True)) == 2 and seen.count(("b", False)) == 3
+    assert res["a"]["s"].values == (5, 7, 9) and res["b"]["s"].median == 8
+
+
+def test_event_seconds_sums_device_time():
+    class Evt:
+        def __init__(self, start, end):
+            self.profile = SimpleNamespace(start=start, end=end)
+            self.waited = False
+
+        def wait(self):
+            self.waited = True
+
+    evts = [Evt(0, 1_000_000), None, Evt(5_000_000, 5_500_000)]
+    assert math.isclose(timing.event_seconds(evts), 1.5e-3)
+    assert evts[0].waited and evts[2].waited
+
+
+def test_one_table_printer_text_and_markdown():
+    text = timing.table(["name", "ms"], [["a", "1.50"], ["bbb", "10.00"]], right={1})
+    assert text == ["  name     ms", "  a      1.50", "  bbb   10.00"]
+    md = timing.table(["name", "ms"], [["a", "1.50"]], right={1}, markdown=True)
+    assert md == ["| name | ms |", "|---|---:|", "| a | 1.50 |"]
+    assert [timing.cell(v, ".2f") for v in (None, "x", math.inf, 1.234)] == ["-", "x", "inf", "1.23"]
+
+
+def test_rotating_page_sets_are_disjoint_and_cover_the_pool():
+    rng = np.random.default_rng(0)
+    indptr, last, sets = rotating_tables(rng, pool=100, batch=2, context=40, page_size=16)
+    assert indptr.tolist() == [0, 3, 6] and last.tolist() == [8, 8]
+    assert sets.shape == (16, 6) and sets.dtype == np.int32  # 16 sets of 6 pages in 100
+    for k, s in enumerate(sets):
+        assert sorted(s.tolist()) == list(range(6 * k, 6 * k + 6))  # region k, shuffled
+    assert pool_pages(6, 8192, 128 * MiB) == 16384 and pool_pages(20000, 8192, MiB) == 20000
+    with pytest.raises(ValueError):
+        rotating_tables(rng, pool=5, batch=2, context=40, page_size=16)
+
+
+# -- measurements on PoCL -------------------------------------------------------------------------
+
 @needs_pocl
 def test_read_bandwidth():
-    m = bandwidth.read_bandwidth(POCL, size_bytes=8 << 20, target_s=0.01, widths=(1, 4, 16))
+    m = ceilings.read_bandwidth(POCL, size_bytes=8 << 20, target_s=0.01, widths=(1, 4, 16))
     assert m.kind == "read"
     assert _finite_positive(m.gbps, m.seconds, m.median_gbps)
-    assert m.gbps >= m.median_gbps
     assert len(m.variants) == 6 and m.best in dict(m.variants)
-    assert m.bytes_moved > 0 and m.repetitions >= 3
-    assert "GB/s" in m.summary() and m.best in m.summary()
+    assert m.bytes_moved == m.sizing.working_set_bytes and m.repetitions >= 3
+    assert m.sizing.cap == "size given by the caller" and m.sizing.caches
+    assert math.isclose(m.gbps, m.bytes_moved / m.seconds * 1e-9)
+    assert "GB/s" in m.summary() and m.best in m.summary() and "working set" in m.summary()
+
+
+@needs_pocl
+def test_default_working_set_is_past_every_cache():
+    plan = ceilings.sizing(POCL)
+    assert plan.largest_cache is not None
+    assert plan.working_set_bytes >= 4 * plan.largest_cache.size_bytes or plan.cap
+    m = ceilings.read_bandwidth(POCL, target_s=0.0, widths=(16,), patterns=("strided",))
+    assert m.sizing.working_set_bytes == m.bytes_moved >= 0.99 * plan.working_set_bytes
 
 
 @needs_pocl
 def test_copy_bandwidth_counts_both_directions():
-    m = bandwidth.copy_bandwidth(POCL, size_bytes=4 << 20, target_s=0.01, widths=(4,),
-                                 patterns=("blocked",))
+    m = ceilings.copy_bandwidth(POCL, size_bytes=8 << 20, target_s=0.01, widths=(4,),
+                                patterns=("blocked",))
     assert m.kind == "copy" and m.best == "float4, blocked"
     assert _finite_positive(m.gbps)
-    assert m.bytes_moved >= 2 * (4 << 20) * 0.9
+    assert m.bytes_moved >= (8 << 20) * 0.9  # read + written: the working set
 
 
 @needs_pocl
 def test_launch_latency():
-    lat = bandwidth.launch_latency(POCL, target_s=0.01, min_reps=10)
+    lat = ceilings.launch_latency(POCL, target_s=0.01, min_reps=10)
     assert lat.repetitions >= 10
     assert _finite_positive(lat.round_trip_us, lat.round_trip_min_us, lat.queued_to_end_us)
     assert lat.kernel_us >= 0 and math.isfinite(lat.kernel_us)
-    assert lat.round_trip_min_us <= lat.round_trip_us
     assert "latency" in lat.summary()
 
 
 @needs_pocl
 def test_transfer_bandwidth():
-    t = bandwidth.transfer_bandwidth(POCL, size_bytes=4 << 20, target_s=0.01)
+    t = ceilings.transfer_bandwidth(POCL, size_bytes=4 << 20, target_s=0.01)
     assert _finite_positive(t.h2d.gbps, t.d2h.gbps)
     assert t.h2d.kind == "h2d" and t.d2h.kind == "d2h"
     assert "host->device" in t.summary()
@@ -70,32 +206,34 @@ def test_transfer_bandwidth():
 @needs_pocl
 def test_fill_random_is_pseudo_random():
     import pyopencl.array as cla
-    rt = bandwidth.as_runtime(POCL)
+    rt = ceilings.as_runtime(POCL)
     for dt in (np.float32, np.float16):
         a = cla.empty(rt.queue, (1 << 16,), dt)
-        bandwidth.fill_random(rt, a, seed=3, scale=2.0)
+        ceilings.fill_random(rt, a, seed=3, scale=2.0)
         x = a.get().astype(np.float64)
         assert np.all(np.isfinite(x)) and x.min() >= -2 and x.max() <= 2
         assert abs(x.mean()) < 0.05 and 1.0 < x.std() < 1.3  # uniform on [-2, 2): std 1.155
         assert len(np.unique(x)) > 1000
         b = cla.empty(rt.queue, (1 << 16,), dt)
-        bandwidth.fill_random(rt, b, seed=4, scale=2.0)
+        ceilings.fill_random(rt, b, seed=4, scale=2.0)
         assert not np.array_equal(a.get(), b.get())
 
 
 @needs_pocl
 def test_runtime_accepted_in_every_form():
-    rt = bandwidth.as_runtime("pocl")
-    assert bandwidth.as_runtime(rt) is rt
-    assert bandwidth.as_runtime(rt.queue).queue is rt.queue
-    assert bandwidth.as_runtime(POCL).device == POCL
+    rt = ceilings.as_runtime("pocl")
+    assert ceilings.as_runtime(rt) is rt
+    assert ceilings.as_runtime(rt.queue).queue is rt.queue
+    assert ceilings.as_runtime(POCL).device == POCL
 
 
 def test_source_mentions_every_width():
-    src = bandwidth.source()
+    src = ceilings.source()
     for w in ("float", "float2", "float4", "float8", "float16"):
         assert f"read_strided_{w}(" in src and f"copy_blocked_{w}(" in src
 
+
+# -- tools/bench.py -------------------------------------------------------------------------------
 
 @needs_pocl
 @pytest.mark.parametrize("suite", ["decode", "split", "fallback"])
@@ -107,8 +245,37 @@ def test_bench_smoke(suite, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "| model |" in proc.stdout or "| N |" in proc.stdout
     assert "|---" in proc.stdout
-    import json
     data = json.loads(out.read_text())
-    assert data["suite"] == suite
+    assert data["suite"] == suite and data["mismatches"] == []
     rows = [r for rows in data["sections"].values() for r in rows]
     assert rows and not any(r.get("skipped") for r in rows)
+    for r in rows:  # every timed row was checked against the CPU backend first
+        assert r["max_err"] <= 2 * TOL[r.get("dtype", "float16")], r
+    if suite == "decode":
+        d = [r for r in rows if "model" in r]
+        assert d and all(r["page_sets"] >= 4 and r["hot_ms"] > 0 and r["kernel_ms"] > 0
+                         for r in d)
+        assert data["ceilings"]["cold_bytes"] >= 4 * max(c["size_bytes"]
+                                                         for c in data["ceilings"]["caches"])
+
+
+@needs_pocl
+def test_bench_exits_nonzero_on_a_wrong_result(monkeypatch, capsys):
+    spec = importlib.util.spec_from_file_location("clattn_bench", os.path.join(ROOT, "tools",
+                                                                               "bench.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    real = cpu_backend.batch_decode
+
+    def shifted(*a, **kw):
+        out, lse = real(*a, **kw)
+        return out + np.asarray(0.25, out.dtype), lse
+
+    monkeypatch.setattr(bench.cpu_backend, "batch_decode", shifted)
+    monkeypatch.setattr(bench, "merge_sections", lambda *a: [])
+    timed = []
+    monkeypatch.setattr(bench, "sample_interleaved", lambda *a, **kw: timed.append(1))
+    rc = bench.main(["--suite", "decode", "--smoke", "--device", "pocl", "--no-markdown"])
+    err = capsys.readouterr().err
+    assert rc == 1 and "disagree with the CPU backend" in err and "max error 0.25" in err
+    assert not timed  # nothing wrong is timed

@@ -1,10 +1,11 @@
-"""``clattn profile``: ceilings, correctness, tuning, saving the user profile, failure paths.
+"""``clattn tune`` (alias ``clattn profile``): ceilings, correctness, tuning, the outputs,
+failure paths and exit codes.
 
-One quick profile of PoCL runs once for the module (about half a minute); the failure
-paths stub the slow steps out.
+One quick run on PoCL serves the module (about 15 s); the failure paths stub the slow steps.
 """
 from __future__ import annotations
 
+import io
 import json
 import math
 import sys
@@ -12,11 +13,17 @@ import sys
 import numpy as np
 import pytest
 
-from clattn import checks, cli, profiler, reference, runtime, tuning
+from clattn import cli, cpu_backend, runtime
 from clattn.decode import BatchDecode
-from clattn.profiles import device_info, match
+from clattn.profiles import device_info, match, save_user_profile
 from clattn.profiles.record import Profile
 from clattn.spec import AttentionSpec
+from clattn.tune import checks, command, search, session
+from clattn.tune.ceilings import Cache, Measurement, Sizing
+from clattn.tune.checks import Check
+from clattn.tune.report import CeilingsResult, ProfileChoice, Report, format_report, plot_report
+from clattn.tune.search import Candidate, Parameter, Settings, ShapeResult, Tuner, TuningResult
+from clattn.tune.workloads import FULL_POINTS, Shape, shapes_for
 
 
 def _pocl():
@@ -37,179 +44,381 @@ def _isolate(mp, cfg):
 
 @pytest.fixture(scope="module")
 def quick(tmp_path_factory):
-    """The quick profile of PoCL with --save --json --out: (rc, report, stdout, stderr, paths)."""
+    """``clattn profile --quick --save --json --out --plot`` on PoCL:
+    (rc, stdout JSON, stderr, config dir, --out path, --plot path)."""
     if POCL is None:
         pytest.skip("PoCL is not installed")
+    pytest.importorskip("matplotlib")
     cfg = tmp_path_factory.mktemp("cfg")
-    out = tmp_path_factory.mktemp("out") / "report.json"
+    outdir = tmp_path_factory.mktemp("out")
+    out, png = outdir / "report.json", outdir / "plot.png"
     with pytest.MonkeyPatch.context() as mp:
         _isolate(mp, cfg)
-        cap = _Capture()
-        mp.setattr(sys, "stdout", cap.out)
-        mp.setattr(sys, "stderr", cap.err)
+        stdout, stderr = io.StringIO(), io.StringIO()
+        mp.setattr(sys, "stdout", stdout)
+        mp.setattr(sys, "stderr", stderr)
         rc = cli.main(["profile", "--device", "pocl", "--quick", "--budget", "10", "--save",
-                       "--json", "--out", str(out)])
-    report = json.loads(cap.out.getvalue())
-    return rc, report, cap.out.getvalue(), cap.err.getvalue(), cfg, out
+                       "--json", "--out", str(out), "--plot", str(png)])
+    return rc, json.loads(stdout.getvalue()), stderr.getvalue(), cfg, out, png
 
 
-class _Capture:
-    def __init__(self):
-        import io
-        self.out, self.err = io.StringIO(), io.StringIO()
+# -- the quick run ----------------------------------------------------------------------------
 
-
-# -- the quick profile -------------------------------------------------------------------------
-
-def test_quick_profile_exit_code_and_json(quick):
-    rc, rep, stdout, stderr, cfg, out = quick
+def test_quick_run_exit_code_json_and_outputs(quick):
+    rc, rep, stderr, cfg, out, png = quick
     assert rc == 0, stderr
-    assert json.loads(out.read_text()) == rep  # --out writes the same report
-    assert rep["mode"] == "quick"
-    assert rep["device"]["device_name"] == POCL.name
+    written = json.loads(out.read_text())
+    outputs = written.pop("outputs")
+    assert written == rep  # --out holds the printed report, plus what was written
+    assert outputs["saved"]["path"].startswith(str(cfg)) and outputs["plot"] == str(png)
+    assert not outputs["errors"]
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # the plot path runs in CI
+    assert rep["mode"] == "quick" and rep["device"]["device_name"] == POCL.name
     assert rep["profile"]["rule"] and rep["profile"]["name"]
     assert "tuning [" in stderr  # the progress line
+    assert "Saved user profile" in stderr  # --json: the outcome lines go to stderr
 
 
-def test_quick_profile_ceilings(quick):
-    rep = quick[1]
-    c = rep["ceilings"]
+def test_quick_run_ceilings_past_every_cache(quick):
+    c = quick[1]["ceilings"]
     assert not c["errors"]
-    assert c["read"]["gbps"] > 0 and c["copy"]["gbps"] > 0
+    for kind in ("read", "copy"):
+        m = c[kind]
+        assert 0 < m["median_gbps"] <= m["gbps"]
+        sz = m["sizing"]
+        big = sz["largest_cache"]
+        assert big and big["size_bytes"] > 0
+        # 4x the largest cache the device or the host reports, unless a stated cap
+        assert sz["working_set_bytes"] >= 4 * big["size_bytes"] * 0.99 or sz["cap"]
+    host = [ch for ch in c["read"]["sizing"]["caches"] if ch["where"].startswith("host")]
+    assert host  # PoCL is a CPU device: the host's caches count too
     assert c["launch"]["round_trip_us"] > 0 and c["launch"]["kernel_us"] >= 0
     assert c["transfer"]["h2d"]["gbps"] > 0 and c["transfer"]["d2h"]["gbps"] > 0
 
 
-def test_quick_profile_correctness(quick):
-    cor = quick[1]["correctness"]
-    assert cor["passed"]
-    names = " | ".join(ch["name"] for ch in cor["checks"])
-    for what in ("plain", "split", "RoPE", "sliding window", "merge_state_", "merge_states"):
-        assert what in names
-    assert all(ch["max_abs_err"] <= ch["tol"] for ch in cor["checks"])
+def test_quick_run_correctness_covers_every_feature(quick):
+    rep = quick[1]
+    assert rep["correctness_passed"]
+    names = " | ".join(ch["name"] for ch in rep["correctness"])
+    for what in ("f16", "f32", "plain", "split", "RoPE", "sliding window + sinks", "soft-cap",
+                 "merge_state_ f16", "merge_states f32"):
+        assert what in names, what
+    assert all(ch["max_abs_err"] <= ch["tol"] for ch in rep["correctness"])
 
 
-def test_quick_profile_tuning(quick):
+def test_quick_run_tuning(quick):
     t = quick[1]["tuning"]
-    assert t["ran"] and t["best"]
     cands = t["candidates"]
-    assert 1 <= len(cands) <= 12
-    assert len({json.dumps(c["params"], sort_keys=True) for c in cands}) == len(cands)
+    assert t["chosen"] and 1 <= len(cands) <= 12
+    assert len({json.dumps(c["profile"], sort_keys=True) for c in cands}) == len(cands)
     assert cands[0]["origin"] == "default" and cands[0]["status"] == "ok"
     keys = {s["key"] for s in t["shapes"]}
     assert len(keys) == 6
     assert any("llama-3-8b" in k for k in keys) and any("qwen" in k for k in keys)
     ok = [c for c in cands if c["status"] == "ok"]
     for c in ok:
-        assert set(c["times_ms"]) == keys and all(v > 0 for v in c["times_ms"].values())
+        assert set(c["times"]) == keys and all(v > 0 for v in c["times"].values())
     # CLBlast's rule: the best has the lowest summed relative time; someone is 1.0 per shape
-    fastest = {k: min(c["times_ms"][k] for c in ok) for k in keys}
+    fastest = {k: min(c["times"][k] for c in ok) for k in keys}
     for c in ok:
-        assert math.isclose(c["score"], sum(c["times_ms"][k] / fastest[k] for k in keys))
+        assert math.isclose(c["score"], sum(c["times"][k] / fastest[k] for k in keys))
         assert c["score"] >= len(keys) - 1e-9
     best = min(ok, key=lambda c: (c["score"], c["id"]))
-    # the winner is timed again beside the default and kept only if still faster
-    conf = t["confirmation"]
-    assert conf["scores"] and set(conf["times_ms"]) >= {"#0"}
-    assert t["best"]["id"] == (0 if conf.get("kept_default") else best["id"])
+    conf = t["confirmation"]  # the winner timed again beside the default, kept if faster
+    assert conf["scores"] and "0" in conf["times"]
+    assert t["chosen"]["id"] == (0 if conf["kept_default"] else best["id"])
     for c in cands:
         assert c["status"] in ("ok", "skipped", "pruned", "stopped")
-        if c["status"] != "ok":
-            assert c["reason"]
+        assert c["status"] == "ok" or c["reason"]
     rows = t["per_shape"]
-    assert {r["shape"] for r in rows} == keys
+    assert {r["shape"]["key"] for r in rows} == keys
     for r in rows:
-        assert r["tuned_gbps"] > 0 and r["default_ms"] > 0 and r["speedup"] > 0
-        assert 0 < r["fraction_of_read_bw"] < 5  # measured against the read ceiling
+        assert r["tuned_gbps"] > 0 and r["default_s"] > 0 and r["speedup"] > 0
+        assert r["page_sets"] >= 2  # timed calls rotate over page sets
+        # medians against the median read ceiling, past every cache: below the ceiling
+        assert 0 < r["fraction_of_read_bw"] < 1.1
 
 
-def test_saved_profile_round_trips_through_registry(quick, monkeypatch):
-    rc, rep, _, _, cfg, _ = quick
-    saved = rep["saved"]
+def test_quick_run_saved_profile_round_trips_through_registry(quick, monkeypatch):
+    rc, rep, _, cfg, out, _ = quick
+    saved = json.loads(out.read_text())["outputs"]["saved"]
     files = list(cfg.glob("*.json"))
     assert [f.name for f in files] == [f"{saved['name']}.json"]
     entry = json.loads(files[0].read_text())
     assert entry["match"] == {"device": [POCL.name.strip()]}
-    assert entry["source"].startswith("measured by clattn profile on ")
-    params = entry["params"]
-    assert params == {k: v for k, v in rep["tuning"]["best"]["profile"].items()
-                      if k not in ("name", "source")}
+    assert entry["source"].startswith("measured by clattn tune on ")
+    chosen = next(c for c in rep["tuning"]["candidates"] if c["id"] == rep["tuning"]["chosen"]["id"])
+    assert entry["params"] == {k: v for k, v in chosen["profile"].items()
+                               if k not in ("name", "source")}
     _isolate(monkeypatch, cfg)
     m = match(device_info(POCL))
     assert m.level == "user" and m.profile.name == saved["name"]
-    for k, v in params.items():
-        assert getattr(m.profile, k) == v, k
-    # a decoder built afterwards runs with the tuned parameters
     dec = BatchDecode(AttentionSpec(14, 2, 64), POCL, backend="opencl")
     assert dec.profile.name == saved["name"]
-    for k, v in params.items():
-        assert getattr(dec.profile, k) == v, k
+    for k, v in entry["params"].items():
+        assert getattr(m.profile, k) == v and getattr(dec.profile, k) == v, k
 
 
-def test_terminal_summary_renders(quick):
-    text = profiler.format_report(quick[1])
-    for head in ("Device", "Ceilings", "Correctness", "Tuning", "speedup", "of read BW",
-                 "Saved user profile"):
-        assert head in text
+# -- typed report pieces ----------------------------------------------------------------------
+
+def _fake_report(passed: bool = True, winner_passed: bool | None = None) -> Report:
+    prof = Profile(name="pocl-cpu", strategy="rows", vec=8)
+    choice = ProfileChoice("pocl-cpu", "vendor", "vendor: x", (), prof)
+    shapes = [Shape("m", 8, 2, 64, b, c) for b in (1, 8) for c in (1024, 8192)]
+    cand = Candidate(0, prof, "default", status="ok", times={s.key: 1e-3 for s in shapes},
+                     score=4.0)
+    tuning = TuningResult(Settings.make(True, None), shapes, {}, [cand], 1.0, chosen=cand,
+                          default=cand, per_shape=[ShapeResult(s, 2e-3, 1e-3, "no split", 4)
+                                                   for s in shapes])
+    read = Measurement("read", "Fake", 10.0, "float8, strided", 1 << 27, 0.01, 9.0, 3,
+                       sizing=Sizing(1 << 27, (Cache("host L3", 1 << 25),)))
+    checks_ = [Check("decode f16 plain", passed, 1e-5 if passed else 0.5, 2e-3,
+                     "" if passed else "1 value(s) outside")]
+    rep = Report("today", "quick", {"device_name": "Fake", "platform_name": "P"}, choice, choice,
+                 CeilingsResult(read=read), checks_, tuning=tuning if passed else None,
+                 tuning_note="" if passed else "skipped: correctness failed")
+    if winner_passed is not None:
+        rep.winner_checks = [Check("decode f32 RoPE", winner_passed, 0.0 if winner_passed else 1.0,
+                                   1e-4)]
+    return rep
+
+
+def test_text_report_renders():
+    text = format_report(_fake_report())
+    for head in ("Device", "Ceilings", "working set 128 MiB = 4x the largest cache, host L3 32 MiB",
+                 "Correctness", "Tuning", "speedup", "of read BW (medians)", "page sets",
+                 "The tuned profile is the profile checked above"):
+        assert head in text, head
     assert "FAIL" not in text
+    failed = format_report(_fake_report(passed=False))
+    assert "CORRECTNESS FAILED" in failed and "Tuning skipped: correctness failed" in failed
+    assert "TUNED PROFILE FAILED" in format_report(_fake_report(winner_passed=False))
 
 
-# -- failure paths (slow steps stubbed) --------------------------------------------------------
+def test_report_json_is_typed_data_with_derived_figures():
+    rep = _fake_report()
+    j = rep.to_json()
+    json.dumps(j)  # JSON-able
+    row = j["tuning"]["per_shape"][0]
+    assert row["speedup"] == 2.0 and row["shape"]["key"] == "m B=1 ctx=1024"
+    assert math.isclose(row["fraction_of_read_bw"], row["tuned_gbps"] / 9.0)  # median / median
+    assert "kernel_key" not in j["tuning"]["candidates"][0]
+    assert j["correctness_passed"] is True and j["winner_passed"] is True
 
-def _no_ceilings(monkeypatch):
-    monkeypatch.setattr(profiler, "_ceilings", lambda rt, s: ({}, {"read": "stubbed"}))
+
+def test_plot_without_matplotlib_says_how_to_install(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    why = plot_report(_fake_report(), str(tmp_path / "p.png"))
+    assert why and "pip install clattn[plot]" in why
+    assert not (tmp_path / "p.png").exists()
+
+
+def test_plot_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "p.png"
+    assert plot_report(_fake_report(), str(path)) is None
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# -- the command: outputs and exit codes (measurement stubbed) --------------------------------
+
+def _stub_run(monkeypatch, rep: Report):
+    monkeypatch.setattr(session, "tune_device", lambda *a, **kw: rep)
+
+
+def _main(*extra):
+    return cli.main(["profile", "--device", "pocl", "--quick", "--no-progress", *extra])
+
+
+@needs_pocl
+def test_plot_through_the_command(tmp_path, monkeypatch, capsys):
+    pytest.importorskip("matplotlib")
+    _isolate(monkeypatch, tmp_path / "cfg")
+    _stub_run(monkeypatch, _fake_report())
+    rc = _main("--plot", str(tmp_path / "p.png"))
+    assert rc == command.EXIT_OK
+    assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
+    assert f"Plot written to {tmp_path / 'p.png'}" in capsys.readouterr().out
+
+
+@needs_pocl
+def test_missing_matplotlib_fails_only_the_plot(tmp_path, monkeypatch, capsys):
+    _isolate(monkeypatch, tmp_path / "cfg")
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    _stub_run(monkeypatch, _fake_report())
+    rc = _main("--save", "--plot", str(tmp_path / "p.png"), "--out", str(tmp_path / "r.json"))
+    assert rc == command.EXIT_PLOT
+    assert "pip install clattn[plot]" in capsys.readouterr().err
+    assert list((tmp_path / "cfg").glob("*.json"))  # everything else still happened
+    assert json.loads((tmp_path / "r.json").read_text())["outputs"]["plot_error"]
+
+
+@needs_pocl
+@pytest.mark.parametrize("as_json", [False, True])
+def test_write_errors_keep_the_report_and_exit_2(tmp_path, monkeypatch, capsys, as_json):
+    """Issue 16: an unusable config dir for --save and a directory as --out."""
+    not_a_dir = tmp_path / "cfg"
+    not_a_dir.write_text("a file where the config directory should be")
+    _isolate(monkeypatch, not_a_dir)
+    _stub_run(monkeypatch, _fake_report())
+    rc = _main("--save", "--out", str(tmp_path), *(["--json"] if as_json else []))
+    cap = capsys.readouterr()
+    assert rc == command.EXIT_FAILED != command.EXIT_WRONG
+    if as_json:
+        assert json.loads(cap.out)["ceilings"]["read"]["gbps"] == 10.0  # printed, valid JSON
+    else:
+        assert "Ceilings" in cap.out and "Correctness" in cap.out and "speedup" in cap.out
+    assert "could not write the user profile (--save)" in cap.err and str(not_a_dir) in cap.err
+    assert "could not write the JSON report (--out)" in cap.err and "Error" in cap.err
+    assert "2 output(s) could not be written" in cap.err
+    assert not_a_dir.read_text().startswith("a file")
+
+
+@needs_pocl
+def test_plot_write_error_exits_2_and_other_outputs_are_written(tmp_path, monkeypatch, capsys):
+    pytest.importorskip("matplotlib")
+    _isolate(monkeypatch, tmp_path / "cfg")
+    _stub_run(monkeypatch, _fake_report())
+    rc = _main("--save", "--plot", str(tmp_path / "no" / "such" / "dir" / "p.png"))
+    cap = capsys.readouterr()
+    assert rc == command.EXIT_FAILED
+    assert "could not write the plot (--plot)" in cap.err
+    assert "Saved user profile" in cap.out and list((tmp_path / "cfg").glob("*.json"))
+
+
+@needs_pocl
+def test_correctness_failure_outranks_a_write_error(tmp_path, monkeypatch, capsys):
+    _isolate(monkeypatch, tmp_path / "cfg")
+    _stub_run(monkeypatch, _fake_report(passed=False))
+    rc = _main("--save", "--out", str(tmp_path))
+    cap = capsys.readouterr()
+    assert rc == command.EXIT_WRONG
+    assert "CORRECTNESS FAILED" in cap.err and "could not write the JSON report" in cap.err
+    assert "Not saved: correctness failed" in cap.out
 
 
 @needs_pocl
 def test_wrong_kernel_result_fails_loudly_and_saves_nothing(tmp_path, monkeypatch, capsys):
     _isolate(monkeypatch, tmp_path / "cfg")
-    _no_ceilings(monkeypatch)
-    real = reference.batch_decode
+    monkeypatch.setattr(session, "measure_ceilings", lambda rt, s: CeilingsResult(
+        errors={"read": "stubbed"}))
+    real = cpu_backend.batch_decode
 
     def shifted(*a, **kw):  # the kernel's answer no longer matches "the truth"
         out, lse = real(*a, **kw)
         return out + np.asarray(0.5, out.dtype), lse
 
-    monkeypatch.setattr(reference, "batch_decode", shifted)
+    monkeypatch.setattr(cpu_backend, "batch_decode", shifted)
     out = tmp_path / "r.json"
-    rc = cli.main(["profile", "--device", "pocl", "--quick", "--save", "--out", str(out)])
+    rc = _main("--save", "--out", str(out))
     cap = capsys.readouterr()
-    assert rc == 1
+    assert rc == command.EXIT_WRONG
     assert "CORRECTNESS FAILED" in cap.err and "max error 0.5" in cap.err
     assert "FAIL" in cap.out and "Tuning skipped" in cap.out and "Not saved" in cap.out
     assert not (tmp_path / "cfg").exists() or not list((tmp_path / "cfg").iterdir())
     rep = json.loads(out.read_text())
-    assert rep["correctness"]["passed"] is False and "saved" not in rep
-    assert rep["tuning"]["ran"] is False
+    assert rep["correctness_passed"] is False and rep["outputs"]["saved"] is None
+    assert rep["tuning"] is None
+
+
+class _FakeTuner:
+    """Stands for search.Tuner: 'finds' a profile with vec=4 (not the one checked first)."""
+
+    def __init__(self, rt, info, base, settings, progress, seeds=()):
+        self.base = base
+
+    def run(self):
+        win = Candidate(1, self.base.with_(vec=4), "vec=4", status="ok", score=1.0)
+        default = Candidate(0, self.base, "default", status="ok", score=2.0)
+        return TuningResult(Settings.make(True, None), [], {}, [default, win], 0.1,
+                            chosen=win, default=default)
+
+
+@needs_pocl
+@pytest.mark.parametrize("winner_ok", [True, False])
+def test_the_winner_is_verified_on_the_full_set_before_it_is_saved(tmp_path, monkeypatch,
+                                                                    capsys, winner_ok):
+    _isolate(monkeypatch, tmp_path / "cfg")
+    monkeypatch.setattr(session, "measure_ceilings", lambda rt, s: CeilingsResult())
+    monkeypatch.setattr(session, "Tuner", _FakeTuner)
+    seen = []
+
+    def fake_correctness(device, *, profile=None):
+        seen.append(profile)
+        ok = winner_ok or profile.vec != 4
+        return [Check(f"decode f32 RoPE ({profile.vec})", ok, 0.0 if ok else 0.25, 1e-4)]
+
+    monkeypatch.setattr(session, "correctness", fake_correctness)
+    rc = _main("--save")
+    cap = capsys.readouterr()
+    assert [p.vec for p in seen][1:] == [4] and seen[0].vec != 4  # the registry's, then the winner
+    saved = list((tmp_path / "cfg").glob("*.json")) if (tmp_path / "cfg").exists() else []
+    if winner_ok:
+        assert rc == command.EXIT_OK and len(saved) == 1
+        assert json.loads(saved[0].read_text())["params"]["vec"] == 4
+        assert "Correctness of the tuned profile" in cap.out
+    else:
+        assert rc == command.EXIT_WRONG and not saved
+        assert "the tuned profile" in cap.err and "TUNED PROFILE FAILED" in cap.out
+        assert "Not saved: correctness failed" in cap.out
+
+
+@needs_pocl
+def test_correctness_runs_the_profile_it_is_given(monkeypatch):
+    prof = match(device_info(POCL), user=False).profile
+    seen = []
+    real_bd, real_m2, real_mk = checks.BatchDecode, checks.merge_state_, checks.merge_states
+
+    def spy(fn):
+        def wrapped(*a, profile=None, **kw):
+            seen.append(profile)
+            return fn(*a, profile=profile, **kw)
+        return wrapped
+
+    monkeypatch.setattr(checks, "BatchDecode", spy(real_bd))
+    monkeypatch.setattr(checks, "merge_state_", spy(real_m2))
+    monkeypatch.setattr(checks, "merge_states", spy(real_mk))
+    res = checks.correctness(POCL, profile=prof)
+    assert all(c.passed for c in res), [c for c in res if not c.passed]
+    assert len(seen) == len(checks.DECODE_CASES) + 4 and all(p is prof for p in seen)
 
 
 @needs_pocl
 def test_ctrl_c_during_tuning_saves_nothing(tmp_path, monkeypatch, capsys):
     _isolate(monkeypatch, tmp_path / "cfg")
-    _no_ceilings(monkeypatch)
-    monkeypatch.setattr(profiler, "correctness", lambda device, f32=True: [])
+    monkeypatch.setattr(session, "measure_ceilings", lambda rt, s: CeilingsResult())
+    monkeypatch.setattr(session, "correctness", lambda device, profile=None: [])
     calls = []
 
     def interrupt(self, *a, **kw):
         calls.append(1)
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(tuning.Tuner, "_time", interrupt)
+    monkeypatch.setattr(Tuner, "_time", interrupt)
     out = tmp_path / "r.json"
-    rc = cli.main(["profile", "--device", "pocl", "--quick", "--save", "--out", str(out)])
-    assert rc == 130 and calls
+    rc = _main("--save", "--out", str(out))
+    assert rc == command.EXIT_INTERRUPTED and calls
     assert "nothing was saved" in capsys.readouterr().err
     assert not (tmp_path / "cfg").exists() or not list((tmp_path / "cfg").iterdir())
     assert not out.exists()
 
 
-def _tiny_tuner(quiet=True):
-    settings = tuning.Settings(quick=True, budget_s=60, points=((1, 64),), max_kernels=4,
-                               max_plans=1, passes=1, target_s=0.005, reps=1)
+def test_tune_is_the_command_and_profile_its_alias():
+    p = cli.build_parser()
+    for name in ("tune", "profile"):
+        args = p.parse_args([name, "--quick"])
+        assert args.func is command.run and args.quick
+
+
+# -- the tuner on a tiny workload --------------------------------------------------------------
+
+def _tiny_tuner():
+    settings = Settings(quick=True, budget_s=60, points=((1, 64),), max_kernels=4,
+                        max_plans=1, passes=1, target_s=0.005, reps=3)
     rt = runtime.Runtime.for_device(POCL)
     info = device_info(POCL)
     base = match(info, user=False).profile
-    return tuning.Tuner(rt, info, base, settings, tuning.Progress(60, enabled=not quiet))
+    return Tuner(rt, info, base, settings, search.Progress(60, enabled=False))
 
 
 @needs_pocl
@@ -261,59 +470,73 @@ def test_plan_only_candidates_reuse_identical_launches(monkeypatch):
     assert b.status == "ok" and b.reused == len(tuner.shapes) and b.times == a.times
 
 
-# -- output pieces --------------------------------------------------------------------------
+@needs_pocl
+def test_tuner_times_kernel_events_over_rotating_page_sets(monkeypatch):
+    """Host overhead is not scored, and successive calls read different page sets."""
+    monkeypatch.delenv("CLATTN_PROFILE", raising=False)
+    real_run = BatchDecode.run
+    sets = []
 
-def _fake_report():
-    prof = Profile(name="pocl-cpu", strategy="rows", vec=8).to_dict()
-    rows = [{"shape": f"m B={b} ctx={c}", "model": "m", "batch": b, "context": c, "bytes": 1,
-             "default_ms": 2.0, "tuned_ms": 1.0, "speedup": 2.0, "default_gbps": 1.0,
-             "tuned_gbps": 2.0, "fraction_of_read_bw": 0.2, "tuned_plan": "no split"}
-            for b in (1, 8) for c in (1024, 8192)]
-    params = {k: prof[k] for k in tuning.TUNED_FIELDS}
-    return {
-        "mode": "quick", "date": "today", "device": {"device_name": "Fake", "platform_name": "P"},
-        "device_report": "  device  Fake",
-        "profile": {"name": "pocl-cpu", "level": "vendor", "rule": "vendor: x", "fit_notes": []},
-        "builtin_profile": {"name": "pocl-cpu", "params": prof},
-        "ceilings": {"read": {"gbps": 10.0, "best": "float8", "median_gbps": 9.0}, "errors": {}},
-        "correctness": {"passed": True, "profile": "pocl-cpu", "checks": []},
-        "tuning": {"ran": True, "settings": {"budget_s": 25},
-                   "shapes": [{"key": r["shape"]} for r in rows],
-                   "elapsed_s": 1.0, "stopped": None,
-                   "candidates": [{"id": 0, "origin": "default", "status": "ok", "reason": "",
-                                   "score": 4.0, "params": params}],
-                   "best": {"id": 0, "score": 4.0, "params": params, "profile": prof,
-                            "default_score": 4.0},
-                   "per_shape": rows},
-    }
+    def slow_host(self, *a, **kw):
+        sets.append(a[3].offset)  # page_indices: a view of the page set
+        res = real_run(self, *a, **kw)
+        sum(range(200_000))  # ~5 ms of host time per call
+        return res
 
-
-def test_plot_without_matplotlib_says_how_to_install(tmp_path, monkeypatch):
-    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
-    why = profiler.plot_report(_fake_report(), str(tmp_path / "p.png"))
-    assert why and "pip install clattn[plot]" in why
-    assert not (tmp_path / "p.png").exists()
+    tuner = _tiny_tuner()
+    try:
+        shape = tuner.shapes[0]
+        w = tuner._workload(shape)
+        dec = tuner._decoder(tuner.specs[shape.model], tuner.base).build()
+        plan = dec.plan(w.indptr, w.last)
+        monkeypatch.setattr(BatchDecode, "run", slow_host)
+        t = tuner._time(dec, w, plan, shape, prune=False)
+    finally:
+        tuner.release()
+    assert isinstance(t, float) and 0 < t < 2e-3
+    assert w.n_sets > 1 and len(set(sets)) == len(sets) >= 4  # a new page set every call
 
 
 @needs_pocl
-def test_missing_matplotlib_fails_only_the_plot(tmp_path, monkeypatch, capsys):
-    _isolate(monkeypatch, tmp_path / "cfg")
-    monkeypatch.setitem(sys.modules, "matplotlib", None)
-    monkeypatch.setattr(profiler, "profile_device", lambda *a, **kw: _fake_report())
-    rc = cli.main(["profile", "--device", "pocl", "--quick", "--save", "--plot",
-                   str(tmp_path / "p.png"), "--out", str(tmp_path / "r.json")])
-    cap = capsys.readouterr()
-    assert rc == 3
-    assert "pip install clattn[plot]" in cap.err
-    assert list((tmp_path / "cfg").glob("*.json"))  # everything else still happened
-    assert json.loads((tmp_path / "r.json").read_text())["plot_error"]
+def test_confirmation_keeps_the_default_when_the_winner_does_not_hold_up(monkeypatch):
+    monkeypatch.delenv("CLATTN_PROFILE", raising=False)
+    tuner = _tiny_tuner()
+    base_vec = tuner.base.vec
+    # deterministic clock (a loaded machine must not prune the candidate): the default
+    # really is twice as fast as the other candidate
+    monkeypatch.setattr(Tuner, "_time", lambda self, dec, *a, **kw:
+                        1e-3 if dec.profile.vec == base_vec else 2e-3)
+    try:
+        default = tuner.evaluate(tuner.base, "default", force=True)
+        other = tuner.evaluate(tuner.base.with_(vec=base_vec // 2), "vec")
+        assert other.status == "ok"
+        other.times = {k: v / 2 for k, v in default.times.items()}  # a lucky search
+        tuner._rescore()
+        assert tuner.best() is other
+        tuner.confirm()
+        res = tuner.result()
+    finally:
+        tuner.release()
+    assert tuner.chosen is default and res.chosen is default
+    assert "not faster than the default" in res.confirmation.kept_default
+    assert all(math.isclose(r.speedup, 1.0) for r in res.per_shape)
 
 
-def test_plot_png(tmp_path):
-    pytest.importorskip("matplotlib")
-    path = tmp_path / "p.png"
-    assert profiler.plot_report(_fake_report(), str(path)) is None
-    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+# -- small pieces ---------------------------------------------------------------------------------
+
+def test_search_space_is_declarative():
+    from clattn.fit import Limits
+    by = {p.field: p for p in search.SEARCH_SPACE}
+    assert set(search.TUNED_FIELDS) >= set(by)
+    rows, tiled = Profile(strategy="rows", vec=8), Profile(strategy="tiled", thread_limit=256)
+    small = Limits(max_work_group_size=128, max_work_item_sizes=(128, 128, 128))
+    assert search.values_to_try(by["thread_limit"], rows, small, False) == []  # tiled only
+    assert search.values_to_try(by["thread_limit"], tiled, small, False) == [128, 64, 32]
+    assert search.values_to_try(by["reduction"], tiled, small, False) == []  # no sub-groups
+    assert search.values_to_try(by["vec"], rows, Limits(), True) == [4, 16]  # quick: neighbours
+    assert by["reduction"].resets == {"subgroup_size": None}
+    assert not by["wgs_per_cu"].kernel and by["vec"].kernel
+    assert isinstance(by["vec"], Parameter)
 
 
 def test_compare_rules():
@@ -331,11 +554,11 @@ def test_compare_rules():
 
 
 def test_quick_settings_are_bounded():
-    s = tuning.Settings.make(True, None)
-    assert s.max_kernels <= 8 and s.budget_s < 60 and s.passes == 1
-    full = tuning.Settings.make(False, 120)
+    s = Settings.make(True, None)
+    assert s.max_kernels <= 8 and s.budget_s < 60 and s.passes == 1 and s.mode == "quick"
+    full = Settings.make(False, 120)
     assert full.budget_s == 120 and full.max_kernels > s.max_kernels
-    shapes = tuning.shapes_for(tuning.FULL_POINTS)
+    shapes = shapes_for(FULL_POINTS)
     assert len(shapes) == 8
     assert shapes == sorted(shapes, key=lambda x: (x.bytes_moved, x.key))
     llama = [x for x in shapes if x.model == "llama-3-8b" and x.batch == 1 and x.context == 1024][0]
@@ -343,38 +566,10 @@ def test_quick_settings_are_bounded():
 
 
 def test_profile_entry_is_accepted_by_the_registry(tmp_path, monkeypatch):
-    from clattn.profiles import save_user_profile
     _isolate(monkeypatch, tmp_path)
     best = Profile(strategy="rows", vec=16, tile_rows=2, wgs_per_cu=4)
-    entry = profiler.profile_entry("measured-x", "Some Device", best, "generic-cpu", "notes")
+    entry = command.profile_entry("measured-x", "Some Device", best, "generic-cpu", "notes")
     path = save_user_profile(entry)
-    info = {"device_name": "Some Device", "device_type": "CPU"}
-    m = match(info)
+    m = match({"device_name": "Some Device", "device_type": "CPU"})
     assert path.exists() and m.level == "user"
     assert (m.profile.vec, m.profile.tile_rows, m.profile.wgs_per_cu) == (16, 2, 4)
-
-
-@needs_pocl
-def test_confirmation_keeps_the_default_when_the_winner_does_not_hold_up(monkeypatch):
-    monkeypatch.delenv("CLATTN_PROFILE", raising=False)
-    tuner = _tiny_tuner()
-    base_vec = tuner.base.vec
-    # deterministic clock (a loaded machine must not prune the candidate): the default
-    # really is twice as fast as the other candidate
-    monkeypatch.setattr(tuning.Tuner, "_time", lambda self, dec, *a, **kw:
-                        1e-3 if dec.profile.vec == base_vec else 2e-3)
-    try:
-        default = tuner.evaluate(tuner.base, "default", force=True)
-        other = tuner.evaluate(tuner.base.with_(vec=base_vec // 2), "vec")
-        assert other.status == "ok"
-        other.times = {k: v / 2 for k, v in default.times.items()}  # a lucky search
-        tuner._rescore()
-        assert tuner.best() is other
-        tuner.confirm()
-    finally:
-        tuner.release()
-    assert tuner.chosen is default
-    assert "not faster than the default" in tuner.confirmation["kept_default"]
-    rep = profiler._tuning_report(tuner, read_gbps=10.0)
-    assert rep["best"]["id"] == default.id
-    assert all(math.isclose(r["speedup"], 1.0) for r in rep["per_shape"])

@@ -2,34 +2,41 @@
 """clattn benchmarks (a developer script, not a test).
 
 Suites
-  fallback  the CPU fallback (clattn.reference.batch_decode) next to a plain numpy
+  fallback  the CPU backend (clattn.cpu_backend.batch_decode) next to a plain numpy
             dense-attention baseline (K/V contiguous [B, Hkv, T, D]) measured in the same run.
   decode    BatchDecode (f16, f32) on one OpenCL device with device-resident arrays:
-            kernel time from profiling events (decode + merge when split), wall time per
-            call, KV bytes/s, fraction of the streaming-read bandwidth measured by
-            clattn.bandwidth in the same run, the CPU fallback's time as a ratio; then
-            merge_state_ bandwidth (N=4096) and small-N merge time vs the launch latency.
-  split     split-KV: unsplit vs the planner's choice vs the best forced partition size.
+            kernel time from the events of each call (decode + merge when split), cold
+            (each call reads another page set; the sets span at least 4x the largest cache,
+            as successive layers do) and hot (the same pages every call); wall time per
+            call; KV bytes/s and its fraction of the streaming-read ceiling (medians with
+            medians); then merge_state_ bandwidth (N=4096) and small-N merge time vs the
+            launch latency.
+  split     split-KV: unsplit vs the planner's choice vs the best forced partition size
+            (cold, as above).
+
+Every timed configuration is first checked against the CPU backend on the same shape;
+a mismatch is reported in its row and the script exits with status 1.
 
 Examples
   python tools/bench.py --suite fallback --quick
   python tools/bench.py --suite decode --device intel --json tools/results/decode-intel.json
   python tools/bench.py --suite split --device pocl --profile adreno-7xx
 
-Data: pseudo-random f16/f32 (filled on the device before timing), pages shuffled in the
-pool, pools allocated once per (model, dtype) and reused by every row, one warm-up run per
-configuration (it includes the compile). Medians over ``--repeat`` timed runs (at least 3,
-fewer than --repeat once a row has run ``--row-seconds``).
+Data: pseudo-random f16/f32 (filled on the device before timing), pages shuffled within
+each page set, one pool per (model, dtype) reused by every row, one warm-up run per
+configuration (it includes the compile; never counted). Medians over ``--repeat`` timed
+runs (at least 3, fewer than --repeat once a row has run ``--row-seconds``), variants of a
+row timed round-robin (clattn.tune.timing.sample).
 """
 from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import json
-import math
 import os
 import platform
-import statistics
+import subprocess
 import sys
 import time
 import warnings
@@ -37,8 +44,8 @@ from dataclasses import asdict
 from typing import Any, Callable
 
 # numpy's BLAS (the dense baseline) single-threaded unless the caller says otherwise: the
-# fallback is single-threaded too, and OpenBLAS's spinning threads turn any background load
-# on a small machine into 2-5x noise
+# CPU backend is single-threaded too, and OpenBLAS's spinning threads turn any background
+# load on a small machine into 2-5x noise
 for _v in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ.setdefault(_v, "1")
 
@@ -46,8 +53,13 @@ import numpy as np  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from clattn import bandwidth, reference, runtime  # noqa: E402
+from clattn import cpu_backend, runtime  # noqa: E402
+from clattn.merge import merge_state_  # noqa: E402
 from clattn.spec import AttentionSpec, default_sm_scale  # noqa: E402
+from clattn.tune import ceilings as ceil  # noqa: E402
+from clattn.tune.checks import TOL, compare, decoder  # noqa: E402
+from clattn.tune.timing import cell, event_seconds, sample, table  # noqa: E402
+from clattn.tune.workloads import PagePool, Workload, pool_pages, rotating_tables  # noqa: E402
 
 MODELS = {  # name: (H_qo, H_kv, D)
     "Llama-3.2-1B": (32, 8, 64),
@@ -62,14 +74,17 @@ PAGE = 16
 
 # -- small utilities ---------------------------------------------------------------------
 def log(msg: str) -> None:
+    """A progress line on stderr."""
     print(msg, file=sys.stderr, flush=True)
 
 
 def csv(text: str | None, cast: Callable = str) -> list | None:
+    """``"a,b"`` -> ``[cast("a"), cast("b")]``; None stays None."""
     return None if text is None else [cast(x.strip()) for x in text.split(",") if x.strip()]
 
 
 def kv_bytes(hkv: int, d: int, B: int, ctx: int, itemsize: int) -> int:
+    """Bytes of the K and V rows a decode reads."""
     return 2 * B * hkv * ctx * d * itemsize
 
 
@@ -79,80 +94,63 @@ def io_bytes(hqo: int, hkv: int, d: int, B: int, ctx: int, itemsize: int) -> int
 
 
 def short_plan(plan: Any) -> str:
+    """``split 512 x8`` or ``no split``."""
     return f"split {plan.part_rows} x{plan.num_parts}" if plan.split else "no split"
 
 
 class Deadline:
+    """Rows after ``seconds`` are skipped."""
+
     def __init__(self, seconds: float) -> None:
         self.end = time.perf_counter() + seconds
 
     def over(self) -> bool:
+        """Whether the time is up."""
         return time.perf_counter() > self.end
-
-
-def sample(call: Callable[[], dict], repeat: int, row_seconds: float) -> dict:
-    """One warm-up call, then up to ``repeat`` timed calls; the median of each key."""
-    call()
-    runs: list[dict] = []
-    t0 = time.perf_counter()
-    while len(runs) < max(1, repeat) and (len(runs) < 3 or time.perf_counter() - t0 < row_seconds):
-        runs.append(call())
-    out = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
-    out.update({f"min_{k}": min(r[k] for r in runs) for k in runs[0]})
-    out["runs"] = len(runs)
-    return out
 
 
 def sample_interleaved(calls: dict, repeat: int, row_seconds: float,
                        after: Callable | None = None) -> tuple[dict, dict]:
-    """Like :func:`sample` for several variants, run round-robin so that background load
-    hits them alike. Returns (medians per variant, ``after()`` once after each warm-up)."""
-    outs = {}
-    for k, c in calls.items():
-        c()
-        if after is not None:
-            outs[k] = after()
-    runs: dict = {k: [] for k in calls}
-    t0 = time.perf_counter()
-    budget = row_seconds * len(calls)
-    n = 0
-    while n < max(1, repeat) and (n < 3 or time.perf_counter() - t0 < budget):
-        for k, c in calls.items():
-            runs[k].append(c())
-        n += 1
-    res = {}
-    for k, rs in runs.items():
-        r = {key: statistics.median(x[key] for x in rs) for key in rs[0]}
-        r.update({f"min_{key}": min(x[key] for x in rs) for key in rs[0]})
-        r["runs"] = len(rs)
-        res[k] = r
-    return res, outs
+    """:func:`clattn.tune.timing.sample` in the form the suites read: per variant the
+    median of each key, ``min_<key>`` and ``runs``; and ``after()`` once after each
+    variant's warm-up (its output, for checks)."""
+    outs: dict = {}
+
+    def observe(name: str, _: Any, warm: bool) -> None:
+        if warm and after is not None:
+            outs[name] = after()
+
+    res = sample(calls, warmup=1, min_runs=3, max_runs=max(1, repeat), seconds=row_seconds,
+                 observe=observe)
+    flat = {}
+    for name, keys in res.items():
+        r: dict = {k: s.median for k, s in keys.items()}
+        r.update({f"min_{k}": s.best for k, s in keys.items()})
+        r["runs"] = next(iter(keys.values())).runs
+        flat[name] = r
+    return flat, outs
 
 
-def fmt(v: Any, spec: str) -> str:
-    if v is None:
-        return "-"
-    if isinstance(v, str):
-        return v
-    if isinstance(v, float) and not math.isfinite(v):
-        return str(v)
-    return format(v, spec)
+def _secs(evt: Any) -> float:
+    return event_seconds([evt])
+
+
+fmt = cell  # the one cell formatter (tools/bench_prefill.py reads it from here)
 
 
 def markdown(rows: list[dict], cols: list[tuple]) -> str:
-    """cols: (key, header, format spec)."""
-    head = "| " + " | ".join(c[1] for c in cols) + " |"
-    sep = "|" + "|".join("---" if c[2] == "" else "---:" for c in cols) + "|"
-    lines = [head, sep]
+    """A Markdown table of result rows; cols: (key, header, format spec; "" = text)."""
+    cells = []
     for r in rows:
-        if "skipped" in r and r["skipped"]:
-            cells = [fmt(r.get(k), f) if k in ("model", "dtype", "B", "ctx", "N") else ""
-                     for k, _, f in cols]
-            cells[-1] = f"skipped: {r['skipped']}"
+        if r.get("skipped"):
+            line = [cell(r.get(k), f) if k in ("model", "dtype", "B", "ctx", "N") else ""
+                    for k, _, f in cols]
+            line[-1] = f"skipped: {r['skipped']}"
         else:
-            cells = [fmt(r.get(k), f) for k, _, f in cols]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+            line = [cell(r.get(k), f) for k, _, f in cols]
+        cells.append(line)
+    right = {i for i, c in enumerate(cols) if c[2]}
+    return "\n".join(table([c[1] for c in cols], cells, right=right, markdown=True))
 
 
 def host_pool(rng: np.random.Generator, n_pages: int, hkv: int, d: int, dtype: Any) -> np.ndarray:
@@ -166,15 +164,26 @@ def host_pool(rng: np.random.Generator, n_pages: int, hkv: int, d: int, dtype: A
     return pages
 
 
-def page_table(rng: np.random.Generator, pool_pages: int, B: int, ctx: int):
+def page_table(rng: np.random.Generator, pool_pages_: int, B: int, ctx: int):
     """Host (indptr, indices, last_page_len): B sequences of ctx rows on shuffled pages."""
-    npages = max(1, -(-ctx // PAGE))
-    if B * npages > pool_pages:
-        raise ValueError("pool too small")
-    indices = rng.permutation(pool_pages)[:B * npages].astype(np.int32)
-    indptr = (np.arange(B + 1) * npages).astype(np.int32)
-    last = np.full(B, ctx - (npages - 1) * PAGE, dtype=np.int32)
-    return indptr, indices, last
+    indptr, last, sets = rotating_tables(rng, pool_pages_, B, ctx, PAGE)
+    return indptr, sets[0], last
+
+
+class Mismatches:
+    """Configurations whose result disagreed with the CPU backend (exit status 1)."""
+
+    items: list[str] = []
+
+    @classmethod
+    def check(cls, row: dict, what: str, ok: bool, err: float, why: str) -> bool:
+        """Record the max error in ``row``; on a mismatch mark the row and remember it."""
+        row["max_err"] = max(row.get("max_err") or 0.0, err)
+        if not ok:
+            row["skipped"] = f"WRONG RESULT ({what}): max error {err:.3g}; {why}"
+            cls.items.append(f"{what}: max error {err:.3g} ({why})")
+            log(f"MISMATCH {what}: max error {err:.3g} ({why})")
+        return ok
 
 
 # -- fallback suite ----------------------------------------------------------------------
@@ -192,7 +201,47 @@ def dense_attention(q: np.ndarray, K: np.ndarray, V: np.ndarray, scale: float) -
     return o.reshape(B, H, D).astype(q.dtype)
 
 
+def _fallback_row(args: argparse.Namespace, row: dict, spec: AttentionSpec, pool: np.ndarray,
+                  rng: np.random.Generator) -> None:
+    B, ctx = row["B"], row["ctx"]
+    hqo, hkv, d = spec.num_qo_heads, spec.num_kv_heads, spec.head_dim
+    indptr, indices, last = page_table(rng, len(pool), B, ctx)
+    q = (rng.standard_normal((B, hqo, d), dtype=np.float32)).astype(spec.np_dtype)
+    sel = pool[indices].reshape(B, -1, 2, hkv, PAGE, d)  # [B, np, 2, Hkv, PS, D]
+    K = np.ascontiguousarray(sel[:, :, 0].transpose(0, 2, 1, 3, 4).reshape(B, hkv, -1, d)[:, :, :ctx])
+    V = np.ascontiguousarray(sel[:, :, 1].transpose(0, 2, 1, 3, 4).reshape(B, hkv, -1, d)[:, :, :ctx])
+    del sel
+    scale = default_sm_scale(d)
+    o_fb, _ = cpu_backend.batch_decode(spec, q, pool, indptr, indices, last)
+    o_dn = dense_attention(q, K, V, scale)
+    err = float(np.max(np.abs(o_fb.astype(np.float32) - o_dn.astype(np.float32))))
+    tol = 2 * TOL[spec.dtype]  # both sides rounded to the storage dtype
+    if not Mismatches.check(row, f"fallback {row['model']} {spec.dtype} B={B} ctx={ctx}",
+                            err <= tol, err, f"vs numpy dense attention, tolerance {tol:g}"):
+        return
+
+    def timed(fn: Callable[[], Any]) -> Callable[[], dict]:
+        def call() -> dict:
+            t = time.perf_counter()
+            fn()
+            return {"s": time.perf_counter() - t}
+        return call
+
+    res, _ = sample_interleaved(
+        {"fb": timed(lambda: cpu_backend.batch_decode(spec, q, pool, indptr, indices, last)),
+         "dense": timed(lambda: dense_attention(q, K, V, scale))},
+        args.repeat, args.row_seconds)
+    a, b = res["fb"], res["dense"]
+    kvb = kv_bytes(hkv, d, B, ctx, spec.itemsize)
+    row.update(fallback_ms=a["s"] * 1e3, fallback_gbps=kvb / a["s"] * 1e-9,
+               dense_ms=b["s"] * 1e3, dense_gbps=kvb / b["s"] * 1e-9,
+               ratio=a["s"] / b["s"], kv_mib=kvb / 2**20, runs=a["runs"])
+    log(f"fallback {row['model']} {spec.dtype} B={B} ctx={ctx}: {row['fallback_ms']:.2f} ms "
+        f"vs dense {row['dense_ms']:.2f} ms")
+
+
 def suite_fallback(args: argparse.Namespace, deadline: Deadline) -> dict:
+    """The CPU backend vs numpy dense attention."""
     models = args.models or (["Llama-3.2-1B", "Llama-3-8B", "Qwen2.5-0.5B"] if args.quick
                              else list(MODELS))
     batches = args.batches or [1, 8]
@@ -206,7 +255,7 @@ def suite_fallback(args: argparse.Namespace, deadline: Deadline) -> dict:
         hqo, hkv, d = MODELS[name]
         for dt in dtypes:
             spec = AttentionSpec(hqo, hkv, d, page_size=PAGE, dtype=dt)
-            pool_pages = max(batches) * -(-max(contexts) // PAGE)
+            n_pages = max(batches) * -(-max(contexts) // PAGE)
             pool = None
             for B in batches:
                 for ctx in contexts:
@@ -216,73 +265,20 @@ def suite_fallback(args: argparse.Namespace, deadline: Deadline) -> dict:
                         row["skipped"] = "time budget"
                         continue
                     if pool is None:
-                        pool = host_pool(rng, pool_pages, hkv, d, spec.np_dtype)
-                    indptr, indices, last = page_table(rng, pool_pages, B, ctx)
-                    q = (rng.standard_normal((B, hqo, d), dtype=np.float32)).astype(spec.np_dtype)
-                    sel = pool[indices].reshape(B, -1, 2, hkv, PAGE, d)  # [B, np, 2, Hkv, PS, D]
-                    K = np.ascontiguousarray(sel[:, :, 0].transpose(0, 2, 1, 3, 4)
-                                             .reshape(B, hkv, -1, d)[:, :, :ctx])
-                    V = np.ascontiguousarray(sel[:, :, 1].transpose(0, 2, 1, 3, 4)
-                                             .reshape(B, hkv, -1, d)[:, :, :ctx])
-                    del sel
-                    scale = default_sm_scale(d)
-
-                    def fb():
-                        t = time.perf_counter()
-                        reference.batch_decode(spec, q, pool, indptr, indices, last)
-                        return {"s": time.perf_counter() - t}
-
-                    def dn():
-                        t = time.perf_counter()
-                        dense_attention(q, K, V, scale)
-                        return {"s": time.perf_counter() - t}
-
-                    o_fb, _ = reference.batch_decode(spec, q, pool, indptr, indices, last)
-                    o_dn = dense_attention(q, K, V, scale)
-                    err = float(np.max(np.abs(o_fb.astype(np.float32) - o_dn.astype(np.float32))))
-                    res, _ = sample_interleaved({"fb": fb, "dense": dn}, args.repeat,
-                                                args.row_seconds)
-                    a, b = res["fb"], res["dense"]
-                    kvb = kv_bytes(hkv, d, B, ctx, spec.itemsize)
-                    row.update(fallback_ms=a["s"] * 1e3, fallback_gbps=kvb / a["s"] * 1e-9,
-                               dense_ms=b["s"] * 1e3, dense_gbps=kvb / b["s"] * 1e-9,
-                               ratio=a["s"] / b["s"], max_err=err, kv_mib=kvb / 2**20,
-                               runs=a["runs"])
-                    log(f"fallback {name} {dt} B={B} ctx={ctx}: {row['fallback_ms']:.2f} ms "
-                        f"vs dense {row['dense_ms']:.2f} ms")
-                    del K, V
+                        pool = host_pool(rng, n_pages, hkv, d, spec.np_dtype)
+                    _fallback_row(args, row, spec, pool, rng)
             del pool
     cols = [("model", "model", ""), ("dtype", "dtype", ""), ("B", "B", "d"), ("ctx", "ctx", "d"),
-            ("kv_mib", "KV MiB", ".1f"), ("fallback_ms", "fallback ms", ".2f"),
-            ("fallback_gbps", "fallback GB/s", ".2f"), ("dense_ms", "numpy dense ms", ".2f"),
-            ("dense_gbps", "dense GB/s", ".2f"), ("ratio", "fallback/dense", ".2f"),
+            ("kv_mib", "KV MiB", ".1f"), ("fallback_ms", "CPU backend ms", ".2f"),
+            ("fallback_gbps", "CPU backend GB/s", ".2f"), ("dense_ms", "numpy dense ms", ".2f"),
+            ("dense_gbps", "dense GB/s", ".2f"), ("ratio", "backend/dense", ".2f"),
             ("max_err", "max abs diff", ".1e")]
-    return {"sections": [("CPU fallback vs numpy dense attention", rows, cols)], "ceilings": None}
+    return {"sections": [("CPU backend vs numpy dense attention", rows, cols)], "ceilings": None}
 
 
 # -- device helpers ----------------------------------------------------------------------
-class _Recorder:
-    """Wraps a pyopencl Kernel and keeps the events of its launches."""
-
-    def __init__(self, kernel: Any) -> None:
-        self.kernel = kernel
-        self.events: list = []
-
-    def __call__(self, *a: Any, **kw: Any) -> Any:
-        evt = self.kernel(*a, **kw)
-        self.events.append(evt)
-        return evt
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.kernel, name)
-
-
-def _secs(evt: Any) -> float:
-    return (evt.profile.end - evt.profile.start) * 1e-9
-
-
 class DeviceBench:
-    """A device, its runtime and its measured ceilings."""
+    """A device, its runtime, its measured ceilings and the cold working set."""
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
@@ -294,94 +290,116 @@ class DeviceBench:
         self.rng = np.random.default_rng(args.seed)
         log(f"device: {self.dev.platform.name.strip()} / {self.dev.name.strip()} "
             f"({self.dev.max_compute_units} compute units)")
-        size = int(args.bw_mib * 2**20)
+        self.sizing = ceil.sizing(self.dev)
+        size = int(args.bw_mib * 2**20) if args.bw_mib else None
+        self.cold_bytes = int(args.cold_mib * 2**20) if args.cold_mib else \
+            self.sizing.working_set_bytes
         t = time.perf_counter()
-        self.read = bandwidth.read_bandwidth(self.rt, size, args.bw_target_s)
+        self.read = ceil.read_bandwidth(self.rt, size, args.bw_target_s)
         log(self.read.summary())
-        self.copy = bandwidth.copy_bandwidth(self.rt, max(size // 2, 2**20), args.bw_target_s)
+        self.copy = ceil.copy_bandwidth(self.rt, size, args.bw_target_s)
         log(self.copy.summary())
-        self.latency = bandwidth.launch_latency(self.rt, args.bw_target_s)
+        self.latency = ceil.launch_latency(self.rt, args.bw_target_s)
         log(self.latency.summary())
         log(f"(ceilings measured in {time.perf_counter() - t:.1f} s)")
 
     def ceilings(self) -> dict:
+        """The ceilings as JSON-able dicts."""
         return {"read": asdict(self.read), "copy": asdict(self.copy),
-                "latency": asdict(self.latency)}
+                "latency": asdict(self.latency), "cold_bytes": self.cold_bytes,
+                "caches": [asdict(c) for c in self.sizing.caches]}
 
     def header(self) -> list[str]:
+        """Markdown bullet lines: device, ceilings, caches, the cold working set."""
+        caches = ", ".join(f"{c.where} {ceil.size_text(c.size_bytes)}" for c in self.sizing.caches)
         return [f"- device: {self.dev.platform.name.strip()} / {self.dev.name.strip()} "
                 f"({self.dev.max_compute_units} CUs)",
                 f"- {self.read.summary()}", f"- {self.copy.summary()}",
-                f"- {self.latency.summary()}"]
+                f"- {self.latency.summary()}",
+                f"- caches reported: {caches or 'none'}; cold rows rotate over page sets "
+                f"spanning at least {ceil.size_text(self.cold_bytes)}"]
 
     def decoder(self, spec: AttentionSpec, profile: Any) -> Any:
-        from clattn.decode import BatchDecode
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", RuntimeWarning)
-            dec = BatchDecode(spec, self.dev, backend="opencl", profile=profile).build()
-        # keep the decode and merge events apart (run() returns only the last one)
-        if getattr(dec, "_kernel", None) is not None and getattr(dec, "_merge", None) is not None:
-            dec._kernel = _Recorder(dec._kernel)
-            dec._merge = _Recorder(dec._merge)
-        return dec
+        """A built OpenCL BatchDecode."""
+        return decoder(spec, self.dev, profile)
 
-    def pool(self, spec: AttentionSpec, n_pages: int) -> Any:
-        import pyopencl.array as cla
-        arr = cla.empty(self.queue, (n_pages, 2, spec.num_kv_heads, PAGE, spec.head_dim),
-                        spec.np_dtype)
-        bandwidth.fill_random(self.rt, arr, seed=int(self.rng.integers(1 << 31)))
-        return arr
+    def pool(self, spec: AttentionSpec, set_pages: int) -> PagePool:
+        """A page pool for sets of ``set_pages`` pages, spanning the cold working set."""
+        page_bytes = 2 * spec.num_kv_heads * PAGE * spec.head_dim * spec.itemsize
+        pages = pool_pages(set_pages, page_bytes, self.cold_bytes)
+        return PagePool(self.rt, spec, pages, seed=int(self.rng.integers(1 << 31)))
 
-    def to_dev(self, a: np.ndarray) -> Any:
-        import pyopencl.array as cla
-        return cla.to_device(self.queue, a)
-
-    def timed_decode(self, dec: Any, tables: tuple, plan: Any) -> Callable[[], dict]:
-        dq, dpool, dindptr, dindices, dlast, dout, dlse = tables
-        rec = isinstance(getattr(dec, "_kernel", None), _Recorder)
-
-        def call() -> dict:
-            if rec:
-                dec._kernel.events.clear()
-                dec._merge.events.clear()
-            t = time.perf_counter()
-            res = dec.run(dq, dpool, dindptr, dindices, dlast, out=dout, lse=dlse, plan=plan)
-            res.event.wait()
-            wall = time.perf_counter() - t
-            dout.finish()
-            dlse.finish()
-            if rec:
-                dk = sum(_secs(e) for e in dec._kernel.events)
-                mk = sum(_secs(e) for e in dec._merge.events)
-            else:  # only the last event is known
-                dk, mk = _secs(res.event), 0.0
-            return {"wall": wall, "decode": dk, "merge": mk, "kernel": dk + mk}
-        return call
+    def workload(self, pool: PagePool, B: int, ctx: int) -> Workload:
+        """A row's tables on ``pool`` (every page set)."""
+        return Workload(self.rt, pool, B, ctx, seed=int(self.rng.integers(1 << 31)))
 
 
-def _tables(db: DeviceBench, spec: AttentionSpec, dpool: Any, pool_pages: int, B: int, ctx: int):
-    import pyopencl.array as cla
-    indptr, indices, last = page_table(db.rng, pool_pages, B, ctx)
-    q = db.rng.standard_normal((B, spec.num_qo_heads, spec.head_dim),
-                               dtype=np.float32).astype(spec.np_dtype)
-    dout = cla.zeros(db.queue, q.shape, spec.np_dtype)
-    dlse = cla.zeros(db.queue, q.shape[:2], np.float32)
-    host = (q, indptr, indices, last)
-    return host, (db.to_dev(q), dpool, db.to_dev(indptr), db.to_dev(indices), db.to_dev(last),
-                  dout, dlse)
+def timed_decode(dec: Any, w: Workload, plan: Any, *, hot: bool = False) -> Callable[[], dict]:
+    """A call of ``dec`` on ``w`` (another page set each call unless ``hot``) returning
+    wall, decode, merge and kernel seconds (kernel = decode + merge, from the events)."""
+    counter = itertools.count()
+
+    def call() -> dict:
+        t = time.perf_counter()
+        res = dec.run(*w.args(next(counter), hot=hot), out=w.out, lse=w.lse, plan=plan)
+        events = getattr(res, "events", (res.event,))
+        events[-1].wait()
+        wall = time.perf_counter() - t
+        dk, mk = event_seconds(events[:1]), event_seconds(events[1:])
+        return {"wall": wall, "decode": dk, "merge": mk, "kernel": dk + mk}
+    return call
 
 
-def _release(*arrays: Any) -> None:
-    for a in arrays:
-        try:
-            a.finish()
-            a.base_data.release()
-        except Exception:  # noqa: BLE001 - best effort
-            pass
+def check_decode_row(row: dict, what: str, dec: Any, w: Workload, plans: dict,
+                     ref: tuple | None = None) -> tuple | None:
+    """Run every plan once on page set 0 and compare with the CPU backend (timed: the
+    row's ``fallback_ms``); the reference, or None after a mismatch."""
+    if ref is None:
+        q, pages, indptr, indices, last = w.host_args()
+        t = time.perf_counter()
+        ref = cpu_backend.batch_decode(dec.spec, q, pages, indptr, indices, last)
+        row["fallback_ms"] = (time.perf_counter() - t) * 1e3
+    for name, plan in plans.items():
+        res = dec.run(*w.args(0), out=w.out, lse=w.lse, plan=plan)
+        ok, err, why = compare(res.out.get(), res.lse.get(), ref[0], ref[1], dec.spec.dtype)
+        if not Mismatches.check(row, f"{what} [{name}: {plan}]", ok, err, why):
+            return None
+    return ref
 
 
 # -- decode suite ------------------------------------------------------------------------
+def _decode_row(args: argparse.Namespace, db: DeviceBench, row: dict, dec: Any,
+                pool: PagePool) -> None:
+    B, ctx = row["B"], row["ctx"]
+    spec = dec.spec
+    w = db.workload(pool, B, ctx)
+    try:
+        plan = dec.plan(w.indptr, w.last, split=None)
+        what = f"decode {row['model']} {row['dtype']} B={B} ctx={ctx}"
+        if check_decode_row(row, what, dec, w, {"planned": plan}) is None:
+            return
+        res, _ = sample_interleaved({"cold": timed_decode(dec, w, plan),
+                                     "hot": timed_decode(dec, w, plan, hot=True)},
+                                    args.repeat, args.row_seconds)
+    finally:
+        w.release()
+    r, h = res["cold"], res["hot"]
+    nbytes = io_bytes(spec.num_qo_heads, spec.num_kv_heads, spec.head_dim, B, ctx, spec.itemsize)
+    gbps = nbytes / r["kernel"] * 1e-9
+    row.update(plan=short_plan(plan), plan_full=str(plan), page_sets=w.n_sets,
+               kernel_ms=r["kernel"] * 1e3, decode_ms=r["decode"] * 1e3,
+               merge_ms=r["merge"] * 1e3, hot_ms=h["kernel"] * 1e3,
+               cold_vs_hot=r["kernel"] / h["kernel"], wall_ms=r["wall"] * 1e3, gbps=gbps,
+               frac=gbps / db.read.median_gbps, wall_gbps=nbytes / r["wall"] * 1e-9,
+               runs=r["runs"], mib=nbytes / 2**20)
+    row["fallback_ratio"] = row["fallback_ms"] / row["wall_ms"]
+    log(f"decode {row['model']} {row['dtype']} B={B} ctx={ctx}: kernel {row['kernel_ms']:.3f} ms "
+        f"cold, {row['hot_ms']:.3f} hot ({row['frac']:.0%} of read bw), wall "
+        f"{row['wall_ms']:.3f} ms; {row['plan']}")
+
+
 def suite_decode(args: argparse.Namespace, deadline: Deadline) -> dict:
+    """BatchDecode on one device, cold and hot, then the merge sections."""
     db = DeviceBench(args)
     models = args.models or (["Llama-3-8B", "Qwen2.5-0.5B"] if args.quick else list(MODELS))
     batches = args.batches or ([1, 8] if args.quick else [1, 8, 32])
@@ -404,65 +422,82 @@ def suite_decode(args: argparse.Namespace, deadline: Deadline) -> dict:
                     if need > args.max_pool_gib * GiB:
                         row["skipped"] = f"KV {need / GiB:.1f} GiB > --max-pool-gib"
                     else:
-                        todo.append((row, need))
+                        todo.append((row, need // page_bytes))
             if not todo:
                 continue
             if deadline.over():
                 for row, _ in todo:
                     row["skipped"] = "time budget"
                 continue
-            pool_pages = max(n for _, n in todo) // page_bytes
-            dpool = db.pool(spec, pool_pages)
+            pool = db.pool(spec, max(n for _, n in todo))
             dec = db.decoder(spec, args.profile)
-            host_pool = None
             for row, _ in todo:
                 if deadline.over():
                     row["skipped"] = "time budget"
                     continue
-                B, ctx = row["B"], row["ctx"]
-                (q, indptr, indices, last), tabs = _tables(db, spec, dpool, pool_pages, B, ctx)
-                plan = dec.plan(indptr, last, split=None)
-                r = sample(db.timed_decode(dec, tabs, plan), args.repeat, args.row_seconds)
-                nbytes = io_bytes(hqo, hkv, d, B, ctx, spec.itemsize)
-                gbps = nbytes / r["kernel"] * 1e-9
-                row.update(plan=short_plan(plan), plan_full=str(plan), kernel_ms=r["kernel"] * 1e3,
-                           decode_ms=r["decode"] * 1e3, merge_ms=r["merge"] * 1e3,
-                           wall_ms=r["wall"] * 1e3, gbps=gbps, frac=gbps / db.read.gbps,
-                           wall_gbps=nbytes / r["wall"] * 1e-9, runs=r["runs"],
-                           mib=nbytes / 2**20)
-                if ctx <= args.fallback_max_context and B <= args.fallback_max_batch:
-                    if host_pool is None:
-                        host_pool = dpool.get()
-                    fb_t = []
-                    for i in range(2):
-                        t = time.perf_counter()
-                        o_fb, _ = reference.batch_decode(spec, q, host_pool, indptr, indices, last)
-                        fb_t.append(time.perf_counter() - t)
-                    row["fallback_ms"] = min(fb_t) * 1e3
-                    row["fallback_ratio"] = min(fb_t) / r["wall"]
-                    o_dev = tabs[5].get()
-                    row["max_err"] = float(np.max(np.abs(o_dev.astype(np.float32)
-                                                         - o_fb.astype(np.float32))))
-                log(f"decode {name} {dt} B={B} ctx={ctx}: kernel {row['kernel_ms']:.3f} ms "
-                    f"({row['frac']:.0%} of read bw), wall {row['wall_ms']:.3f} ms; {row['plan']}")
-                _release(*tabs[:1], *tabs[2:])
-            _release(dpool)
-            del dpool, host_pool, dec
+                _decode_row(args, db, row, dec, pool)
+            pool.release()
+            del pool, dec
     cols = [("model", "model", ""), ("dtype", "dtype", ""), ("B", "B", "d"), ("ctx", "ctx", "d"),
-            ("mib", "MiB moved", ".1f"), ("plan", "plan", ""),
+            ("mib", "MiB moved", ".1f"), ("plan", "plan", ""), ("page_sets", "page sets", "d"),
             ("decode_ms", "decode ms", ".3f"), ("merge_ms", "merge ms", ".3f"),
-            ("wall_ms", "wall ms", ".3f"), ("gbps", "GB/s", ".2f"), ("frac", "of read bw", ".1%"),
-            ("fallback_ms", "fallback ms", ".2f"), ("fallback_ratio", "fallback/wall", ".1f"),
-            ("max_err", "max abs diff", ".1e")]
-    sections = [("Decode (median kernel event times; GB/s = KV + q/out/lse bytes / kernel time)",
-                 rows, cols)]
+            ("kernel_ms", "cold ms", ".3f"), ("hot_ms", "hot ms", ".3f"),
+            ("cold_vs_hot", "cold/hot", ".2f"), ("wall_ms", "wall ms", ".3f"),
+            ("gbps", "GB/s (cold)", ".2f"), ("frac", "of read bw (medians)", ".1%"),
+            ("fallback_ms", "CPU backend ms", ".2f"), ("fallback_ratio", "backend/wall", ".1f"),
+            ("max_err", "max abs err", ".1e")]
+    sections = [("Decode (median kernel event times, cold: page sets rotating over at least "
+                 f"{db.cold_bytes / 2**20:.0f} MiB; hot: the same pages; GB/s = KV + q/out/lse "
+                 "bytes / cold kernel time)", rows, cols)]
     sections += merge_sections(args, db, deadline)
     return {"sections": sections, "ceilings": db.ceilings(), "header": db.header()}
 
 
+def _merge_row(args: argparse.Namespace, db: DeviceBench, row: dict, small: bool) -> None:
+    cla = runtime.cl().array
+    N, H, D = row["N"], row["H"], row["D"]
+    arrs = [cla.empty(db.queue, (N, H, D), np.float16), cla.empty(db.queue, (N, H), np.float32),
+            cla.empty(db.queue, (N, H, D), np.float16), cla.empty(db.queue, (N, H), np.float32)]
+    for i, a in enumerate(arrs):
+        ceil.fill_random(db.rt, a, seed=100 + i, scale=1.0 if i % 2 == 0 else 8.0)
+    v, s, vo, so = arrs
+    try:
+        host = [a.get() for a in arrs]
+        rv, rs = cpu_backend.merge_state(*host)
+        merge_state_(v, s, vo, so, profile=args.profile)
+        ok, err, why = compare(v.get(), s.get(), rv, rs, "float16")
+        if not Mismatches.check(row, f"merge_state_ N={N}", ok, err, why):
+            return
+
+        def call() -> dict:
+            t = time.perf_counter()
+            evt = merge_state_(v, s, vo, so, profile=args.profile)
+            evt.wait()
+            return {"wall": time.perf_counter() - t, "kernel": event_seconds([evt])}
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            r = sample_interleaved({"m": call}, max(args.repeat, 20 if small else args.repeat),
+                                   args.row_seconds)[0]["m"]
+    finally:
+        for a in arrs:
+            a.finish()
+            a.base_data.release()
+    nbytes = 3 * N * H * D * 2 + 3 * N * H * 4
+    row.update(kernel_us=r["kernel"] * 1e6, wall_us=r["wall"] * 1e6, runs=r["runs"],
+               kernel_min_us=r["min_kernel"] * 1e6, wall_min_us=r["min_wall"] * 1e6,
+               gbps=nbytes / r["kernel"] * 1e-9, mib=nbytes / 2**20)
+    row["frac"] = row["gbps"] / db.read.median_gbps
+    row["frac_copy"] = row["gbps"] / db.copy.median_gbps
+    row["lat_ratio"] = r["kernel"] * 1e6 / db.latency.kernel_us
+    row["trip_ratio"] = r["wall"] * 1e6 / db.latency.round_trip_us
+    row["lat_min_ratio"] = r["min_kernel"] * 1e6 / max(db.latency.kernel_min_us, 1e-3)
+    log(f"merge N={N}: kernel {row['kernel_us']:.1f} us, wall {row['wall_us']:.1f} us, "
+        f"{row['gbps']:.2f} GB/s")
+
+
 def merge_sections(args: argparse.Namespace, db: DeviceBench, deadline: Deadline) -> list:
-    import pyopencl.array as cla
-    from clattn.merge import merge_state_
+    """merge_state_ bandwidth at large N and latency at small N (checked first)."""
     H, D = 32, 128
     big = [256] if args.smoke else [4096]
     small = [1, 32] if args.smoke else [1, 2, 4, 8, 16, 32]
@@ -473,47 +508,20 @@ def merge_sections(args: argparse.Namespace, db: DeviceBench, deadline: Deadline
         if deadline.over():
             row["skipped"] = "time budget"
             continue
-        arrs = [cla.empty(db.queue, (N, H, D), np.float16), cla.empty(db.queue, (N, H), np.float32),
-                cla.empty(db.queue, (N, H, D), np.float16), cla.empty(db.queue, (N, H), np.float32)]
-        for i, a in enumerate(arrs):
-            bandwidth.fill_random(db.rt, a, seed=100 + i, scale=1.0 if i % 2 == 0 else 8.0)
-        v, s, vo, so = arrs
-
-        def call() -> dict:
-            t = time.perf_counter()
-            evt = merge_state_(v, s, vo, so, profile=args.profile)
-            evt.wait()
-            wall = time.perf_counter() - t
-            v.finish()
-            s.finish()
-            return {"wall": wall, "kernel": _secs(evt)}
-
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", RuntimeWarning)
-            r = sample(call, max(args.repeat, 20 if N in small else args.repeat), args.row_seconds)
-        nbytes = 3 * N * H * D * 2 + 3 * N * H * 4
-        row.update(kernel_us=r["kernel"] * 1e6, wall_us=r["wall"] * 1e6, runs=r["runs"],
-                   kernel_min_us=r["min_kernel"] * 1e6, wall_min_us=r["min_wall"] * 1e6,
-                   gbps=nbytes / r["kernel"] * 1e-9, mib=nbytes / 2**20)
-        row["frac"] = row["gbps"] / db.read.gbps
-        row["frac_copy"] = row["gbps"] / db.copy.gbps
-        row["lat_ratio"] = r["kernel"] * 1e6 / db.latency.kernel_us
-        row["trip_ratio"] = r["wall"] * 1e6 / db.latency.round_trip_us
-        row["lat_min_ratio"] = r["min_kernel"] * 1e6 / max(db.latency.kernel_min_us, 1e-3)
-        log(f"merge N={N}: kernel {row['kernel_us']:.1f} us, wall {row['wall_us']:.1f} us, "
-            f"{row['gbps']:.2f} GB/s")
-        _release(*arrs)
+        _merge_row(args, db, row, N in small)
     c1 = [("N", "N", "d"), ("H", "H", "d"), ("D", "D", "d"), ("dtype", "dtype", ""),
           ("mib", "MiB moved", ".1f"), ("kernel_us", "kernel us", ".1f"),
-          ("wall_us", "wall us", ".1f"), ("gbps", "GB/s", ".2f"), ("frac", "of read bw", ".1%"),
-          ("frac_copy", "of copy bw", ".0%")]
+          ("wall_us", "wall us", ".1f"), ("gbps", "GB/s", ".2f"),
+          ("frac", "of read bw (medians)", ".1%"), ("frac_copy", "of copy bw (medians)", ".0%"),
+          ("max_err", "max abs err", ".1e")]
     lat = db.latency
     c2 = [("N", "N", "d"), ("kernel_us", "kernel us", ".1f"),
           ("lat_ratio", f"/ empty kernel ({lat.kernel_us:.1f} us)", ".2f"),
           ("kernel_min_us", "best kernel us", ".1f"),
           ("lat_min_ratio", f"/ best empty kernel ({lat.kernel_min_us:.1f} us)", ".2f"),
           ("wall_us", "merge_state_ call+wait us", ".1f"),
-          ("trip_ratio", f"/ empty round trip ({lat.round_trip_us:.1f} us)", ".2f")]
+          ("trip_ratio", f"/ empty round trip ({lat.round_trip_us:.1f} us)", ".2f"),
+          ("max_err", "max abs err", ".1e")]
     return [("merge_state_ bandwidth (GB/s = v, v_other read + v written, and the lse)",
              rows_bw, c1),
             ("merge_state_ at small N (H=32, D=128, f16) vs the empty-kernel launch latency",
@@ -521,7 +529,65 @@ def merge_sections(args: argparse.Namespace, db: DeviceBench, deadline: Deadline
 
 
 # -- split suite -------------------------------------------------------------------------
+def _split_plans(dec: Any, w: Workload, sizes: list[int]) -> tuple[dict, str]:
+    plans = {"unsplit": dec.plan(w.indptr, w.last, split=False)}
+    for rows_per in sizes:
+        p = dec.plan(w.indptr, w.last, split=rows_per)
+        if p.split and not any(o.split and o.part_rows == p.part_rows for o in plans.values()):
+            plans[f"split {p.part_rows}"] = p
+    planned = dec.plan(w.indptr, w.last, split=None)
+    key = "unsplit" if not planned.split else f"split {planned.part_rows}"
+    plans.setdefault(key, planned)
+    return plans, key
+
+
+def _split_row(args: argparse.Namespace, db: DeviceBench, row: dict, dec: Any,
+               pool: PagePool, sizes: list[int]) -> None:
+    B, ctx = row["B"], row["ctx"]
+    spec = dec.spec
+    w = db.workload(pool, B, ctx)
+    try:
+        plans, planned_key = _split_plans(dec, w, sizes)
+        what = f"split {row['model']} B={B} ctx={ctx}"
+        if check_decode_row(row, what, dec, w, plans) is None:
+            return
+        calls = {k: timed_decode(dec, w, p) for k, p in plans.items()}
+        # a control: the unsplit launch timed twice; their difference is the noise floor
+        calls["unsplit (control)"] = timed_decode(dec, w, plans["unsplit"])
+        res, _ = sample_interleaved(calls, args.repeat, args.row_seconds)
+    finally:
+        w.release()
+    nbytes = io_bytes(spec.num_qo_heads, spec.num_kv_heads, spec.head_dim, B, ctx, spec.itemsize)
+    unsplit, planned = res["unsplit"], res[planned_key]
+    control = res.pop("unsplit (control)")
+    forced = [(plans[k], r) for k, r in res.items() if k != "unsplit"]
+    best_p, best = min(forced, key=lambda x: x[1]["kernel"]) if forced else (None, None)
+    better = min(unsplit["kernel"], best["kernel"]) if best else unsplit["kernel"]
+    bw = db.read.median_gbps
+    row.update(
+        mib=nbytes / 2**20, unsplit_ms=unsplit["kernel"] * 1e3, page_sets=w.n_sets,
+        plan=str(plans[planned_key]), planned_ms=planned["kernel"] * 1e3,
+        planned_decode_ms=planned["decode"] * 1e3, planned_merge_ms=planned["merge"] * 1e3,
+        planned_wall_ms=planned["wall"] * 1e3,
+        best_rows=best_p.part_rows if best_p else None,
+        best_parts=best_p.num_parts if best_p else None,
+        best_ms=best["kernel"] * 1e3 if best else None,
+        best_merge_ms=best["merge"] * 1e3 if best else None,
+        speedup=unsplit["kernel"] / best["kernel"] if best else None,
+        frac_unsplit=nbytes / unsplit["kernel"] * 1e-9 / bw,
+        frac_planned=nbytes / planned["kernel"] * 1e-9 / bw,
+        frac_best=nbytes / better * 1e-9 / bw,
+        slowdown=planned["kernel"] / better - 1.0,
+        forced={str(p.part_rows): r["kernel"] * 1e3 for p, r in forced},
+        runs=unsplit["runs"],
+        noise=abs(control["kernel"] - unsplit["kernel"]) / unsplit["kernel"])
+    log(f"split {row['model']} B={B} ctx={ctx}: unsplit {row['unsplit_ms']:.3f} ms, planned "
+        f"{row['planned_ms']:.3f} ms [{row['plan']}], best forced "
+        f"{row['best_ms'] if best else float('nan'):.3f} ms at {row['best_rows']} rows")
+
+
 def suite_split(args: argparse.Namespace, deadline: Deadline) -> dict:
+    """Unsplit vs the planner's choice vs forced partition sizes (cold)."""
     db = DeviceBench(args)
     models = args.models or (["Llama-3-8B"] if args.quick else ["Llama-3-8B", "Qwen2.5-0.5B"])
     batches = args.batches or [1, 4]
@@ -535,74 +601,21 @@ def suite_split(args: argparse.Namespace, deadline: Deadline) -> dict:
     for name in models:
         hqo, hkv, d = MODELS[name]
         spec = AttentionSpec(hqo, hkv, d, page_size=PAGE, dtype=dt)
-        page_bytes = 2 * hkv * PAGE * d * spec.itemsize
-        pool_pages = max(batches) * -(-max(contexts) // PAGE)
         todo_rows = [dict(model=name, dtype=dt, B=B, ctx=ctx) for B in batches for ctx in contexts]
         rows += todo_rows
-        if pool_pages * page_bytes > args.max_pool_gib * GiB:
-            log(f"note: {name} pool {pool_pages * page_bytes / GiB:.1f} GiB exceeds "
-                f"--max-pool-gib; allocating it anyway (split suite)")
         if deadline.over():
             for row in todo_rows:
                 row["skipped"] = "time budget"
             continue
-        dpool = db.pool(spec, pool_pages)
+        pool = db.pool(spec, max(batches) * -(-max(contexts) // PAGE))
         dec = db.decoder(spec, args.profile)
         for row in todo_rows:
             if deadline.over():
                 row["skipped"] = "time budget"
                 continue
-            B, ctx = row["B"], row["ctx"]
-            (q, indptr, indices, last), tabs = _tables(db, spec, dpool, pool_pages, B, ctx)
-            nbytes = io_bytes(hqo, hkv, d, B, ctx, spec.itemsize)
-
-            unsplit_plan = dec.plan(indptr, last, split=False)
-            planned_plan = dec.plan(indptr, last, split=None)
-            plans = {"unsplit": unsplit_plan}
-            for rows_per in sizes:
-                p = dec.plan(indptr, last, split=rows_per)
-                if p.split and not any(o.split and o.part_rows == p.part_rows
-                                       for o in plans.values()):
-                    plans[f"split {p.part_rows}"] = p
-            planned_key = "unsplit" if not planned_plan.split else f"split {planned_plan.part_rows}"
-            plans.setdefault(planned_key, planned_plan)
-            calls = {k: db.timed_decode(dec, tabs, p) for k, p in plans.items()}
-            # a control: the unsplit launch timed twice; their difference is the noise floor
-            calls["unsplit (control)"] = db.timed_decode(dec, tabs, unsplit_plan)
-            res, outs = sample_interleaved(calls, args.repeat, args.row_seconds,
-                                           after=lambda: tabs[5].get())
-            err = max(float(np.max(np.abs(o.astype(np.float32) - outs["unsplit"].astype(np.float32))))
-                      for o in outs.values())
-            unsplit, planned = res["unsplit"], res[planned_key]
-            control = res.pop("unsplit (control)")
-            outs.pop("unsplit (control)", None)
-            forced = [(plans[k], r) for k, r in res.items() if k != "unsplit"]
-            best_p, best = min(forced, key=lambda x: x[1]["kernel"]) if forced else (None, None)
-            better = min(unsplit["kernel"], best["kernel"]) if best else unsplit["kernel"]
-            row.update(
-                mib=nbytes / 2**20, unsplit_ms=unsplit["kernel"] * 1e3,
-                plan=str(planned_plan), planned_ms=planned["kernel"] * 1e3,
-                planned_decode_ms=planned["decode"] * 1e3, planned_merge_ms=planned["merge"] * 1e3,
-                planned_wall_ms=planned["wall"] * 1e3,
-                best_rows=best_p.part_rows if best_p else None,
-                best_parts=best_p.num_parts if best_p else None,
-                best_ms=best["kernel"] * 1e3 if best else None,
-                best_merge_ms=best["merge"] * 1e3 if best else None,
-                speedup=unsplit["kernel"] / best["kernel"] if best else None,
-                frac_unsplit=nbytes / unsplit["kernel"] * 1e-9 / db.read.gbps,
-                frac_planned=nbytes / planned["kernel"] * 1e-9 / db.read.gbps,
-                frac_best=nbytes / better * 1e-9 / db.read.gbps,
-                slowdown=planned["kernel"] / better - 1.0,
-                forced={str(p.part_rows): r["kernel"] * 1e3 for p, r in forced},
-                runs=unsplit["runs"],
-                noise=abs(control["kernel"] - unsplit["kernel"]) / unsplit["kernel"],
-                split_vs_unsplit_maxdiff=err)
-            log(f"split {name} B={B} ctx={ctx}: unsplit {row['unsplit_ms']:.3f} ms, planned "
-                f"{row['planned_ms']:.3f} ms [{planned_plan}], best forced "
-                f"{row['best_ms'] if best else float('nan'):.3f} ms at {row['best_rows']} rows")
-            _release(*tabs[:1], *tabs[2:])
-        _release(dpool)
-        del dpool, dec
+            _split_row(args, db, row, dec, pool, sizes)
+        pool.release()
+        del pool, dec
     cols = [("model", "model", ""), ("B", "B", "d"), ("ctx", "ctx", "d"), ("mib", "MiB", ".0f"),
             ("unsplit_ms", "unsplit ms", ".3f"), ("frac_unsplit", "unsplit bw", ".1%"),
             ("plan", "planner's choice", ""), ("planned_ms", "planned ms", ".3f"),
@@ -610,8 +623,8 @@ def suite_split(args: argparse.Namespace, deadline: Deadline) -> dict:
             ("best_rows", "best forced rows", "d"), ("best_ms", "best forced ms", ".3f"),
             ("speedup", "unsplit/best split", ".2f"), ("frac_best", "best bw", ".1%"),
             ("slowdown", "planner vs better", "+.1%"),
-            ("noise", "noise (unsplit timed twice)", ".1%")]
-    title = "Split-KV (median kernel event times, decode + merge)"
+            ("noise", "noise (unsplit timed twice)", ".1%"), ("max_err", "max abs err", ".1e")]
+    title = "Split-KV (median kernel event times, decode + merge, cold page sets)"
     if args.profile:
         title += f", profile forced to {args.profile}"
     return {"sections": [(title, rows, cols)], "ceilings": db.ceilings(), "header": db.header()}
@@ -619,6 +632,7 @@ def suite_split(args: argparse.Namespace, deadline: Deadline) -> dict:
 
 # -- main --------------------------------------------------------------------------------
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog="\n".join(__doc__.split("\n")[1:]))
@@ -645,11 +659,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--split-sizes", type=lambda s: csv(s, int), default=None,
                     help="forced partition sizes tried by --suite split")
     ap.add_argument("--max-pool-gib", type=float, default=2.0,
-                    help="decode rows whose KV pool is larger are skipped")
-    ap.add_argument("--fallback-max-context", type=int, default=4096,
-                    help="decode suite: time the CPU fallback only up to this context")
-    ap.add_argument("--fallback-max-batch", type=int, default=8)
-    ap.add_argument("--bw-mib", type=float, default=256, help="bandwidth test buffer (MiB)")
+                    help="decode rows whose KV is larger are skipped")
+    ap.add_argument("--bw-mib", type=float, default=None,
+                    help="bandwidth working set (MiB; default: 4x the largest cache reported)")
+    ap.add_argument("--cold-mib", type=float, default=None,
+                    help="cold rows rotate over page sets spanning this much (MiB; default: "
+                         "4x the largest cache reported)")
     ap.add_argument("--bw-target-s", type=float, default=0.1,
                     help="seconds per bandwidth variant")
     ap.add_argument("--seed", type=int, default=0)
@@ -658,28 +673,45 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         if m not in MODELS:
             ap.error(f"--models: unknown {m!r}; known: {', '.join(MODELS)}")
     if args.smoke:
-        args.bw_mib = min(args.bw_mib, 32)
+        args.bw_mib = min(args.bw_mib or 32, 32)
         args.bw_target_s = min(args.bw_target_s, 0.02)
         args.repeat = min(args.repeat, 3)
     return args
 
 
 def source_version() -> str:
-    """The git commit of the checkout (``+dirty`` with uncommitted changes to clattn/ or kernels/)."""
-    import subprocess
+    """The git commit of the checkout (``+dirty`` with uncommitted changes to clattn/)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, text=True,
                               capture_output=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "clattn", "kernels"],
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "clattn"],
                                cwd=root, text=True, capture_output=True, timeout=10).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return "unknown"
     return (head or "unknown") + ("+dirty" if dirty else "")
 
 
+def _print_markdown(argv: list[str] | None, res: dict, version: str, elapsed: float) -> None:
+    when = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
+    cmd = "python tools/bench.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    print(f"## `{cmd}`\n")
+    end_version = source_version()
+    ver = version if end_version == version else f"{version} -> {end_version} (changed mid-run)"
+    print(f"- {when}, host {platform.node()} ({os.cpu_count()} CPUs), {elapsed:.0f} s, "
+          f"clattn {ver}")
+    for line in res.get("header") or []:
+        print(line)
+    for title, rows, cols in res["sections"]:
+        print(f"\n### {title}\n")
+        print(markdown(rows, cols))
+    print()
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run one suite; 1 if any configuration disagreed with the CPU backend."""
     args = parse(argv)
+    Mismatches.items = []
     deadline = Deadline(args.budget_s)
     version = source_version()
     t0 = time.perf_counter()
@@ -687,29 +719,22 @@ def main(argv: list[str] | None = None) -> int:
         args, deadline)
     elapsed = time.perf_counter() - t0
     if args.markdown:
-        when = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
-        cmd = "python tools/bench.py " + " ".join(sys.argv[1:] if argv is None else argv)
-        print(f"## `{cmd}`\n")
-        end_version = source_version()
-        ver = version if end_version == version else f"{version} -> {end_version} (changed mid-run)"
-        print(f"- {when}, host {platform.node()} ({os.cpu_count()} CPUs), {elapsed:.0f} s, "
-              f"clattn {ver}")
-        for line in res.get("header") or []:
-            print(line)
-        for title, rows, cols in res["sections"]:
-            print(f"\n### {title}\n")
-            print(markdown(rows, cols))
-        print()
+        _print_markdown(argv, res, version, elapsed)
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         out = {"suite": args.suite, "args": vars(args), "elapsed_s": elapsed,
                "host": platform.node(), "time": datetime.datetime.now().isoformat(),
                "clattn_version": version, "clattn_version_at_end": source_version(),
-               "ceilings": res.get("ceilings"),
+               "ceilings": res.get("ceilings"), "mismatches": Mismatches.items,
                "sections": {title: rows for title, rows, _ in res["sections"]}}
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1, default=str)
         log(f"wrote {args.json}")
+    if Mismatches.items:
+        log(f"bench: {len(Mismatches.items)} configuration(s) disagree with the CPU backend:")
+        for item in Mismatches.items:
+            log(f"  {item}")
+        return 1
     return 0
 
 

@@ -1,42 +1,59 @@
-"""clattn's own device ceilings: streaming read/copy bandwidth, launch latency, transfers.
+"""Device ceilings: streaming read/copy bandwidth, launch latency, transfers (was clattn.bandwidth).
 
-Measured the way clpeak does it, so that a kernel's "fraction of bandwidth" means
-something:
+Measured the way clpeak does it, so that a kernel's "fraction of bandwidth" means something:
 
+* the working set is at least :data:`COLD_FACTOR` times the largest cache the device or
+  the host reports (:func:`sizing`: ``global_mem_cache_size``, and for a CPU device the
+  host's caches from ``/sys/devices/system/cpu/cpu0/cache``), capped by the largest
+  allocation and the global memory; the size used and why is in each result;
 * every buffer is filled with pseudo-random data before timing (compressible data
-  inflates bandwidth on GPUs with framebuffer compression; first touch of fresh
-  pages is slow on CPU drivers);
-* one warm-up launch (it also compiles), then repetitions calibrated so that each
-  variant runs for about ``target_s``;
+  inflates bandwidth on GPUs with framebuffer compression; first touch of fresh pages is
+  slow on CPU drivers);
+* one warm-up launch per variant (it also compiles), never counted, then repetitions for
+  about ``target_s`` (:func:`clattn.tune.timing.sample`);
 * several vector widths (float .. float16) and two coalesced access patterns
   (``strided``: clpeak's grid-stride reads; ``blocked``: each work-group streams one
-  contiguous block, what CPU prefetchers like); the best is the ceiling;
-* times come from OpenCL profiling events (``END - START``); the best repetition wins.
+  contiguous block, what CPU prefetchers like); the variant with the best repetition is
+  the ceiling;
+* times come from OpenCL profiling events (``END - START``).
 
->>> from clattn import bandwidth                              # doctest: +SKIP
->>> print(bandwidth.read_bandwidth("pocl").summary())         # doctest: +SKIP
-read bandwidth on pthread-AMD EPYC: 23.41 GB/s (float16, strided; 256 MiB per repetition, best of 8, median 21.76 GB/s)
+Each :class:`Measurement` carries the best and the median repetition: compare a kernel's
+median with ``median_gbps`` and its best with ``gbps``.
+
+>>> from clattn.tune import ceilings                          # doctest: +SKIP
+>>> print(ceilings.read_bandwidth("pocl").summary())          # doctest: +SKIP
+read bandwidth on pthread-AMD EPYC: 23.41 GB/s (float16, strided; best of 8, median 21.76 GB/s; working set 128 MiB = 4x the largest cache, host L3 32 MiB)
 
 ``runtime_or_device``: a :class:`clattn.runtime.Runtime`, or anything
 :func:`clattn.runtime.select_device` accepts (None, ``"pocl"``, a Device/Context/Queue).
 """
 from __future__ import annotations
 
-import math
+import glob
+import os
+import re
 import statistics
 import time
-from dataclasses import dataclass, field
-from typing import Any
+import weakref
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable
 
 import numpy as np
 
-from . import runtime
+from .. import runtime
+from .timing import event_seconds, sample
 
 WIDTHS = (1, 2, 4, 8, 16)
 PATTERNS = ("strided", "blocked")
 FETCH = 16  # vectors each work-item reads (clpeak's value; 32 and 64 measured slower on PoCL)
 LOCAL = 256  # work-group size of the bandwidth kernels (capped by the device)
 MiB = 1 << 20
+#: working sets are at least this many times the largest cache reported
+COLD_FACTOR = 4
+#: and at least this large (launch overhead must not count)
+MIN_WORKING_SET = 64 * MiB
+#: where the host's caches are described (Linux)
+HOST_CACHE_DIR = "/sys/devices/system/cpu/cpu0/cache"
 
 _SOURCE = r"""
 #define FETCH %(fetch)d
@@ -114,14 +131,126 @@ def source() -> str:
     return _SOURCE % {"fetch": FETCH, "kernels": ks}
 
 
+# -- how large: past every cache ---------------------------------------------------------------
+def size_text(n: int) -> str:
+    """``512 KiB``, ``32 MiB``, ``1.2 GiB``."""
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift:
+            return f"{n / (1 << shift):.3g} {unit}"
+    return f"{n} B"
+
+
+@dataclass(frozen=True)
+class Cache:
+    """One cache the device or the host reports."""
+
+    where: str
+    size_bytes: int
+
+
+@dataclass(frozen=True)
+class Sizing:
+    """The working set of a ceiling and why it is that large.
+
+    ``caches``: every cache reported (device and, for a CPU device, host); ``cap``:
+    empty, or why the working set is below :data:`COLD_FACTOR` x the largest cache.
+    """
+
+    working_set_bytes: int
+    caches: tuple[Cache, ...] = ()
+    cap: str = ""
+
+    @property
+    def largest_cache(self) -> Cache | None:
+        """The largest cache reported, or None."""
+        return max(self.caches, key=lambda c: c.size_bytes, default=None)
+
+    def summary(self) -> str:
+        """``working set 128 MiB = 4x the largest cache, host L3 32 MiB`` and any cap."""
+        ws = f"working set {size_text(self.working_set_bytes)}"
+        big = self.largest_cache
+        if big is None:
+            text = f"{ws} (no cache size reported)"
+        else:
+            ratio = self.working_set_bytes / big.size_bytes
+            text = f"{ws} = {ratio:.3g}x the largest cache, {big.where} {size_text(big.size_bytes)}"
+        return text + (f"; {self.cap}" if self.cap else "")
+
+
+def parse_size(text: str) -> int:
+    """Bytes of a sysfs cache size such as ``32K``, ``32768K``, ``1M`` or ``512``."""
+    m = re.fullmatch(r"\s*(\d+)\s*([KMG]?)i?B?\s*", text, re.IGNORECASE)
+    if not m:
+        raise ValueError(f"cache size {text!r}: expected digits with an optional K, M or G")
+    return int(m.group(1)) << {"": 0, "K": 10, "M": 20, "G": 30}[m.group(2).upper()]
+
+
+def host_caches(root: str = HOST_CACHE_DIR) -> list[Cache]:
+    """The data and unified caches of the host's first CPU (empty where sysfs has none)."""
+    out = []
+    for d in sorted(glob.glob(os.path.join(root, "index*"))):
+        try:
+            with open(os.path.join(d, "type")) as f:
+                kind = f.read().strip()
+            with open(os.path.join(d, "level")) as f:
+                level = f.read().strip()
+            with open(os.path.join(d, "size")) as f:
+                size = parse_size(f.read())
+        except (OSError, ValueError):
+            continue
+        if kind != "Instruction":
+            out.append(Cache(f"host L{level}", size))
+    return out
+
+
+def sizing(device: Any, *, factor: int = COLD_FACTOR, minimum: int = MIN_WORKING_SET,
+           host_root: str = HOST_CACHE_DIR) -> Sizing:
+    """A working set past every cache of ``device`` (and of the host when it is a CPU).
+
+    Parameters
+    ----------
+    device : pyopencl.Device
+    factor : int
+        The working set is at least ``factor`` x the largest cache.
+    minimum : int
+        And at least this many bytes.
+    host_root : str
+        The sysfs directory of the host's caches (tests point it elsewhere).
+
+    Returns
+    -------
+    Sizing
+        Capped by ``max_mem_alloc_size`` (one buffer holds a read's working set) and by a
+        quarter of ``global_mem_size``; the cap is said.
+    """
+    cl = runtime.cl()
+    caches = []
+    dev_cache = int(getattr(device, "global_mem_cache_size", 0) or 0)
+    if dev_cache:
+        caches.append(Cache("device global memory cache", dev_cache))
+    if int(getattr(device, "type", 0) or 0) & cl.device_type.CPU:
+        caches += host_caches(host_root)
+    largest = max((c.size_bytes for c in caches), default=0)
+    want = max(minimum, factor * largest)
+    caps = [(int(getattr(device, "max_mem_alloc_size", 0) or 0), "max_mem_alloc_size"),
+            (int(getattr(device, "global_mem_size", 0) or 0) // 4, "a quarter of global_mem_size")]
+    size, cap = want, ""
+    for limit, what in caps:
+        if 0 < limit < size:
+            size, cap = limit, f"capped by {what} ({limit / MiB:.0f} MiB)"
+    return Sizing(int(size), tuple(caches), cap)
+
+
 # -- results -------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Measurement:
-    """One bandwidth ceiling. ``gbps`` is the best variant's bytes / best time (1 GB = 1e9 B).
+    """One bandwidth ceiling (1 GB = 1e9 B).
 
-    ``variants``: ``(label, GB/s)`` for every variant tried (best repetition each).
-    ``bytes_moved`` counts what one repetition reads (``read``), reads + writes
-    (``copy``) or transfers (``h2d``/``d2h``).
+    ``gbps``: the best variant's bytes / its best repetition; ``median_gbps``: bytes /
+    that variant's median repetition. ``variants``: ``(label, GB/s)`` of every variant
+    (best repetition each). ``bytes_moved`` counts what one repetition reads (``read``),
+    reads + writes (``copy``) or transfers (``h2d``/``d2h``); ``sizing`` says how large
+    the working set is and why.
     """
 
     kind: str
@@ -131,14 +260,16 @@ class Measurement:
     bytes_moved: int
     seconds: float  # best repetition of the best variant
     median_gbps: float  # median repetition of the best variant
-    repetitions: int  # repetitions of the best variant
+    repetitions: int  # timed repetitions of the best variant (warm-up excluded)
     variants: tuple = ()
+    sizing: Sizing | None = field(default=None)
 
     def summary(self) -> str:
-        size = self.bytes_moved / MiB
+        """One line: kind, device, GB/s best and median, the working set."""
+        size = self.sizing.summary() if self.sizing else \
+            f"{self.bytes_moved / MiB:.0f} MiB per repetition"
         return (f"{self.kind} bandwidth on {self.device}: {self.gbps:.2f} GB/s ({self.best}; "
-                f"{size:.0f} MiB per repetition, best of {self.repetitions}, median "
-                f"{self.median_gbps:.2f} GB/s)")
+                f"best of {self.repetitions}, median {self.median_gbps:.2f} GB/s; {size})")
 
 
 @dataclass(frozen=True)
@@ -159,6 +290,7 @@ class Latency:
     repetitions: int
 
     def summary(self) -> str:
+        """One line with every figure."""
         return (f"launch latency on {self.device}: round trip {self.round_trip_us:.1f} us median "
                 f"({self.round_trip_min_us:.1f} best), kernel event {self.kernel_us:.1f} us "
                 f"({self.kernel_min_us:.1f} best), queued->end {self.queued_to_end_us:.1f} us "
@@ -173,6 +305,7 @@ class Transfer:
     d2h: Measurement
 
     def summary(self) -> str:
+        """One line with both directions."""
         return (f"transfers on {self.h2d.device}: host->device {self.h2d.gbps:.2f} GB/s, "
                 f"device->host {self.d2h.gbps:.2f} GB/s "
                 f"({self.h2d.bytes_moved / MiB:.0f} MiB, best of {self.h2d.repetitions})")
@@ -188,6 +321,7 @@ class Ceilings:
     transfer: Transfer | None = field(default=None)
 
     def summary(self) -> str:
+        """One line per ceiling."""
         parts = [self.read.summary(), self.copy.summary(), self.latency.summary()]
         if self.transfer is not None:
             parts.append(self.transfer.summary())
@@ -203,7 +337,7 @@ def as_runtime(runtime_or_device: Any = None) -> runtime.Runtime:
     if isinstance(runtime_or_device, cl.CommandQueue):
         q = runtime_or_device
         if not q.properties & cl.command_queue_properties.PROFILING_ENABLE:
-            raise ValueError("the queue was created without PROFILING_ENABLE: clattn.bandwidth "
+            raise ValueError("the queue was created without PROFILING_ENABLE: clattn.tune.ceilings "
                              "times kernels with profiling events")
         return runtime.Runtime(q.device, q.context, q)
     dev = runtime.select_device(runtime_or_device)
@@ -213,21 +347,14 @@ def as_runtime(runtime_or_device: Any = None) -> runtime.Runtime:
     return runtime.Runtime.for_device(key)
 
 
-def _program(rt: runtime.Runtime) -> Any:
-    return rt.program(source())
+_KERNELS: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
 
 
 def _kernel(rt: runtime.Runtime, name: str) -> Any:
-    cache = rt.__dict__.setdefault("_clattn_bw_kernels", {})
-    key = (name, FETCH)
-    if key not in cache:
-        cache[key] = runtime.cl().Kernel(_program(rt), name)
-    return cache[key]
-
-
-def _event_s(evt: Any) -> float:
-    evt.wait()
-    return (evt.profile.end - evt.profile.start) * 1e-9
+    cache = _KERNELS.setdefault(rt, {})
+    if name not in cache:
+        cache[name] = runtime.cl().Kernel(rt.program(source()), name)
+    return cache[name]
 
 
 def fill_random(rt_or_device: Any, buf: Any, *, dtype: Any = np.float32, seed: int = 1,
@@ -266,35 +393,31 @@ def fill_random(rt_or_device: Any, buf: Any, *, dtype: Any = np.float32, seed: i
     return evt
 
 
-def _calibrated(launch: Any, target_s: float, min_reps: int = 3, max_reps: int = 1000) -> list[float]:
-    """Warm up once, then time ``launch()`` (which returns an event) about target_s long."""
-    first = _event_s(launch())  # warm-up (compiles / faults in pages)
-    est = _event_s(launch())
-    est = max(min(first, est) if first > 0 else est, 1e-7)
-    reps = int(min(max_reps, max(min_reps, math.ceil(target_s / est))))
-    times = [est]
-    for _ in range(reps - 1):
-        times.append(_event_s(launch()))
-    return times
+def _timed(launch: Callable[[], Any], target_s: float, max_reps: int = 1000) -> tuple[float, ...]:
+    """Seconds of each timed launch (one warm-up first, not counted), about target_s long."""
+    res = sample({"x": lambda: {"s": event_seconds([launch()])}}, warmup=1, min_runs=3,
+                 max_runs=max_reps, seconds=target_s)
+    return res["x"]["s"].values
 
 
 def _local_size(rt: runtime.Runtime) -> int:
     return max(1, min(LOCAL, int(rt.device.max_work_group_size)))
 
 
-def _stream(kind: str, rt: runtime.Runtime, size_bytes: int, target_s: float,
+def _stream(kind: str, rt: runtime.Runtime, size_bytes: int | None, target_s: float,
             widths: tuple, patterns: tuple) -> Measurement:
     cl = runtime.cl()
+    plan = sizing(rt.device)
+    if size_bytes is not None:
+        plan = replace(plan, working_set_bytes=int(size_bytes), cap="size given by the caller")
     ls = _local_size(rt)
     quantum = 16 * 4 * FETCH * ls  # whole work-groups at every width
-    size = max(quantum, (int(size_bytes) // quantum) * quantum)
+    src_bytes = plan.working_set_bytes if kind == "read" else plan.working_set_bytes // 2
+    size = max(quantum, (src_bytes // quantum) * quantum)
     n_f32 = size // 4
     src = cl.Buffer(rt.context, cl.mem_flags.READ_WRITE, size)
     fill_random(rt, src, dtype=np.float32, seed=0x5EED)
-    if kind == "read":
-        dst = cl.Buffer(rt.context, cl.mem_flags.READ_WRITE, n_f32 // FETCH * 4)
-    else:
-        dst = cl.Buffer(rt.context, cl.mem_flags.READ_WRITE, size)
+    dst = cl.Buffer(rt.context, cl.mem_flags.READ_WRITE, n_f32 // FETCH * 4 if kind == "read" else size)
     fill_random(rt, dst, dtype=np.float32, seed=0xD57)  # touch before timing
     results = []
     try:
@@ -304,78 +427,97 @@ def _stream(kind: str, rt: runtime.Runtime, size_bytes: int, target_s: float,
                 knl.set_args(src, dst)
                 gsz = n_f32 // (w * FETCH)
 
-                def launch(knl=knl, gsz=gsz):
+                def launch(knl: Any = knl, gsz: int = gsz) -> Any:
                     return cl.enqueue_nd_range_kernel(rt.queue, knl, (gsz,), (ls,))
 
-                times = _calibrated(launch, target_s)
-                results.append((f"{_tname(w)}, {pat}", times))
+                results.append((f"{_tname(w)}, {pat}", _timed(launch, target_s)))
     finally:
         src.release()
         dst.release()
-    moved = size if kind == "read" else 2 * size
+    moved = size if kind == "read" else 2 * size  # what one repetition reads (+ writes)
     best_label, best_times = min(results, key=lambda r: min(r[1]))
     return Measurement(
         kind=kind, device=rt.device.name.strip(), gbps=moved / min(best_times) * 1e-9,
         best=best_label, bytes_moved=moved, seconds=min(best_times),
         median_gbps=moved / statistics.median(best_times) * 1e-9, repetitions=len(best_times),
-        variants=tuple((lab, round(moved / min(t) * 1e-9, 3)) for lab, t in results))
+        variants=tuple((lab, round(moved / min(t) * 1e-9, 3)) for lab, t in results),
+        sizing=replace(plan, working_set_bytes=moved))
 
 
 # -- public measurements -------------------------------------------------------------------
-def read_bandwidth(runtime_or_device: Any = None, size_bytes: int = 256 * MiB,
+def read_bandwidth(runtime_or_device: Any = None, size_bytes: int | None = None,
                    target_s: float = 0.25, *, widths: tuple = WIDTHS,
                    patterns: tuple = PATTERNS) -> Measurement:
     """Streaming global-memory read bandwidth (GB/s of bytes read), best variant.
 
-    Each work-item reads ``FETCH`` vectors (float .. float16) coalesced across the
-    work-group, accumulates them and writes one float (1/``FETCH`` extra traffic at
-    float, less at wider types; not counted). ``size_bytes`` should dwarf the caches.
-    ``target_s``: time spent per variant (10 variants by default).
+    Parameters
+    ----------
+    runtime_or_device : Runtime, device, name, context or queue
+    size_bytes : int, optional
+        The buffer read; default :func:`sizing` (past every cache).
+    target_s : float
+        Time spent per variant (10 variants by default).
+    widths, patterns : tuple
+        Vector widths (1..16) and access patterns tried.
+
+    Returns
+    -------
+    Measurement
+        Each work-item reads ``FETCH`` vectors coalesced across the work-group and writes
+        one float (1/``FETCH`` extra traffic at float, less at wider types; not counted).
     """
     return _stream("read", as_runtime(runtime_or_device), size_bytes, target_s,
                    tuple(widths), tuple(patterns))
 
 
-def copy_bandwidth(runtime_or_device: Any = None, size_bytes: int = 128 * MiB,
+def copy_bandwidth(runtime_or_device: Any = None, size_bytes: int | None = None,
                    target_s: float = 0.25, *, widths: tuple = WIDTHS,
                    patterns: tuple = PATTERNS) -> Measurement:
-    """Device-to-device copy kernel bandwidth: GB/s of bytes read + written (STREAM's count)."""
+    """Device-to-device copy bandwidth: GB/s of bytes read + written (STREAM's count).
+
+    ``size_bytes``: the working set (source + destination; default :func:`sizing`);
+    other parameters as for :func:`read_bandwidth`.
+    """
     return _stream("copy", as_runtime(runtime_or_device), size_bytes, target_s,
                    tuple(widths), tuple(patterns))
 
 
 def launch_latency(runtime_or_device: Any = None, target_s: float = 0.25, *,
                    min_reps: int = 20, max_reps: int = 5000) -> Latency:
-    """Latency of an empty kernel: host round trip (enqueue + wait) and event times."""
+    """Latency of an empty kernel: host round trip (enqueue + wait) and event times.
+
+    Three warm-up launches are not counted; then at least ``min_reps`` launches, more
+    while ``target_s`` lasts (at most ``max_reps``).
+    """
     rt = as_runtime(runtime_or_device)
     cl = runtime.cl()
     knl = _kernel(rt, "clattn_empty")
     dummy = cl.Buffer(rt.context, cl.mem_flags.READ_WRITE, 64)
     knl.set_args(dummy)
+
+    def once() -> dict[str, float]:
+        t0 = time.perf_counter()
+        evt = cl.enqueue_nd_range_kernel(rt.queue, knl, (1,), (1,))
+        evt.wait()
+        trip = time.perf_counter() - t0
+        p = evt.profile
+        return {"trip": trip, "kernel": (p.end - p.start) * 1e-9, "q2e": (p.end - p.queued) * 1e-9}
+
     try:
-        for _ in range(3):  # warm-up
-            cl.enqueue_nd_range_kernel(rt.queue, knl, (1,), (1,)).wait()
-        trips, kern, q2e = [], [], []
-        t_end = time.perf_counter() + target_s
-        while len(trips) < max_reps and (len(trips) < min_reps or time.perf_counter() < t_end):
-            t0 = time.perf_counter()
-            evt = cl.enqueue_nd_range_kernel(rt.queue, knl, (1,), (1,))
-            evt.wait()
-            trips.append(time.perf_counter() - t0)
-            kern.append((evt.profile.end - evt.profile.start) * 1e-9)
-            q2e.append((evt.profile.end - evt.profile.queued) * 1e-9)
+        res = sample({"empty": once}, warmup=3, min_runs=min_reps, max_runs=max_reps,
+                     seconds=target_s)["empty"]
     finally:
         dummy.release()
     us = 1e6
-    return Latency(device=rt.device.name.strip(), kernel_us=statistics.median(kern) * us,
-                   kernel_min_us=min(kern) * us, queued_to_end_us=statistics.median(q2e) * us,
-                   round_trip_us=statistics.median(trips) * us, round_trip_min_us=min(trips) * us,
-                   repetitions=len(trips))
+    return Latency(device=rt.device.name.strip(), kernel_us=res["kernel"].median * us,
+                   kernel_min_us=res["kernel"].best * us, queued_to_end_us=res["q2e"].median * us,
+                   round_trip_us=res["trip"].median * us, round_trip_min_us=res["trip"].best * us,
+                   repetitions=res["trip"].runs)
 
 
 def transfer_bandwidth(runtime_or_device: Any = None, size_bytes: int = 64 * MiB,
                        target_s: float = 0.25) -> Transfer:
-    """Host->device and device->host bandwidth of blocking ``enqueue_copy`` (event times)."""
+    """Host->device and device->host bandwidth of ``enqueue_copy`` (event times)."""
     rt = as_runtime(runtime_or_device)
     cl = runtime.cl()
     n = max(1, int(size_bytes) // 4)
@@ -389,7 +531,7 @@ def transfer_bandwidth(runtime_or_device: Any = None, size_bytes: int = 64 * MiB
         for kind, launch in (
                 ("h2d", lambda: cl.enqueue_copy(rt.queue, buf, host, is_blocking=False)),
                 ("d2h", lambda: cl.enqueue_copy(rt.queue, back, buf, is_blocking=False))):
-            times = _calibrated(launch, target_s, max_reps=200)
+            times = _timed(launch, target_s, max_reps=200)
             out.append(Measurement(
                 kind=kind, device=rt.device.name.strip(), gbps=host.nbytes / min(times) * 1e-9,
                 best="enqueue_copy", bytes_moved=host.nbytes, seconds=min(times),
@@ -402,17 +544,19 @@ def transfer_bandwidth(runtime_or_device: Any = None, size_bytes: int = 64 * MiB
     return Transfer(*out)
 
 
-def measure_all(runtime_or_device: Any = None, *, size_bytes: int = 256 * MiB,
-                target_s: float = 0.25, transfers: bool = True) -> Ceilings:
-    """Read and copy bandwidth, launch latency and (optionally) transfers of one device."""
+def measure_all(runtime_or_device: Any = None, *, target_s: float = 0.25,
+                transfers: bool = True) -> Ceilings:
+    """Read and copy bandwidth (working sets from :func:`sizing`), launch latency and
+    (optionally) transfers of one device."""
     rt = as_runtime(runtime_or_device)
-    return Ceilings(read=read_bandwidth(rt, size_bytes, target_s),
-                    copy=copy_bandwidth(rt, max(size_bytes // 2, MiB), target_s),
+    transfer_bytes = max(sizing(rt.device).working_set_bytes // 4, MiB)
+    return Ceilings(read=read_bandwidth(rt, None, target_s),
+                    copy=copy_bandwidth(rt, None, target_s),
                     latency=launch_latency(rt, target_s),
-                    transfer=transfer_bandwidth(rt, max(size_bytes // 4, MiB), target_s)
+                    transfer=transfer_bandwidth(rt, transfer_bytes, target_s)
                     if transfers else None)
 
 
-__all__ = ["Measurement", "Latency", "Transfer", "Ceilings", "read_bandwidth", "copy_bandwidth",
-           "launch_latency", "transfer_bandwidth", "measure_all", "fill_random", "as_runtime",
-           "source"]
+__all__ = ["COLD_FACTOR", "Cache", "Ceilings", "Latency", "Measurement", "Sizing", "Transfer",
+           "as_runtime", "copy_bandwidth", "fill_random", "host_caches", "launch_latency",
+           "measure_all", "parse_size", "read_bandwidth", "size_text", "sizing", "source", "transfer_bandwidth"]

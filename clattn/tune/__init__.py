@@ -1,0 +1,24 @@
+"""``clattn tune``: what a device can do, whether clattn is right on it, and its best profile.
+
+The tool around the core, never imported by it. Modules, in import order:
+
+* :mod:`~clattn.tune.timing`: the one timing helper (event times, warm-up kept out) and
+  the one table printer, shared with ``tools/bench.py``;
+* :mod:`~clattn.tune.ceilings`: read/copy bandwidth past every cache, launch latency,
+  transfers;
+* :mod:`~clattn.tune.workloads`: model shapes, page pools and rotating page sets;
+* :mod:`~clattn.tune.checks`: the correctness set against the CPU backend;
+* :mod:`~clattn.tune.search`: the search space and the tuner;
+* :mod:`~clattn.tune.report`: the report as typed data, its text, JSON and plot;
+* :mod:`~clattn.tune.session`: one run, step by step;
+* :mod:`~clattn.tune.command`: the ``clattn tune`` command line (alias ``clattn profile``).
+"""
+from . import ceilings, checks, command, report, search, session, timing, workloads
+from .checks import Check, correctness
+from .report import Report, format_report, plot_report
+from .search import Settings, Tuner
+from .session import tune_device
+
+__all__ = ["Check", "Report", "Settings", "Tuner", "ceilings", "checks", "command",
+           "correctness", "format_report", "plot_report", "report", "search", "session",
+           "timing", "tune_device", "workloads"]

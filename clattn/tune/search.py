@@ -1,0 +1,646 @@
+"""The tuner: a declarative search space and one generic coordinate-search loop.
+
+The space (:data:`SEARCH_SPACE`) is a list of :class:`Parameter`: a Profile field, the
+values tried, the strategies whose kernels read it and the device limit it must respect
+(the shape of CLBlast's ``TunerSettings``). :class:`Tuner` visits the parameters in order
+from the best profile so far, one field at a time. Every new kernel is verified against
+the CPU backend before it is timed; times are kernel time from the profiling events of
+each call (decode and merge, host overhead excluded), the median over calls that rotate
+over page sets spanning at least 4x the largest cache. Candidates are scored as CLBlast
+does: the sum over shapes of ``time / best time for that shape``; the winner is timed again
+beside the default and kept only if it is still faster.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Mapping
+
+from .. import runtime
+from ..decode import BatchDecode
+from ..fit import Limits, decode_geometry, merge_geometry
+from ..profiles import fit as fit_profile
+from ..profiles.record import STRATEGIES, Profile
+from .ceilings import sizing
+from .checks import VERIFY_LENGTHS, check_decode, decoder, make_case
+from .timing import event_seconds, first_line, sample
+from .workloads import FULL_POINTS, MODELS, QUICK_POINTS, PagePool, Shape, Workload, \
+    pool_pages, shapes_for, spec_for
+
+# -- the search space ----------------------------------------------------------------------
+
+
+def _fits_work_group(value: int, limits: Limits) -> bool:
+    return value <= min(limits.max_work_group_size, limits.max_work_item_sizes[0])
+
+
+def _has_subgroups(value: str, limits: Limits) -> bool:
+    return value != "subgroup" or bool(limits.subgroup_sizes)
+
+
+@dataclass(frozen=True)
+class Parameter:
+    """One axis of the search space.
+
+    ``field``: the :class:`Profile` field; ``values``: what is tried; ``strategies``: the
+    strategies whose kernels read it (elsewhere it is not varied); ``kernel``: whether
+    it changes the kernel (a build) or only the split plan; ``allowed(value, limits)``:
+    the device constraint, if any; ``resets``: fields set along with it.
+    """
+
+    field: str
+    values: tuple
+    strategies: tuple[str, ...] = STRATEGIES
+    kernel: bool = True
+    allowed: Callable[[Any, Limits], bool] | None = None
+    resets: Mapping[str, Any] = field(default_factory=dict)
+
+
+#: visited in this order: the cheap plan fields before the other strategy (rarely a win,
+#: and its kernels are the slowest to build and to run)
+SEARCH_SPACE: tuple[Parameter, ...] = (
+    Parameter("vec", (1, 2, 4, 8, 16)),
+    Parameter("tile_rows", (1, 2, 4, 8)),
+    Parameter("wgs_per_cu", (1, 2, 4, 8, 16), kernel=False),
+    Parameter("min_partition_rows", (64, 128, 256, 512, 1024, 2048), kernel=False),
+    Parameter("strategy", STRATEGIES),
+    Parameter("thread_limit", (32, 64, 128, 256, 512, 1024), ("tiled",), allowed=_fits_work_group),
+    Parameter("use_local_kv", (True, False), ("tiled",)),
+    Parameter("reduction", ("local", "subgroup"), ("tiled",), allowed=_has_subgroups,
+              resets={"subgroup_size": None}),
+)
+#: the fields a candidate reports
+TUNED_FIELDS = tuple(p.field for p in SEARCH_SPACE) + ("subgroup_size",)
+PLAN_FIELDS = tuple(p.field for p in SEARCH_SPACE if not p.kernel) + ("max_partitions",)
+
+
+def values_to_try(param: Parameter, current: Profile, limits: Limits, quick: bool) -> list:
+    """The values of ``param`` to try from ``current``: nearest first; in a quick run
+    only the two nearest neighbours; never the current value; [] where it does not apply."""
+    if current.strategy not in param.strategies:
+        return []
+    vals = [v for v in param.values if param.allowed is None or param.allowed(v, limits)]
+    cur = getattr(current, param.field)
+    vals = [v for v in vals if v != cur]
+    if isinstance(cur, int) and not isinstance(cur, bool) and cur > 0:
+        vals.sort(key=lambda v: (abs(math.log2(v) - math.log2(cur)), v))
+        if quick:
+            vals = vals[:2]  # the two nearest neighbours
+    return vals
+
+
+# -- settings and progress -------------------------------------------------------------------
+@dataclass(frozen=True)
+class Settings:
+    """How hard one run tries (``quick`` or full)."""
+
+    quick: bool
+    budget_s: float  # tuning wall time, the final side-by-side re-timing included
+    points: tuple = FULL_POINTS
+    max_kernels: int = 40  # distinct kernel configurations (each one compiles)
+    max_plans: int = 16  # plan-only variations (no compile)
+    passes: int = 2  # coordinate-search passes over the fields
+    target_s: float = 0.1  # timed calls per shape last about this long
+    reps: int = 5  # at least this many timed calls per shape (the median counts)
+    prune: float = 3.0  # a candidate this many times slower than the best on a shape is dropped
+    ceiling_target_s: float = 0.25
+    ceiling_widths: tuple = (1, 2, 4, 8, 16)  # vector widths of the bandwidth kernels
+
+    @classmethod
+    def make(cls, quick: bool, budget: float | None) -> "Settings":
+        """The quick (``--quick``) or full settings, with ``budget`` seconds if given."""
+        if quick:
+            return cls(True, 20.0 if budget is None else budget, QUICK_POINTS, max_kernels=6,
+                       max_plans=3, passes=1, target_s=0.03, reps=3, prune=2.5,
+                       ceiling_target_s=0.03, ceiling_widths=(4, 8, 16))
+        return cls(False, 300.0 if budget is None else budget)
+
+    @property
+    def mode(self) -> str:
+        """``"quick"`` or ``"full"``."""
+        return "quick" if self.quick else "full"
+
+
+class Progress:
+    """One stderr line: a bar of the time budget, counts and what runs now.
+
+    On a terminal the line is redrawn in place; otherwise one line per finished step.
+    """
+
+    def __init__(self, budget_s: float, enabled: bool = True, stream: Any = None) -> None:
+        self.stream = stream or sys.stderr
+        self.enabled = enabled
+        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
+        self.budget = max(budget_s, 1e-9)
+        self.t0 = time.perf_counter()
+        self._width = 0
+
+    def elapsed(self) -> float:
+        """Seconds since the start."""
+        return time.perf_counter() - self.t0
+
+    def _line(self, text: str) -> str:
+        n = int(round(min(1.0, self.elapsed() / self.budget) * 20))
+        return f"tuning [{'#' * n}{'.' * (20 - n)}] {self.elapsed():4.0f}/{self.budget:.0f} s  {text}"
+
+    def update(self, text: str) -> None:
+        """Transient status (terminal only)."""
+        if self.enabled and self.tty:
+            line = self._line(text)[:118]
+            self.stream.write("\r" + line.ljust(self._width))
+            self._width = len(line)
+            self.stream.flush()
+
+    def step(self, text: str) -> None:
+        """A finished step: redrawn on a terminal, one line elsewhere."""
+        if not self.enabled:
+            return
+        if self.tty:
+            self.update(text)
+        else:
+            self.stream.write(self._line(text) + "\n")
+            self.stream.flush()
+
+    def done(self) -> None:
+        """Clear the line on a terminal."""
+        if self.enabled and self.tty and self._width:
+            self.stream.write("\r" + " " * self._width + "\r")
+            self.stream.flush()
+
+
+def params_text(p: Profile) -> str:
+    """The tuned fields of a profile on one line."""
+    if p.strategy == "rows":
+        return (f"rows vec={p.vec} tile={p.tile_rows} wgs/cu={p.wgs_per_cu} "
+                f"minpart={p.min_partition_rows}")
+    red = p.reduction + (f"/{p.subgroup_size}" if p.subgroup_size else "")
+    return (f"tiled vec={p.vec} tile={p.tile_rows} threads={p.thread_limit} "
+            f"local_kv={'y' if p.use_local_kv else 'n'} {red} wgs/cu={p.wgs_per_cu} "
+            f"minpart={p.min_partition_rows}")
+
+
+# -- results --------------------------------------------------------------------------------
+@dataclass
+class Candidate:
+    """One parameter set tried by the tuner; ``times``: shape key -> median seconds."""
+
+    id: int
+    profile: Profile
+    origin: str
+    kernel_key: Any = field(repr=False, default=None)
+    status: str = "pending"  # ok | skipped | pruned | stopped
+    reason: str = ""
+    times: dict[str, float] = field(default_factory=dict)
+    plans: dict[str, str] = field(default_factory=dict)  # shape key -> plan text
+    reused: int = 0  # shapes whose time came from an identical earlier launch
+    score: float | None = None
+
+    def params(self) -> dict[str, Any]:
+        """The tuned fields and their values."""
+        return {k: getattr(self.profile, k) for k in TUNED_FIELDS}
+
+
+@dataclass(frozen=True)
+class ShapeResult:
+    """The default and the chosen profile on one shape (median kernel seconds)."""
+
+    shape: Shape
+    default_s: float | None
+    tuned_s: float | None
+    plan: str = ""
+    page_sets: int = 1  # disjoint page sets the timed calls rotated over
+
+    @property
+    def speedup(self) -> float | None:
+        """default / tuned time."""
+        return self.default_s / self.tuned_s if self.default_s and self.tuned_s else None
+
+    @property
+    def default_gbps(self) -> float | None:
+        """Bytes moved / default time, GB/s."""
+        return self.shape.bytes_moved / self.default_s * 1e-9 if self.default_s else None
+
+    @property
+    def tuned_gbps(self) -> float | None:
+        """Bytes moved / tuned time, GB/s."""
+        return self.shape.bytes_moved / self.tuned_s * 1e-9 if self.tuned_s else None
+
+
+@dataclass(frozen=True)
+class Confirmation:
+    """The default and the winner timed again side by side: shape times and scores."""
+
+    times: dict[int, dict[str, float]] = field(default_factory=dict)
+    scores: dict[int, float] = field(default_factory=dict)
+    kept_default: str = ""
+    error: str = ""
+
+
+@dataclass
+class TuningResult:
+    """What a :class:`Tuner` found: every candidate, the chosen one, per-shape times."""
+
+    settings: Settings
+    shapes: list[Shape]
+    skipped_shapes: dict[str, str]
+    candidates: list[Candidate]
+    elapsed_s: float
+    stopped: str = ""
+    confirmation: Confirmation | None = None
+    chosen: Candidate | None = None
+    default: Candidate | None = None
+    per_shape: list[ShapeResult] = field(default_factory=list)
+
+
+class _Pruned(Exception):
+    """A candidate is too slow on a shape to be worth timing further."""
+
+
+# -- the search ------------------------------------------------------------------------------
+class Tuner:
+    """Coordinate search over :data:`SEARCH_SPACE`; every candidate verified, then timed.
+
+    Parameters
+    ----------
+    rt : clattn.runtime.Runtime
+    info : dict
+        ``clattn.profiles.device_info`` of the device.
+    base : Profile
+        The default (first candidate; the speedups are relative to it).
+    settings : Settings
+    progress : Progress
+    extra_seeds : iterable of (Profile, origin)
+        Further starting candidates (the user's current profile).
+    space : tuple of Parameter
+        The search space.
+    """
+
+    def __init__(self, rt: Any, info: dict, base: Profile, settings: Settings,
+                 progress: Progress, extra_seeds: Iterable[tuple[Profile, str]] = (),
+                 space: tuple[Parameter, ...] = SEARCH_SPACE) -> None:
+        self.rt, self.info, self.settings, self.progress = rt, info, settings, progress
+        self.space = space
+        self.limits = Limits.from_info(info)
+        self.models = list(MODELS)
+        self.specs = {m.name: spec_for(m) for m in self.models}
+        self.cold_bytes = sizing(rt.device).working_set_bytes
+        self.skipped_shapes: dict[str, str] = {}
+        self._pool_pages: dict[str, int] = {}
+        self.shapes = self._fit_shapes(shapes_for(settings.points, self.models))
+        self.base = base
+        self.seeds = [(base, "default")] + list(extra_seeds)
+        self.candidates: list[Candidate] = []
+        self._keys: dict[tuple, Candidate] = {}
+        self._kernel_ok: dict[Any, str | None] = {}  # kernel key -> None (verified) or reason
+        self._measured: dict[tuple, float] = {}  # (kernel key, shape, plan sig) -> seconds
+        self._best: dict[str, float] = {}  # shape key -> best seconds so far
+        self._pools: dict[str, PagePool] = {}
+        self._workloads: dict[str, Workload] = {}
+        self._ref: dict[str, tuple] = {}
+        self._kernels_tried = 0
+        self._plans_tried = 0
+        self._kernel_costs: list[float] = []  # seconds each new kernel took, start to end
+        self._reserve = 0.0  # seconds kept for confirm(): 4x the default's timing time
+        self.stop_reason = ""
+        self.kernel_stop = ""
+        self.chosen: Candidate | None = None
+        self.confirmation: Confirmation | None = None
+        self.t0 = time.perf_counter()
+
+    # ---- memory: one pool per model, past every cache
+    def _fit_shapes(self, shapes: list[Shape]) -> list[Shape]:
+        max_alloc = int(self.info.get("max_mem_alloc_size_bytes") or 0)
+        room = int(self.info.get("global_mem_size_bytes") or 0) // 2
+        keep = []
+        for s in shapes:
+            if max_alloc and s.pages_bytes > max_alloc:
+                self.skipped_shapes[s.key] = (f"KV pool {s.pages_bytes >> 20} MiB > max allocation "
+                                              f"{max_alloc >> 20} MiB")
+                continue
+            cold = min(self.cold_bytes, max_alloc) if max_alloc else self.cold_bytes
+            want = max(self._pool_pages.get(s.model, 0), pool_pages(s.num_pages, s.page_bytes, cold))
+            total = sum(n * s.page_bytes for m, n in self._pool_pages.items() if m != s.model)
+            if room and total + want * s.page_bytes > room:
+                self.skipped_shapes[s.key] = "the device's memory is too small for all shapes"
+                continue
+            self._pool_pages[s.model] = want
+            keep.append(s)
+        return keep
+
+    def _workload(self, shape: Shape) -> Workload:
+        if shape.model not in self._pools:
+            self._pools[shape.model] = PagePool(self.rt, self.specs[shape.model],
+                                                self._pool_pages[shape.model],
+                                                seed=len(self._pools) + 11)
+        if shape.key not in self._workloads:
+            self._workloads[shape.key] = Workload(self.rt, self._pools[shape.model], shape.batch,
+                                                  shape.context, seed=len(self._workloads) + 31)
+        return self._workloads[shape.key]
+
+    def release(self) -> None:
+        """Free every device buffer of the workloads."""
+        for w in self._workloads.values():
+            w.release()
+        for p in self._pools.values():
+            p.release()
+        self._workloads.clear()
+        self._pools.clear()
+
+    # ---- bookkeeping
+    def elapsed(self) -> float:
+        """Seconds since the tuner was made."""
+        return time.perf_counter() - self.t0
+
+    def deadline(self) -> float:
+        """Seconds into tuning when the search stops: the budget less the re-timing reserve."""
+        return self.settings.budget_s - min(self._reserve, 0.5 * self.settings.budget_s)
+
+    def over_budget(self) -> bool:
+        """Whether the search is past :meth:`deadline`."""
+        return self.elapsed() > self.deadline()
+
+    def _kernel_key(self, prof: Profile) -> tuple:
+        try:
+            return tuple(g for m in self.models for g in (
+                decode_geometry(self.specs[m.name], prof, self.limits),
+                merge_geometry(m.head_dim, self.specs[m.name].dtype, prof, self.limits)))
+        except ValueError as exc:
+            return ("invalid", str(exc))
+
+    # ---- one candidate
+    def _decoder(self, spec: Any, prof: Profile) -> BatchDecode:
+        return decoder(spec, self.rt.device, prof, build=False)
+
+    def _verify(self, dec: BatchDecode, name: str) -> str | None:
+        """None if ``dec`` agrees with the CPU backend (split and not), else why not."""
+        if name not in self._ref:
+            self._ref[name] = make_case(dec.spec, VERIFY_LENGTHS, seed=5)
+        args, kw = self._ref[name]
+        for split in (None, 2 * dec.spec.page_size):
+            chk = check_decode(name, dec, args, kw, split=split)
+            if not chk.passed:
+                return (f"wrong result on {name}{' (split)' if split else ''}: max error "
+                        f"{chk.max_abs_err:.3g} ({chk.detail})")
+        return None
+
+    def _time(self, dec: BatchDecode, w: Workload, plan: Any, shape: Shape,
+              prune: bool = True) -> float | str:
+        """Median kernel seconds per call (events of the decode and its merge), or a
+        string saying why the candidate was dropped."""
+        best_known = self._best.get(shape.key) if prune else None
+        counter = itertools.count()
+        fastest = [math.inf]
+
+        def call() -> dict[str, float]:
+            res = dec.run(*w.args(next(counter)), plan=plan, out=w.out, lse=w.lse)
+            return {"kernel": event_seconds(getattr(res, "events", (res.event,)))}
+
+        def observe(_: str, result: Mapping[str, float], warm: bool) -> None:
+            if best_known is None:
+                return
+            t = result["kernel"]
+            if warm:
+                if t > 1.5 * self.settings.prune * best_known + 0.002:
+                    raise _Pruned(f"{t / best_known:.1f}x the best time on {shape.key}")
+                return
+            fastest[0] = min(fastest[0], t)
+            if fastest[0] > self.settings.prune * best_known:
+                raise _Pruned(f"{fastest[0] / best_known:.1f}x the best time on {shape.key}")
+
+        try:
+            res = sample({"decode": call}, warmup=1, min_runs=self.settings.reps, max_runs=200,
+                         seconds=self.settings.target_s, observe=observe)
+        except _Pruned as why:
+            return f"pruned: {why}"
+        return res["decode"]["kernel"].median
+
+    def _admit(self, new_kernel: bool) -> bool:
+        """Whether a non-forced candidate still fits the caps and the time budget."""
+        if new_kernel and self._kernels_tried >= self.settings.max_kernels:
+            return False
+        if not new_kernel and self._plans_tried >= self.settings.max_plans:
+            return False
+        if self.over_budget():
+            self.stop_reason = self.stop_reason or \
+                f"time budget of {self.settings.budget_s:.0f} s used up"
+            return False
+        if new_kernel and self._kernel_costs:
+            cost = sum(self._kernel_costs) / len(self._kernel_costs)
+            if self.elapsed() + 0.75 * cost > self.deadline():
+                # no new kernels; plan-only candidates (no build) may still fit
+                self.kernel_stop = self.kernel_stop or (
+                    f"time budget of {self.settings.budget_s:.0f} s: not enough left for "
+                    f"another kernel (about {cost:.0f} s each to build, verify and time)")
+                return False
+        return True
+
+    def _build(self, cand: Candidate, new_kernel: bool, label: str) -> dict[str, BatchDecode] | None:
+        """A decoder per model (new kernels built and verified); None if the kernel failed."""
+        kkey = cand.kernel_key
+        if kkey[0] == "invalid":
+            self._kernel_ok[kkey] = f"not valid on this device: {kkey[1]}"
+        decs: dict[str, BatchDecode] = {}
+        if new_kernel and kkey[0] != "invalid":
+            self._kernel_ok[kkey] = None
+        for m in self.models:
+            if self._kernel_ok[kkey]:
+                break
+            self.progress.update(f"{label}: build + verify {m.name}")
+            try:
+                dec = self._decoder(self.specs[m.name], cand.profile)
+                if new_kernel:
+                    self._kernel_ok[kkey] = self._verify(dec.build(), m.name)
+                decs[m.name] = dec
+            except KeyboardInterrupt:
+                raise
+            except runtime.BuildError as exc:
+                self._kernel_ok[kkey] = "build failed: " + first_line(exc)
+            except Exception as exc:  # noqa: BLE001 - any driver error skips the candidate
+                self._kernel_ok[kkey] = "failed: " + first_line(exc)
+        if self._kernel_ok[kkey]:
+            cand.status, cand.reason = "skipped", self._kernel_ok[kkey]
+            return None
+        return decs
+
+    def _time_shapes(self, cand: Candidate, decs: dict[str, BatchDecode], label: str,
+                     force: bool) -> None:
+        """Time ``cand`` on every shape (identical launches reused), or stop at the first
+        shape that prunes, fails or runs past the budget."""
+        for shape in self.shapes:
+            if not force and self.over_budget():
+                cand.status = "stopped"
+                cand.reason = f"time budget of {self.settings.budget_s:.0f} s used up"
+                self.stop_reason = self.stop_reason or cand.reason
+                return
+            dec = decs[shape.model]
+            w = self._workload(shape)
+            plan = dec.plan(w.indptr, w.last)
+            cand.plans[shape.key] = str(plan)
+            mkey = (cand.kernel_key, shape.key,
+                    (plan.part_rows, plan.num_parts) if plan.split else (0, 1))
+            if mkey in self._measured:
+                cand.times[shape.key] = self._measured[mkey]
+                cand.reused += 1
+                continue
+            self.progress.update(f"{label}: {shape.key}")
+            t_shape = time.perf_counter()
+            try:
+                t = self._time(dec, w, plan, shape)
+            except KeyboardInterrupt:
+                raise
+            except Exception as exc:  # noqa: BLE001
+                t = "failed: " + first_line(exc)
+            if cand.id == 0:  # confirm() times the default and the winner twice each
+                self._reserve += 4 * (time.perf_counter() - t_shape)
+            if isinstance(t, str):
+                pruned = t.startswith("pruned: ")
+                cand.status = "pruned" if pruned else "skipped"
+                cand.reason = t[len("pruned: "):] if pruned else t
+                return
+            self._measured[mkey] = t
+            cand.times[shape.key] = t
+            self._best[shape.key] = min(self._best.get(shape.key, math.inf), t)
+        cand.status = "ok"
+
+    def evaluate(self, prof: Profile, origin: str, *, force: bool = False) -> Candidate | None:
+        """Fit, verify and time ``prof`` on every shape; None for a duplicate or past a cap.
+
+        ``force``: past the caps and the budget (the seeds).
+        """
+        prof, _ = fit_profile(prof, self.info)
+        kkey = self._kernel_key(prof)
+        key = (kkey, tuple(getattr(prof, k) for k in PLAN_FIELDS))
+        if key in self._keys:
+            return None
+        new_kernel = kkey not in self._kernel_ok
+        if not force and not self._admit(new_kernel):
+            return None
+        t_cand = time.perf_counter()
+        cand = Candidate(len(self.candidates), prof, origin, kkey)
+        self.candidates.append(cand)
+        self._keys[key] = cand
+        if new_kernel:
+            self._kernels_tried += 1
+        else:
+            self._plans_tried += 1
+        label = f"#{cand.id} {params_text(prof)}"
+        decs = self._build(cand, new_kernel, label)
+        if decs is not None:
+            self._time_shapes(cand, decs, label, force)
+        if new_kernel:
+            self._kernel_costs.append(time.perf_counter() - t_cand)
+        self._rescore()
+        tail = (f"score {cand.score:.2f}" if cand.score is not None
+                else f"{cand.status} ({cand.reason})")
+        self.progress.step(f"{label}: {tail}")
+        return cand
+
+    def _rescore(self) -> None:
+        done = [c for c in self.candidates if c.status == "ok"]
+        keys = [s.key for s in self.shapes]
+        best = {k: min(c.times[k] for c in done) for k in keys} if done else {}
+        for c in self.candidates:
+            c.score = sum(c.times[k] / best[k] for k in keys) if c.status == "ok" and keys else None
+
+    def best(self) -> Candidate | None:
+        """The candidate with the lowest score (the earliest on a tie)."""
+        ok = [c for c in self.candidates if c.status == "ok" and c.score is not None]
+        return min(ok, key=lambda c: (c.score, c.id)) if ok else None
+
+    # ---- the loop
+    def search(self) -> None:
+        """The seeds, then passes over the search space from the best so far."""
+        for prof, origin in self.seeds:
+            self.evaluate(prof, origin, force=True)
+        best = self.best()
+        if best is None:
+            self.stop_reason = "the default profile could not be timed"
+            return
+        for _ in range(self.settings.passes):
+            before = best.id
+            for param in self.space:
+                current = best.profile
+                for value in values_to_try(param, current, self.limits, self.settings.quick):
+                    self.evaluate(current.with_(**{param.field: value, **param.resets}),
+                                  f"{param.field}={value}")
+                    if self.stop_reason:
+                        return
+                best = self.best() or best
+            if best.id == before:
+                break
+
+    def confirm(self) -> None:
+        """Time the default and the winner again, interleaved, on every shape.
+
+        The search compares candidates measured minutes apart; on a busy machine that
+        noise can crown a loser. The winner is kept only if it is still faster here
+        (lower summed relative time over the two); else the default stays.
+        """
+        best, default = self.best(), self.candidates[0] if self.candidates else None
+        self.chosen = best
+        if best is None or default is None or default.status != "ok":
+            return
+        pair = [default] if best is default else [default, best]
+        times: dict[int, dict[str, float]] = {c.id: {} for c in pair}
+        decs = {c.id: {m.name: self._decoder(self.specs[m.name], c.profile)
+                       for m in self.models} for c in pair}
+        for shape in self.shapes:
+            w = self._workload(shape)
+            for _ in range(2):
+                for c in pair:
+                    self.progress.update(f"confirming #{c.id} on {shape.key}")
+                    dec = decs[c.id][shape.model]
+                    t = self._time(dec, w, dec.plan(w.indptr, w.last), shape, prune=False)
+                    times[c.id][shape.key] = min(times[c.id].get(shape.key, math.inf), t)
+        fastest = {k: min(times[c.id][k] for c in pair) for k in times[default.id]}
+        scores = {c.id: sum(times[c.id][k] / fastest[k] for k in fastest) for c in pair}
+        kept = ""
+        if best is not default and scores[best.id] >= scores[default.id]:
+            self.chosen = default
+            kept = (f"#{best.id} won the search (score {best.score:.2f}) but was not faster than "
+                    f"the default when timed again ({scores[best.id]:.2f} vs "
+                    f"{scores[default.id]:.2f})")
+        self.confirmation = Confirmation(times, scores, kept)
+        self.progress.step(f"confirmed: #{self.chosen.id} "
+                           f"({', '.join(f'#{i} {v:.2f}' for i, v in scores.items())})")
+
+    def run(self) -> TuningResult:
+        """Search, confirm, free the workloads; the result."""
+        try:
+            self.search()
+            try:
+                self.confirm()
+            except KeyboardInterrupt:
+                raise
+            except Exception as exc:  # noqa: BLE001 - keep the search's answer
+                self.chosen = self.best()
+                self.confirmation = Confirmation(error=first_line(exc))
+            return self.result()
+        finally:
+            self.release()
+
+    def result(self) -> TuningResult:
+        """What was found so far, as typed data."""
+        default = self.candidates[0] if self.candidates else None
+        chosen = self.chosen or self.best()
+        per_shape = []
+        if chosen is not None and default is not None and default.status == "ok":
+            conf = self.confirmation.times if self.confirmation else {}
+            order = {m.name: i for i, m in enumerate(self.models)}
+            for s in sorted(self.shapes, key=lambda s: (order[s.model], s.context, s.batch)):
+                per_shape.append(ShapeResult(
+                    s, conf.get(default.id, default.times).get(s.key),
+                    conf.get(chosen.id, chosen.times).get(s.key), chosen.plans.get(s.key, ""),
+                    self._workloads[s.key].n_sets if s.key in self._workloads else 1))
+        return TuningResult(self.settings, list(self.shapes), dict(self.skipped_shapes),
+                            list(self.candidates), self.elapsed(),
+                            self.stop_reason or self.kernel_stop, self.confirmation,
+                            chosen if default is not None and default.status == "ok" else None,
+                            default, per_shape)
+
+
+__all__ = ["Candidate", "Confirmation", "Parameter", "Progress", "SEARCH_SPACE", "Settings",
+           "ShapeResult", "TUNED_FIELDS", "Tuner", "TuningResult", "params_text", "values_to_try"]

@@ -1,0 +1,110 @@
+"""One ``clattn tune`` run on one device: device, ceilings, correctness, tuning, the winner's checks.
+
+1. **Device**: the properties that matter and the profile the registry gives it, with the rule.
+2. **Ceilings** (:mod:`clattn.tune.ceilings`): streaming read and copy bandwidth past every
+   cache, launch latency, host<->device transfers.
+3. **Correctness** (:mod:`clattn.tune.checks`) of the device's current profile.
+4. **Tuning** (:mod:`clattn.tune.search`), only when every check passed.
+5. **The winner's correctness**: the full set again with the tuned profile, unless it is
+   the profile already checked.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import time
+from typing import Any, Callable
+
+from .. import runtime
+from ..profiles import device_info, fit, match
+from . import ceilings
+from .checks import correctness
+from .report import CeilingsResult, ProfileChoice, Report
+from .search import Progress, Settings, Tuner
+from .timing import first_line
+
+
+def measure_ceilings(rt: Any, settings: Settings) -> CeilingsResult:
+    """Read, copy, launch latency and transfers; one that fails is reported, not raised."""
+    res = CeilingsResult()
+    target, widths = settings.ceiling_target_s, settings.ceiling_widths
+    jobs: list[tuple[str, Callable[[], Any]]] = [
+        ("read", lambda: ceilings.read_bandwidth(rt, None, target, widths=widths)),
+        ("copy", lambda: ceilings.copy_bandwidth(rt, None, target, widths=widths)),
+        ("launch", lambda: ceilings.launch_latency(rt, max(target, 0.05))),
+        ("transfer", lambda: ceilings.transfer_bandwidth(
+            rt, max(ceilings.sizing(rt.device).working_set_bytes // 4, 1 << 20), target)),
+    ]
+    for name, job in jobs:
+        try:
+            setattr(res, name, job())
+        except KeyboardInterrupt:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a ceiling that cannot be measured is reported
+            res.errors[name] = first_line(exc)
+    return res
+
+
+def _choice(m: Any, info: dict) -> ProfileChoice:
+    prof, notes = fit(m.profile, info)
+    return ProfileChoice(m.profile.name, m.level, m.rule, tuple(notes), prof)
+
+
+def tune_device(device: Any, settings: Settings, *, progress: bool = True,
+                log: Callable[[str], None] | None = None) -> Report:
+    """Run every step on ``device``.
+
+    Parameters
+    ----------
+    device : pyopencl.Device
+    settings : Settings
+    progress : bool
+        Draw the tuner's progress line on stderr.
+    log : callable, optional
+        Called with one line per step.
+
+    Returns
+    -------
+    Report
+    """
+    say = log or (lambda text: None)
+    t_start = time.perf_counter()
+    rt = runtime.Runtime.for_device(device)
+    info = device_info(device)
+    current, builtin = _choice(match(info), info), _choice(match(info, user=False), info)
+    say(f"device: {info.get('device_name')} ({info.get('platform_name')}); profile "
+        f"{current.name} [{current.level}]")
+    steps: dict[str, float] = {}
+
+    say("measuring ceilings (read, copy, launch latency, transfers)...")
+    t = time.perf_counter()
+    ceil = measure_ceilings(rt, settings)
+    steps["ceilings"] = time.perf_counter() - t
+
+    say("checking correctness against the CPU backend...")
+    t = time.perf_counter()
+    checks = correctness(device, profile=current.profile)
+    steps["correctness"] = time.perf_counter() - t
+    rep = Report(_dt.datetime.now().astimezone().isoformat(timespec="seconds"), settings.mode,
+                 info, current, builtin, ceil, checks, step_seconds=steps)
+    if not rep.correctness_passed:
+        rep.tuning_note = "skipped: correctness failed"
+    else:
+        say(f"tuning ({settings.mode}, budget {settings.budget_s:.0f} s)...")
+        prog = Progress(settings.budget_s, enabled=progress)
+        seeds = [(current.profile, f"current ({current.level})")] \
+            if current.profile != builtin.profile else []
+        try:
+            rep.tuning = Tuner(rt, info, builtin.profile, settings, prog, seeds).run()
+        finally:
+            prog.done()
+        steps["tuning"] = rep.tuning.elapsed_s
+        if rep.chosen is not None and rep.chosen != current.profile:
+            say("checking the tuned profile's correctness...")
+            t = time.perf_counter()
+            rep.winner_checks = correctness(device, profile=rep.chosen)
+            steps["tuned correctness"] = time.perf_counter() - t
+    rep.elapsed_s = time.perf_counter() - t_start
+    return rep
+
+
+__all__ = ["measure_ceilings", "tune_device"]

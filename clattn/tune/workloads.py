@@ -1,0 +1,214 @@
+"""What the tuner and the benchmarks run: model shapes, and decode inputs on the device.
+
+A real decode step reads each layer's KV once, so timings rotate over disjoint page sets
+(:func:`rotating_tables`) that together span at least
+:data:`~clattn.tune.ceilings.COLD_FACTOR` x the largest cache: no timed call finds its
+pages in a cache. :class:`PagePool` is one model's pool of pages on the device;
+:class:`Workload` is one (batch, context) shape on it.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import numpy as np
+
+from .. import runtime
+from ..spec import AttentionSpec
+from .ceilings import fill_random
+
+
+@dataclass(frozen=True)
+class Model:
+    """A model's attention shape."""
+
+    name: str
+    num_qo_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+
+#: representative shapes: a GQA-4 model with head_dim 128 and a GQA-7 one with head_dim 64
+MODELS = (Model("llama-3-8b", 32, 8, 128), Model("qwen2.5-0.5b", 14, 2, 64))
+#: (batch, context) points per model
+FULL_POINTS = ((1, 1024), (8, 1024), (1, 8192), (8, 8192))
+QUICK_POINTS = ((1, 1024), (8, 1024), (1, 8192))
+PAGE_SIZE = 16
+DTYPE = "float16"
+
+
+def spec_for(model: Any, **kw: Any) -> AttentionSpec:
+    """The :class:`AttentionSpec` of a :class:`Model` or :class:`Shape` (``dtype`` and
+    other spec fields as keywords; f16 pages of :data:`PAGE_SIZE` rows by default)."""
+    return AttentionSpec(model.num_qo_heads, model.num_kv_heads, model.head_dim,
+                         page_size=PAGE_SIZE, dtype=kw.pop("dtype", DTYPE), **kw)
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One decode workload: a model at (batch, context), every sequence ``context`` rows."""
+
+    model: str
+    num_qo_heads: int
+    num_kv_heads: int
+    head_dim: int
+    batch: int
+    context: int
+    dtype: str = DTYPE
+    page_size: int = PAGE_SIZE
+
+    @property
+    def key(self) -> str:
+        """``llama-3-8b B=1 ctx=1024``."""
+        return f"{self.model} B={self.batch} ctx={self.context}"
+
+    @property
+    def itemsize(self) -> int:
+        """Bytes per element of q, pages and out."""
+        return np.dtype(self.dtype).itemsize
+
+    @property
+    def pages_per_sequence(self) -> int:
+        """Pages each sequence spans."""
+        return max(1, math.ceil(self.context / self.page_size))
+
+    @property
+    def num_pages(self) -> int:
+        """Pages of one call (one page set)."""
+        return self.batch * self.pages_per_sequence
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page (K and V)."""
+        return 2 * self.num_kv_heads * self.page_size * self.head_dim * self.itemsize
+
+    @property
+    def pages_bytes(self) -> int:
+        """Bytes of one page set."""
+        return self.num_pages * self.page_bytes
+
+    @property
+    def bytes_moved(self) -> int:
+        """K and V rows read, plus q read and out written (lse and tables neglected)."""
+        kv = self.batch * self.context * 2 * self.num_kv_heads * self.head_dim * self.itemsize
+        return kv + 2 * self.batch * self.num_qo_heads * self.head_dim * self.itemsize
+
+
+def shapes_for(points: Iterable[tuple[int, int]], models: Iterable[Model] = MODELS) -> list[Shape]:
+    """Every (model, batch, context), cheapest first (so slow candidates are pruned early)."""
+    out = [Shape(m.name, m.num_qo_heads, m.num_kv_heads, m.head_dim, b, c)
+           for m in models for b, c in points]
+    return sorted(out, key=lambda s: (s.bytes_moved, s.key))
+
+
+def pool_pages(set_pages: int, page_bytes: int, cold_bytes: int) -> int:
+    """Pages of a pool holding at least one set of ``set_pages`` and ``cold_bytes``."""
+    return max(set_pages, math.ceil(cold_bytes / page_bytes))
+
+
+def rotating_tables(rng: np.random.Generator, pool: int, batch: int, context: int,
+                    page_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Page tables of ``batch`` sequences of ``context`` rows, one per disjoint page set.
+
+    Parameters
+    ----------
+    rng : numpy.random.Generator
+    pool : int
+        Pages in the pool.
+    batch, context, page_size : int
+
+    Returns
+    -------
+    (indptr, last_page_len, indices)
+        ``indptr [batch + 1]`` and ``last_page_len [batch]`` (int32) are shared by every
+        set; ``indices [n_sets, batch x pages per sequence]`` (int32): set ``k`` uses the
+        pages of region ``k`` of the pool, shuffled (pages scattered, as in a real pool).
+    """
+    per_seq = max(1, -(-context // page_size))
+    per_set = batch * per_seq
+    n_sets = pool // per_set
+    if n_sets < 1:
+        raise ValueError(f"a pool of {pool} pages cannot hold {per_set} pages")
+    indices = np.stack([k * per_set + rng.permutation(per_set) for k in range(n_sets)])
+    indptr = (np.arange(batch + 1) * per_seq).astype(np.int32)
+    last = np.full(batch, context - (per_seq - 1) * page_size, np.int32)
+    return indptr, last, indices.astype(np.int32)
+
+
+class PagePool:
+    """One model's pages on the device, pseudo-random ``[pages, 2, H_kv, page_size, D]``."""
+
+    def __init__(self, rt: Any, spec: AttentionSpec, pages: int, seed: int) -> None:
+        cl = runtime.cl()
+        self.spec = spec
+        self.pages = cl.array.empty(rt.queue, spec.pool_shape(pages), spec.pool_dtype)
+        fill_random(rt, self.pages, seed=seed)
+
+    @property
+    def num_pages(self) -> int:
+        """Pages in the pool."""
+        return int(self.pages.shape[0])
+
+    def host_pages(self, count: int) -> np.ndarray:
+        """The first ``count`` pages (page set 0 of :func:`rotating_tables`) on the host."""
+        return self.pages[:count].get()
+
+    def release(self) -> None:
+        """Free the device memory now."""
+        _release(self.pages)
+
+
+class Workload:
+    """One shape's device inputs on a :class:`PagePool`: q, the tables of every page
+    set, out and lse. ``args(i)``: the positional arguments of ``BatchDecode.run`` for
+    call ``i`` (page set ``i mod n_sets``; always set 0 when ``hot``)."""
+
+    def __init__(self, rt: Any, pool: PagePool, batch: int, context: int, seed: int) -> None:
+        cl = runtime.cl()
+        q = rt.queue
+        spec = pool.spec
+        rng = np.random.default_rng(seed)
+        self.pool = pool
+        self.indptr, self.last, sets = rotating_tables(rng, pool.num_pages, batch, context,
+                                                       spec.page_size)
+        self.indices = sets[0]
+        self.n_sets = len(sets)
+        self.q_host = rng.standard_normal((batch, spec.num_qo_heads, spec.head_dim)).astype(
+            spec.np_dtype)
+        self.q = cl.array.to_device(q, self.q_host)
+        self.d_indptr = cl.array.to_device(q, self.indptr)
+        self.d_last = cl.array.to_device(q, self.last)
+        self._d_sets = cl.array.to_device(q, sets.reshape(-1))
+        n = sets.shape[1]
+        self.d_indices = [self._d_sets[k * n:(k + 1) * n] for k in range(self.n_sets)]
+        self.out = cl.array.empty(q, self.q_host.shape, spec.np_dtype)
+        self.lse = cl.array.empty(q, self.q_host.shape[:2], np.float32)
+        q.finish()
+
+    def args(self, i: int = 0, *, hot: bool = False) -> tuple:
+        """``(q, pages, indptr, indices, last_page_len)`` on the device for call ``i``."""
+        k = 0 if hot else i % self.n_sets
+        return (self.q, self.pool.pages, self.d_indptr, self.d_indices[k], self.d_last)
+
+    def host_args(self) -> tuple:
+        """Page set 0 on the host: the same call for the CPU backend."""
+        used = int(self.indices.size)
+        return (self.q_host, self.pool.host_pages(used), self.indptr, self.indices, self.last)
+
+    def release(self) -> None:
+        """Free the device memory now (not the pool's)."""
+        _release(self.q, self.d_indptr, self.d_last, self._d_sets, self.out, self.lse)
+
+
+def _release(*arrays: Any) -> None:
+    for a in arrays:
+        try:
+            a.finish()
+            a.base_data.release()
+        except Exception:  # noqa: BLE001 - best effort: the GC frees it anyway
+            pass
+
+
+__all__ = ["DTYPE", "FULL_POINTS", "MODELS", "Model", "PAGE_SIZE", "PagePool", "QUICK_POINTS",
+           "Shape", "Workload", "pool_pages", "rotating_tables", "shapes_for", "spec_for"]
