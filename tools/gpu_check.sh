@@ -6,6 +6,7 @@
 #   tools/gpu_check.sh [OUTDIR]          (default: $OUT, else ./gpu-results)
 #
 # Without network (the lent GPU machine), carry .whl/ made by tools/gpu_wheels.sh.
+# About 8 minutes in all: it fits one device call (10 minutes) with time to spare.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${1:-${OUT:-gpu-results}}"
@@ -41,13 +42,16 @@ dev="${CLATTN_GPU:-nvidia}"
 export PYOPENCL_CTX="$dev" CLATTN_TEST_DEVICES="$dev"
 
 rc=0
-timeout 240 $py -m pytest -q -x -p no:cacheprovider tests/test_signatures.py tests/test_fit.py \
+timeout 200 $py -m pytest -q -x -p no:cacheprovider tests/test_signatures.py tests/test_fit.py \
     tests/test_kernels.py tests/test_merge.py tests/test_decode_step.py tests/test_nonfinite.py \
     > "$out/tests.txt" 2>&1 || rc=1
 tail -n 5 "$out/tests.txt"
-timeout 150 $py tools/bench.py --device "$dev" > "$out/bench.txt" 2>&1 || rc=1
-tail -n 30 "$out/bench.txt"
-timeout 150 $py -m clattn.cli profile --quick --device "$dev" --out "$out/profile.json" \
+for suite in decode split; do
+    timeout 90 $py tools/bench.py --suite "$suite" --quick --device "$dev" \
+        --json "$out/bench-$suite.json" > "$out/bench-$suite.txt" 2>&1 || rc=1
+    tail -n 20 "$out/bench-$suite.txt"
+done
+timeout 90 $py -m clattn.cli tune --quick --device "$dev" --out "$out/profile.json" \
     > "$out/profile.txt" 2>&1 || rc=1
 tail -n 30 "$out/profile.txt"
 exit $rc
