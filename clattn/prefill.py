@@ -1,8 +1,9 @@
-"""The app-facing prefill API: many query tokens per sequence, causal over the paged cache.
+"""The app-facing prefill API: many query tokens per sequence over the paged cache.
 
 docs/prefill.md states the semantics: query ``i`` of sequence ``b`` is the token at chunk
 row ``chunk_b - n_b + i`` (its keys and values already appended to the cache) and attends
-chunk rows ``[0, chunk_b - n_b + i]``; every decode feature applies. A prefill with one
+chunk rows ``[0, chunk_b - n_b + i]`` (causal, the default) or the whole chunk; every
+decode feature applies. A prefill with one
 query per sequence is a decode whose query sits at the chunk's last row.
 """
 from __future__ import annotations
@@ -25,6 +26,7 @@ from .result import DecodeResult
 from .spec import INDEX_DTYPE, LSE_DTYPE, AttentionSpec
 from .staging import Call
 from .validate import PrefillArgs, check_array, check_prefill, chunk_lengths, is_host
+
 
 @dataclass(frozen=True)
 class PrefillPlan:
@@ -73,7 +75,7 @@ def make_prefill_plan(n_q: np.ndarray, chunk: np.ndarray | None, qb: int) -> Pre
 
 
 class BatchPrefill:
-    """Causal paged-KV prefill for one model configuration on one device.
+    """Paged-KV prefill (causal by default) for one model configuration on one device.
 
     Parameters
     ----------

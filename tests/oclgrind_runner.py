@@ -239,6 +239,12 @@ NO_ROPE = ("rows-f32-split", "rows-vec1-f16", "tiled-local-f32-g1-tile2",
            "merge-tiled-f16", "adversarial-rows-norope", "adversarial-tiled-local-norope")
 
 
+from oclgrind_prefill import PREFILL_NO_ROPE, PREFILL_VARIANTS  # noqa: E402  (prefill kernels)
+
+VARIANTS.update(PREFILL_VARIANTS)
+NO_ROPE += PREFILL_NO_ROPE
+
+
 # ------------------------------------------------------------------------------ self-tests
 BROKEN = """
 __kernel void oob(__global const float* a, __global float* b)

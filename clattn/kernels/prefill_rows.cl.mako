@@ -6,7 +6,7 @@ head g -> row i * G + g), padded to M, a multiple of the vector width. Everythin
 keeps is in private arrays (a CPU core's L1):
   * q transposed, qt[d] = the M rows' element d as NRV vectors, so that scores, the
     causal mask and the online softmax run across rows, VEC rows per vector, with no
-    horizontal sums: scores of NK keys x NRV row vectors per register tile;
+    horizontal sums: scores of NK keys x RG row vectors per register tile;
   * the accumulators row-major, acc[r] = head_dim as NV vectors: the values are added
     in register tiles of MV rows x NI vectors, each weight broadcast from memory;
   * keys and values, KB rows per block, converted to f32 (keys rotated) once per block.
@@ -33,7 +33,9 @@ V = VEC
 NV = D // V                                      # head_dim vectors of a row
 M = -(-(QB * G) // V) * V                        # rows, padded to whole vectors
 NRV = M // V                                     # row vectors
-NK = max(1, min(KB, 12 // NRV))                  # keys per score tile (<= 12 accumulators)
+RG = 2 if NRV % 2 == 0 else 1                   # row vectors per score tile
+NK = max(1, min(KB, 8 // RG))                    # keys per score tile (8 accumulators;
+                                                 # 4 x 2 measured best on PoCL and Intel)
 while KB % NK:
     NK -= 1
 MV = 4 if M % 4 == 0 else (2 if M % 2 == 0 else 1)   # rows per value tile
@@ -66,6 +68,7 @@ def vmax(a, b):
 %>\
 ${c.raw_loads(V)}
 ${d.q4_helpers()}
+${pc.exp2v(V)}
 % if NATIVE_HALF and DTYPE == "half":
 typedef ${"half" if V == 1 else "half%d" % V} __attribute__((aligned(2))) ldn_t;
 % endif
@@ -141,36 +144,37 @@ __kernel void clattn_prefill(${SIGNATURE})
                 for (int e = 0; e < ${NV}; ++e) { kf[j][e] = 0.0f; vf[j][e] = 0.0f; }
             }
         }
-        /* scores of NK keys x all rows per tile, the causal mask, the online softmax:
+        /* scores of NK keys x RG row vectors per tile, the causal mask, the online softmax:
            every row vector at once; a row with no attended key in the block keeps its
            state (r0, the block's first key, is attended iff r0 <= lim) */
         ${FV} bm[${NRV}];
         for (int v = 0; v < ${NRV}; ++v) bm[v] = -INFINITY;
-        for (int j = 0; j < ${KB}; j += ${NK}) {
+        for (int j = 0; j < ${KB}; j += ${NK})
+        for (int g = 0; g < ${NRV}; g += ${RG}) {
 % for k in range(NK):
-%   for v in range(NRV):
+%   for v in range(RG):
             ${FV} t${k}_${v} = 0.0f;
 %   endfor
 % endfor
             for (int e = 0; e < ${D}; ++e) {
-% for v in range(NRV):
-                const ${FV} q${v} = qt[e][${v}];
+% for v in range(RG):
+                const ${FV} q${v} = qt[e][g + ${v}];
 % endfor
 % for k in range(NK):
                 {
                     const float kk = ((const float*)kf[j + ${k}])[e];
-%   for v in range(NRV):
+%   for v in range(RG):
                     t${k}_${v} += kk * q${v};
 %   endfor
                 }
 % endfor
             }
 % for k in range(NK):
-%   for v in range(NRV):
+%   for v in range(RG):
             {
-                const ${FV} sv = ${valid("r0 + j + %d" % k, v)} ? ${score("t%d_%d" % (k, v))} : (${FV})(-INFINITY);
-                bm[${v}] = ${vmax("bm[%d]" % v, "sv")};
-                ${vst("sv", "pt[j + %d] + %d" % (k, v * V))}
+                const ${FV} sv = ${valid("r0 + j + %d" % k, "g + %d" % v)} ? ${score("t%d_%d" % (k, v))} : (${FV})(-INFINITY);
+                bm[g + ${v}] = ${vmax("bm[g + %d]" % v, "sv")};
+                ${vst("sv", "pt[j + %d] + (g + %d) * %d" % (k, v, V))}
             }
 %   endfor
 % endfor
@@ -178,10 +182,10 @@ __kernel void clattn_prefill(${SIGNATURE})
         for (int v = 0; v < ${NRV}; ++v) {
             const ${IV} live = ${valid("r0", "v")};
             const ${FV} mx = live ? ${vmax("mr[v]", "bm[v]")} : mr[v];
-            const ${FV} al = live ? exp2(mr[v] - mx) : (${FV})1.0f;
+            const ${FV} al = live ? clattn_exp2v(mr[v] - mx) : (${FV})1.0f;
             ${FV} sum = 0.0f;
             for (int j = 0; j < ${KB}; ++j) {
-                const ${FV} p = ${valid("r0 + j", "v")} ? exp2(${vld("pt[j] + v * %d" % V)} - mx) : (${FV})0.0f;
+                const ${FV} p = ${valid("r0 + j", "v")} ? clattn_exp2v(${vld("pt[j] + v * %d" % V)} - mx) : (${FV})0.0f;
                 sum += p;
                 ${vst("p", "pt[j] + v * %d" % V)}
             }
