@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import threading
 import warnings
-from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -11,7 +10,7 @@ import numpy as np
 from . import cpu_backend, runtime, signatures
 from .codegen import render_decode, render_merge
 from .decode_step import DecodeStep, upload_tables
-from .device import DeviceSetup, device_setup, warn_cpu_fallback
+from .device import DeviceSetup, build_fitted, open_backend
 from .fit import DecodeGeometry, decode_geometry, merge_geometry
 from .launch import Launcher
 from .plan import Plan, make_plan
@@ -22,7 +21,6 @@ from .spec import LSE_DTYPE, AttentionSpec, default_sm_scale
 from .staging import Call
 from .validate import check_decode, check_tables, chunk_lengths, is_host
 
-BACKENDS = ("auto", "opencl", "cpu")
 _CACHE_PLANS = 8  # plan tables kept on the device per BatchDecode
 _CACHE_ROPE = 16  # RoPE tables kept per BatchDecode (a caller varying rope_scale stays bounded)
 _CPU_PROFILE = Profile(name="cpu-backend", strategy="rows")
@@ -58,19 +56,9 @@ class BatchDecode:
                  profile: Any = None) -> None:
         if not isinstance(spec, AttentionSpec):
             raise TypeError(f"spec: expected an AttentionSpec, got {type(spec).__name__}")
-        if backend not in BACKENDS:
-            raise ValueError(f"backend={backend!r}: allowed {BACKENDS}")
         self.spec = spec
         self._lock = threading.Lock()
-        self.setup: DeviceSetup | None = None
-        if backend != "cpu":
-            dev = runtime.select_device(device)
-            if dev is None:
-                if backend == "opencl":
-                    raise runtime.NoDeviceError("backend='opencl' but no OpenCL device is present")
-                warn_cpu_fallback("no OpenCL device found")
-            else:
-                self.setup = device_setup(runtime.Runtime.for_argument(device, dev), profile)
+        self.setup: DeviceSetup | None = open_backend(device, backend, profile)
         self.backend = "opencl" if self.setup else "cpu"
         self._launchers: tuple[Launcher, Launcher] | None = None
         self._turns: dict = {}
@@ -114,24 +102,15 @@ class BatchDecode:
             return self._launchers
 
     def _fitted_decode_launcher(self, rt: Any) -> Launcher:
-        """Build the decode kernel; if the compiled kernel allows fewer work-items per
-        group than the geometry asks (CL_KERNEL_WORK_GROUP_SIZE: registers, private
-        memory), fit again with that as the device's limit and rebuild, with one warning."""
-        while True:
-            launcher = Launcher(rt.program(self.source()), signatures.DECODE, rt.dummy_int())
-            allowed = launcher.work_group_size(rt.device)
-            want = self.geometry.threads
-            if allowed is None or allowed >= want or self.geometry.strategy != "tiled":
-                return launcher
-            limits = replace(self.setup.limits, max_work_group_size=allowed)
-            geometry = decode_geometry(self.spec, self.setup.profile, limits)
-            if geometry.threads >= want:
-                raise RuntimeError(f"decode kernel needs {want} work-items per group; "
-                                   f"{rt.device.name!r} allows {allowed} for it")
-            warnings.warn(f"clattn: the decode kernel allows {allowed} work-items per group on "
-                          f"{rt.device.name!r}, the geometry asked for {want}: "
-                          f"{'; '.join(geometry.notes)}", RuntimeWarning, stacklevel=4)
-            self.setup.limits, self.geometry = limits, geometry
+        """Build the decode kernel, fitted again if the compiled kernel allows fewer
+        work-items per group than the geometry asks."""
+        spec, setup = self.spec, self.setup
+        launcher, self.geometry = build_fitted(
+            setup, self.geometry,
+            lambda g: Launcher(rt.program(render_decode(spec, g)), signatures.DECODE,
+                               rt.dummy_int()),
+            lambda limits: decode_geometry(spec, setup.profile, limits), "decode")
+        return launcher
 
     # -- planning ------------------------------------------------------------------
     def plan(self, page_indptr: np.ndarray, last_page_len: np.ndarray | None = None, *,

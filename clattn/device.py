@@ -3,11 +3,15 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, replace
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
+from . import runtime
 from .fit import Limits
 from .profiles.record import Profile
 from .runtime import cl as _cl
+
+#: where a BatchDecode / BatchPrefill may run
+BACKENDS = ("auto", "opencl", "cpu")
 
 _WARNED_NO_DEVICE = False
 
@@ -68,3 +72,50 @@ def device_setup(runtime: Any, profile: Any = None) -> DeviceSetup:
     except Exception:  # noqa: BLE001 - a driver without the query
         denorms = False
     return DeviceSetup(runtime, info, fitted, rule, replace(limits, denorms=denorms))
+
+
+def open_backend(device: Any, backend: str, profile: Any) -> DeviceSetup | None:
+    """The device set-up an attention object runs on, or None for the CPU backend.
+
+    ``backend``: ``"auto"`` (OpenCL when a device exists, else the CPU backend with one
+    warning), ``"opencl"`` (a device or :class:`~clattn.runtime.NoDeviceError`) or
+    ``"cpu"``.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r}: allowed {BACKENDS}")
+    if backend == "cpu":
+        return None
+    dev = runtime.select_device(device)
+    if dev is None:
+        if backend == "opencl":
+            raise runtime.NoDeviceError("backend='opencl' but no OpenCL device is present")
+        warn_cpu_fallback("no OpenCL device found")
+        return None
+    return device_setup(runtime.Runtime.for_argument(device, dev), profile)
+
+
+def build_fitted(setup: DeviceSetup, geometry: Any, build: Callable[[Any], Any],
+                 refit: Callable[[Limits], Any], what: str) -> tuple[Any, Any]:
+    """Build a kernel for ``geometry``; while the compiled kernel allows fewer work-items
+    per group than it asks (CL_KERNEL_WORK_GROUP_SIZE: registers, private memory), fit
+    again with that as the device's limit and rebuild, with one warning.
+
+    Returns ``(launcher, geometry)``; ``setup.limits`` keeps the kernel's limit.
+    """
+    device = setup.runtime.device
+    while True:
+        launcher = build(geometry)
+        allowed = launcher.work_group_size(device)
+        want = geometry.threads
+        if allowed is None or allowed >= want:
+            return launcher, geometry
+        limits = replace(setup.limits, max_work_group_size=allowed)
+        smaller = refit(limits)
+        if smaller.threads >= want:
+            raise RuntimeError(f"{what} kernel needs {want} work-items per group; "
+                               f"{device.name!r} allows {allowed} for it")
+        warnings.warn(f"clattn: the {what} kernel allows {allowed} work-items per group on "
+                      f"{device.name!r}, the geometry asked for {want}: "
+                      f"{'; '.join(smaller.notes) or 'fitted again'}", RuntimeWarning,
+                      stacklevel=5)
+        setup.limits, geometry = limits, smaller

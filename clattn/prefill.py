@@ -10,16 +10,16 @@ from __future__ import annotations
 
 import threading
 import warnings
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from . import cpu_backend, runtime, signatures
 from .codegen import render_prefill
-from .decode import BACKENDS, BatchDecode, _host, _host_kw
+from .decode import BatchDecode, _host, _host_kw
 from .decode_step import upload_tables
-from .device import DeviceSetup, device_setup, warn_cpu_fallback
+from .device import DeviceSetup, build_fitted, open_backend
 from .fit import PrefillGeometry, prefill_geometry
 from .launch import Launcher
 from .result import DecodeResult
@@ -110,21 +110,12 @@ class BatchPrefill:
                  profile: Any = None) -> None:
         if not isinstance(spec, AttentionSpec):
             raise TypeError(f"spec: expected an AttentionSpec, got {type(spec).__name__}")
-        if backend not in BACKENDS:
-            raise ValueError(f"backend={backend!r}: allowed {BACKENDS}")
         self.spec = spec
         self._lock = threading.Lock()
         self._turns: dict = {}
         self._units: tuple | None = None
         self._launcher: Launcher | None = None
-        self.setup: DeviceSetup | None = None
-        dev = runtime.select_device(device) if backend != "cpu" else None
-        if dev is not None:
-            self.setup = device_setup(runtime.Runtime.for_argument(device, dev), profile)
-        elif backend == "opencl":
-            raise runtime.NoDeviceError("backend='opencl' but no OpenCL device is present")
-        elif backend == "auto":
-            warn_cpu_fallback("no OpenCL device found")
+        self.setup: DeviceSetup | None = open_backend(device, backend, profile)
         self.backend = "opencl" if self.setup else "cpu"
         if self.setup:
             self.geometry: PrefillGeometry = prefill_geometry(spec, self.setup.profile,
@@ -144,24 +135,13 @@ class BatchPrefill:
         than the geometry asks (CL_KERNEL_WORK_GROUP_SIZE) is fitted again to that limit
         and rebuilt, with one warning."""
         with self._lock:
-            while self._launcher is None:
-                rt = self.setup.runtime
-                launcher = rt.launcher(("prefill", self.spec.key(), self.geometry),
-                                       signatures.PREFILL, self.source)
-                allowed = launcher.work_group_size(rt.device)
-                want = self.geometry.threads
-                if allowed is None or allowed >= want:
-                    self._launcher = launcher
-                    break
-                limits = replace(self.setup.limits, max_work_group_size=allowed)
-                geometry = prefill_geometry(self.spec, self.setup.profile, limits)
-                if geometry.threads >= want:
-                    raise RuntimeError(f"prefill kernel needs {want} work-items per group; "
-                                       f"{rt.device.name!r} allows {allowed} for it")
-                warnings.warn(f"clattn: the prefill kernel allows {allowed} work-items per "
-                              f"group on {rt.device.name!r}, the geometry asked for {want}",
-                              RuntimeWarning, stacklevel=4)
-                self.setup.limits, self.geometry = limits, geometry
+            if self._launcher is None:
+                rt, spec, setup = self.setup.runtime, self.spec, self.setup
+                self._launcher, self.geometry = build_fitted(
+                    setup, self.geometry,
+                    lambda g: rt.launcher(("prefill", spec.key(), g), signatures.PREFILL,
+                                          lambda: render_prefill(spec, g)),
+                    lambda limits: prefill_geometry(spec, setup.profile, limits), "prefill")
             return self._launcher
 
     # -- planning ------------------------------------------------------------------
