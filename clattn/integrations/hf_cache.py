@@ -1,0 +1,487 @@
+"""The transformers ``Cache`` whose keys and values live in :class:`clattn.PagedKVCache`.
+
+:class:`ClattnCache` holds one :class:`~clattn.PagedKVCache` per *layer kind* (full
+attention, or a sliding window of one size), each with a page pool per layer on the
+OpenCL device. The batch's rows are sequences of those caches; a row's padding tokens are
+never stored, so a padded position is never attended. One model forward is one step of
+each kind's cache: the first layer of the kind begins it (``begin(seq_ids, lengths)``),
+each layer appends its new keys and values and attends, the last layer ends it.
+
+The attention function (:mod:`clattn.integrations.transformers`) finds the cache through
+:data:`PENDING`: ``update`` records the layer and the tensors it returned, the attention
+call that follows in the same thread takes them. docs/transformers.md is the user's page.
+"""
+from __future__ import annotations
+
+import collections
+import math
+import threading
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+import clattn
+from clattn import runtime
+from clattn.spec import LSE_DTYPE, AttentionSpec
+
+__all__ = ["ClattnCache", "ClattnLayer", "UnsupportedFeatureError", "layer_windows"]
+
+NAME = "clattn"  # the attn_implementation a ClattnCache works with
+#: torch dtypes clattn stores (pages, q and out), by the name clattn gives them
+DTYPES = {torch.float16: "float16", torch.float32: "float32"}
+#: tokens per sequence a cache is sized for when neither generate nor the caller says
+DEFAULT_MAX_CACHE_LEN = 4096
+_BUFFERS_KEPT = 4  # device q/out/lse arrays kept per layer kind (one per step size)
+
+
+class UnsupportedFeatureError(NotImplementedError):
+    """A model or call feature clattn cannot compute; the message names it."""
+
+
+class _Pending(threading.local):
+    """What the last ``ClattnLayer.update`` of this thread returned (None once taken)."""
+
+    value: Any = None
+
+
+PENDING = _Pending()
+
+
+def layer_windows(config: Any) -> list[int | None]:
+    """The sliding window of each layer (None: full attention), as transformers reads
+    the config (``layer_types``, else ``sliding_window`` for every layer)."""
+    n = int(config.num_hidden_layers)
+    if not getattr(config, "is_causal", True):
+        raise UnsupportedFeatureError("clattn: config.is_causal=False (bidirectional "
+                                      "attention); clattn attends causally")
+    window = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None)
+    if types is None:
+        if getattr(config, "attention_chunk_size", None):
+            raise UnsupportedFeatureError(
+                f"clattn: chunked attention (config.attention_chunk_size="
+                f"{config.attention_chunk_size}) is not supported")
+        return [int(window) if window else None] * n
+    out: list[int | None] = []
+    for i, t in enumerate(list(types)[:n]):
+        if t == "full_attention":
+            out.append(None)
+        elif t == "sliding_attention":
+            if not window:
+                raise UnsupportedFeatureError(f"clattn: layer {i} is 'sliding_attention' but "
+                                              f"the config has no sliding_window")
+            out.append(int(window))
+        else:
+            raise UnsupportedFeatureError(
+                f"clattn: layer {i} has layer type {t!r}; clattn runs 'full_attention' and "
+                f"'sliding_attention' layers only")
+    return out
+
+
+class ClattnLayer(CacheLayerMixin):
+    """One layer of a :class:`ClattnCache`: counts the positions the model has seen (as
+    ``DynamicLayer`` does, padding included) and hands its new keys and values to the
+    attention call; the tokens themselves are in the owner's paged cache."""
+
+    is_compileable = False
+    is_croppable = True
+    supports_early_init = False
+
+    def __init__(self, owner: "ClattnCache", index: int, window: int | None) -> None:
+        super().__init__()
+        self.owner, self.index, self.window = owner, index, window
+        self.is_sliding = window is not None
+        self.cumulative_length = 0
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """Record the new keys and values; the attention call appends them (and needs the
+        query, the mask and the module's scaling to do so). Returns them unchanged."""
+        if self.owner.broken is not None:
+            raise RuntimeError(f"clattn: this ClattnCache stopped at an error in a forward "
+                               f"({self.owner.broken}); call reset() to use it again")
+        impl = getattr(self.owner.config, "_attn_implementation", NAME)
+        if impl != NAME:
+            raise RuntimeError(
+                f"clattn: a ClattnCache needs attn_implementation={NAME!r}; the model attends "
+                f"with {impl!r} (which would see only the new tokens' keys and values): "
+                f"model.set_attn_implementation({NAME!r}), or use another cache")
+        if PENDING.value is not None:
+            PENDING.value = None
+            raise RuntimeError(f"clattn: layer {self.index - 1 if self.index else 'last'}'s "
+                               f"new keys and values were never attended (no {NAME!r} "
+                               f"attention call after the cache update); call reset()")
+        self.cumulative_length += int(key_states.shape[-2])
+        PENDING.value = (self.owner, self.index, key_states, value_states)
+        return key_states, value_states
+
+    def get_mask_sizes(self, query_length: Any) -> tuple[int, int]:
+        # an int (transformers 5), or the cache_position tensor of older versions
+        q = query_length if isinstance(query_length, int) else int(query_length.shape[0])
+        return self.cumulative_length + q, 0
+
+    def get_seq_length(self) -> int:
+        return self.cumulative_length
+
+    def get_max_length(self) -> int:
+        return -1
+
+    # the sequence operations are the owner's, once for all layers
+    def reset(self) -> None:
+        self.cumulative_length = 0
+
+    def offload(self) -> None:  # the pools stay on the OpenCL device
+        pass
+
+    def prefetch(self) -> None:
+        pass
+
+
+class ClattnCache(Cache):
+    """A transformers ``Cache`` backed by :class:`clattn.PagedKVCache` on an OpenCL device.
+
+    Parameters
+    ----------
+    model : PreTrainedModel, optional
+        The model (its text config is read). Or ``config=``.
+    device : None, str, pyopencl.Device/Context/CommandQueue
+        As for :class:`clattn.BatchDecode` (``"pocl"``, ``"intel"``, a name; None:
+        ``PYOPENCL_CTX`` or clattn's default). Default: the one given to
+        :func:`clattn.integrations.transformers.register`.
+    page_size : int, optional
+        Tokens per page (default: register()'s, 16).
+    max_cache_len : int, optional
+        Tokens per sequence the pools are sized for (``generate`` passes its
+        ``max_length``); default 4096. Ignored with ``num_pages``/``budget_bytes``.
+    num_pages, budget_bytes : int, optional
+        Pages per layer, or bytes for all the pools of all layer kinds together.
+    prefill : bool
+        Prompt steps on :class:`clattn.BatchPrefill` (when clattn has it) instead of the
+        cache's causal chunk attend.
+    backend, profile
+        As for :class:`clattn.PagedKVCache` (``backend="cpu"``: numpy pools).
+
+    The pools are made at the first forward, from the shapes and dtype the model
+    attends with (f16 or f32), one :class:`~clattn.PagedKVCache` per layer kind.
+    """
+
+    def __init__(self, model: Any = None, *, config: Any = None, device: Any = None,
+                 page_size: int | None = None, max_cache_len: int | None = None,
+                 num_pages: int | None = None, budget_bytes: int | None = None,
+                 prefill: bool | None = None, backend: str | None = None,
+                 profile: Any = None) -> None:
+        from . import transformers as _tf  # the defaults given to register()
+
+        if model is None and config is None:
+            raise TypeError("ClattnCache: pass the model (or config=)")
+        cfg = model.config if model is not None else config
+        cfg = cfg.get_text_config(decoder=True) if hasattr(cfg, "get_text_config") else cfg
+        if getattr(cfg, "is_encoder_decoder", False):
+            raise UnsupportedFeatureError("clattn: encoder-decoder models (cross-attention) "
+                                          "are not supported; decoder-only models are")
+        self.config = cfg
+        self.windows = layer_windows(cfg)
+        super().__init__(layers=[ClattnLayer(self, i, w) for i, w in enumerate(self.windows)])
+        d = _tf.DEFAULTS
+        self.device = d["device"] if device is None else device
+        self.page_size = int(d["page_size"] if page_size is None else page_size)
+        self.max_cache_len = max_cache_len
+        self.num_pages, self.budget_bytes = num_pages, budget_bytes
+        self.use_prefill = d["prefill"] if prefill is None else bool(prefill)
+        self.backend = d["backend"] if backend is None else backend
+        self.profile = d["profile"] if profile is None else profile
+        self.groups: dict = {}  # window (None = full) -> _Group, made at the first forward
+        self.rows: list | None = None  # the sequence id of each batch row
+        self._next_id = 0
+        self._cl_device: Any = None
+        #: steps run per layer kind, by path: "decode" (one token per sequence, the
+        #: cache's decode kernel), "prefill" (BatchPrefill), "chunk" (a prompt over the
+        #: cache's causal chunk attend), "empty" (nothing but padding)
+        self.steps: collections.Counter = collections.Counter()
+        self.broken: str | None = None  # the error a forward stopped at (reset() clears)
+
+    # -- what the model sees ----------------------------------------------------------
+    def __repr__(self) -> str:
+        kinds = ", ".join(f"{'full' if w is None else f'window {w}'}: {len(g.layers)} layers"
+                          for w, g in self.groups.items()) or "pools not made yet"
+        return f"ClattnCache({len(self.layers)} layers; {kinds})"
+
+    @property
+    def batch_size(self) -> int:
+        return -1 if self.rows is None else len(self.rows)
+
+    def stats(self) -> dict:
+        """``{"full" | "window N": clattn.cache.CacheStats}`` of each layer kind's cache."""
+        return {("full" if w is None else f"window {w}"): g.cache.stats()
+                for w, g in self.groups.items()}
+
+    # -- sequence operations (once for every layer) ---------------------------------------
+    def reset(self) -> None:
+        """Forget every sequence (their pages go back); the pools are kept."""
+        for g in self.groups.values():
+            g.abort()
+            for sid in list(g.cache.sequences):
+                g.cache.remove(sid)
+        self.rows = None
+        self.broken = None
+        PENDING.value = None
+        for layer in self.layers:
+            layer.reset()
+
+    def fail(self, exc: BaseException) -> None:
+        """A forward stopped at ``exc``: every step in progress is abandoned (its pages go
+        back) and the cache refuses further forwards until :meth:`reset`, since the
+        positions transformers counted and the tokens stored no longer agree."""
+        for g in self.groups.values():
+            g.abort()
+        self.broken = f"{type(exc).__name__}: {exc}"
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drop the last ``-tokens_to_remove`` tokens of every row (assisted decoding)."""
+        n = int(tokens_to_remove)
+        if n > 0:
+            raise ValueError(f"crop({n}): pass a negative number of tokens to remove (the "
+                             f"absolute-length form is not supported, as in DynamicCache)")
+        if n == 0 or self.rows is None:
+            return
+        for g in self.groups.values():
+            g.no_step("crop")
+            for sid in self.rows:
+                g.cache.pop(sid, -n)
+        for layer in self.layers:
+            layer.cumulative_length = max(0, layer.cumulative_length + n)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Row ``i`` becomes old row ``beam_idx[i]`` (beam search): forks share pages."""
+        self._reindex(beam_idx)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._reindex(indices)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.rows is not None:
+            self._reindex(torch.arange(len(self.rows)).repeat_interleave(int(repeats)))
+
+    def _reindex(self, index: Any) -> None:
+        if self.rows is None:
+            return
+        src = [int(i) for i in torch.as_tensor(index).reshape(-1).tolist()]
+        old = self.rows
+        new = [self._new_id() for _ in src]
+        for g in self.groups.values():
+            g.no_step("a batch reorder")
+            for s, sid in zip(src, new):
+                g.cache.fork(old[s], sid)
+            for sid in old:
+                g.cache.remove(sid)
+        self.rows = new
+
+    # -- used by the attention function ------------------------------------------------
+    def _new_id(self) -> int:
+        self._next_id += 1
+        return self._next_id
+
+    def _rows_for(self, batch: int) -> list:
+        if self.rows is None:
+            self.rows = [self._new_id() for _ in range(batch)]
+            for g in self.groups.values():
+                g.add_rows(self.rows)
+        elif len(self.rows) != batch:
+            raise ValueError(f"clattn: the cache holds {len(self.rows)} sequences, this "
+                             f"forward has a batch of {batch}; reset() the cache or make a "
+                             f"new ClattnCache")
+        return self.rows
+
+    def group(self, index: int, module: Any, query: torch.Tensor, key: torch.Tensor,
+              value: torch.Tensor, scaling: float, softcap: float | None) -> "_Group":
+        """The layer kind of layer ``index``: made at its first call, checked after."""
+        window = self.windows[index]
+        g = self.groups.get(window)
+        key_ = (query.shape[1], query.shape[-1], key.shape[1], key.shape[-1], value.shape[1],
+                value.shape[-1], query.dtype, key.dtype, value.dtype, scaling, softcap)
+        if g is not None and g.key == key_:  # the common case: as the kind's first layer
+            return g
+        shape = _Shape(query, key, value, scaling, softcap)
+        if g is None:
+            g = _Group(self, window, [i for i, w in enumerate(self.windows) if w == window],
+                       shape)
+            g.key = key_
+            self.groups[window] = g
+            if self.rows is not None:
+                g.add_rows(self.rows)
+        else:
+            g.check(index, shape)
+        return g
+
+    def _pool_pages(self, spec: AttentionSpec, layers: int, batch: int) -> dict:
+        """``num_pages=`` or ``budget_bytes=`` for one layer kind's PagedKVCache."""
+        if self.num_pages is not None:
+            return {"num_pages": int(self.num_pages)}
+        if self.budget_bytes is not None:  # shared by the kinds in proportion to layers
+            return {"budget_bytes": int(self.budget_bytes) * layers // len(self.layers)}
+        tokens = self.max_cache_len or DEFAULT_MAX_CACHE_LEN
+        return {"num_pages": batch * (math.ceil(tokens / spec.page_size) + 1)}
+
+    def cl_device(self) -> Any:
+        """What the layer kinds' caches are made on: the caller's pyopencl device, context
+        or queue as given (one context for the pools and the prefill objects), else the
+        device clattn selects for the name; None for the CPU backend."""
+        if self._cl_device is None and self.backend != "cpu":
+            pcl = runtime.cl()
+            if isinstance(self.device, (pcl.Device, pcl.Context, pcl.CommandQueue)):
+                self._cl_device = self.device
+            else:
+                self._cl_device = clattn.select_device(self.device)
+            if self._cl_device is None and self.backend == "opencl":
+                raise clattn.NoDeviceError("backend='opencl' but no OpenCL device is present")
+        return self._cl_device
+
+
+class _Shape:
+    """What one layer attends with (the kind's spec is made from its first layer's)."""
+
+    def __init__(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 scaling: float, softcap: float | None) -> None:
+        self.heads, self.head_dim = int(query.shape[1]), int(query.shape[-1])
+        self.kv_heads = int(key.shape[1])
+        self.dtype = query.dtype
+        self.scaling = float(scaling)
+        self.softcap = None if softcap is None else float(softcap)
+        if key.shape[-1] != self.head_dim or value.shape[-1] != self.head_dim or \
+                value.shape[1] != self.kv_heads:
+            raise UnsupportedFeatureError(
+                f"clattn: q/k/v head sizes differ (q {tuple(query.shape)}, k "
+                f"{tuple(key.shape)}, v {tuple(value.shape)}); clattn needs one head_dim "
+                f"for queries, keys and values")
+        if self.dtype not in DTYPES or key.dtype != self.dtype or value.dtype != self.dtype:
+            raise UnsupportedFeatureError(
+                f"clattn: dtype {query.dtype} (k {key.dtype}, v {value.dtype}); clattn "
+                f"stores float16 or float32: load the model in one of them "
+                f"(dtype=torch.float16/float32, or model.half()/model.float())")
+
+    def items(self) -> dict:
+        return {"query heads": self.heads, "kv heads": self.kv_heads,
+                "head_dim": self.head_dim, "dtype": self.dtype, "scaling": self.scaling,
+                "softcap": self.softcap}
+
+
+class _Group:
+    """One layer kind: its PagedKVCache, prefill object, device arrays and step."""
+
+    def __init__(self, owner: ClattnCache, window: int | None, layers: list[int],
+                 shape: _Shape) -> None:
+        self.owner, self.window, self.layers, self.shape = owner, window, layers, shape
+        self.local = {hf: i for i, hf in enumerate(layers)}
+        self.spec = AttentionSpec(
+            num_qo_heads=shape.heads, num_kv_heads=shape.kv_heads, head_dim=shape.head_dim,
+            page_size=owner.page_size, dtype=DTYPES[shape.dtype],
+            sliding_window=window is not None, softcap=shape.softcap)
+        dev = owner.cl_device()
+        backend = "cpu" if dev is None else "opencl"
+        pages = owner._pool_pages(self.spec, len(layers), max(1, owner.batch_size))
+        self.cache = clattn.PagedKVCache(self.spec, len(layers), device=dev, backend=backend,
+                                         profile=owner.profile, rope=None,
+                                         sm_scale=shape.scaling, **pages)
+        self.on_device = self.cache.backend != "cpu"
+        pre = getattr(clattn, "BatchPrefill", None) if owner.use_prefill else None
+        self.prefill = None
+        if pre is not None:
+            self.prefill = pre(self.spec, dev, backend=backend, profile=owner.profile)
+        if self.on_device:
+            pool = self.cache.pools[0]
+            self.queue, self.context = pool.queue, pool.context
+        self.buffers: dict = {}
+        self.step: _Step | None = None
+        self.key: tuple = ()  # the shapes, dtypes, scaling and softcap of its first layer
+
+    def add_rows(self, rows: Sequence) -> None:
+        for sid in rows:
+            if sid not in self.cache:
+                self.cache.add(sid, window=self.window)
+
+    def check(self, index: int, shape: _Shape) -> None:
+        mine, theirs = self.shape.items(), shape.items()
+        for name, v in theirs.items():
+            if v != mine[name]:
+                raise UnsupportedFeatureError(
+                    f"clattn: layer {index} attends with {name}={v}, the other layers of its "
+                    f"kind ({'full attention' if self.window is None else f'window {self.window}'}"
+                    f") with {mine[name]}; clattn needs one value per layer kind")
+
+    def no_step(self, what: str) -> None:
+        if self.step is not None:
+            raise RuntimeError(f"clattn: {what} during a model forward")
+
+    def abort(self) -> None:
+        """Abandon the step in progress (an error in the forward): its pages go back."""
+        if self.step is not None:
+            if self.step.begun:
+                self.cache.cancel()
+            self.step = None
+
+    def buffers_for(self, T: int) -> tuple:
+        """Device ``q``, ``out`` [T, H, D] and ``lse`` [T, H] (reused per step size)."""
+        hit = self.buffers.pop(T, None)
+        if hit is None:
+            cl = runtime.cl()
+            H, D, dt = self.spec.num_qo_heads, self.spec.head_dim, self.spec.np_dtype
+            hit = (cl.array.empty(self.queue, (T, H, D), dt),
+                   cl.array.empty(self.queue, (T, H, D), dt),
+                   cl.array.empty(self.queue, (T, H), LSE_DTYPE))
+        self.buffers[T] = hit  # most recent last
+        while len(self.buffers) > _BUFFERS_KEPT:
+            self.buffers.pop(next(iter(self.buffers)))
+        return hit
+
+
+class _Step:
+    """One forward over one layer kind: which of the ``B x L`` new positions are tokens
+    (``sel``: their flat indices, None for all), the lengths given to ``begin``, the
+    attention path and, for BatchPrefill, the per-sequence tables and plan."""
+
+    def __init__(self) -> None:
+        self.begun = False
+        self.done: set = set()
+        self.sel: torch.Tensor | None = None
+        self.T = 0
+        self.mode = "decode"
+        self.prefill_args: tuple = ()
+        self.plan: Any = None
+
+
+def prefill_tables(cache: Any, on_device: bool, queue: Any) -> tuple | None:
+    """Per-sequence page tables of the step in progress for :class:`clattn.BatchPrefill`
+    (``qo_indptr, page_indptr, page_indices, last_page_len`` and the window arrays), or
+    None when BatchPrefill cannot give the step's answer: a sequence whose window has
+    begun to slide (BatchPrefill keeps one window per sequence; the cache's own chunk
+    attend gives each token its own). The step's token tables are the cache's
+    (``PagedKVCache._step.tables``: the last token of a sequence sees all of its rows)."""
+    step = getattr(cache, "_step", None)
+    t = getattr(step, "tables", None)
+    if t is None:
+        return None
+    lengths = np.asarray(t.lengths, np.int64)
+    last = np.cumsum(lengths) - 1
+    if t.window_offset is not None and np.any(t.window_offset[last] != t.sink_size[last]):
+        return None
+    lo, hi = t.page_indptr[last], t.page_indptr[last + 1]
+    page_indptr = np.zeros(len(last) + 1, np.int32)
+    np.cumsum(hi - lo, out=page_indptr[1:])
+    page_indices = np.concatenate([t.page_indices[a:b] for a, b in zip(lo, hi)]).astype(np.int32)
+    qo_indptr = np.zeros(len(last) + 1, np.int32)
+    np.cumsum(lengths, out=qo_indptr[1:])
+    host = {"qo_indptr": qo_indptr, "page_indptr": page_indptr, "page_indices": page_indices,
+            "last_page_len": np.ascontiguousarray(t.last_page_len[last], np.int32)}
+    if t.window_offset is not None:
+        host["window_offset"] = np.ascontiguousarray(t.window_offset[last], np.int32)
+        host["sink_size"] = np.ascontiguousarray(t.sink_size[last], np.int32)
+    if not on_device:
+        return host, host
+    cl = runtime.cl()
+    return host, {k: cl.array.to_device(queue, v) for k, v in host.items()}

@@ -1,0 +1,458 @@
+"""Hugging Face transformers on clattn: ``attn_implementation="clattn"``.
+
+Importing this module registers (:func:`register` with the defaults):
+
+* the attention function ``"clattn"`` with ``transformers.AttentionInterface`` and its
+  mask function with ``transformers.masking_utils.AttentionMaskInterface``;
+* a :class:`ClattnCache` for ``generate``: when the model attends with ``"clattn"`` and
+  ``generate`` would make a ``DynamicCache``, it gets a ClattnCache instead (keys and
+  values in :class:`clattn.PagedKVCache` page pools on the OpenCL device), sized for the
+  call's ``max_length``; ``generate(..., attn_implementation="clattn")`` switches the
+  model for that call.
+
+Decode steps run the cache's decode kernel, prompt steps :class:`clattn.BatchPrefill`
+(or the cache's causal chunk attend where a sliding window has begun to slide inside the
+prompt). A forward without a ClattnCache (``use_cache=False``, another cache class) runs
+the model's eager attention in torch, with one warning. docs/transformers.md has the
+details: what is refused, padding, copies, timings.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+import sys
+import warnings
+from typing import Any, Callable
+
+import numpy as np
+import torch
+from transformers import AttentionInterface
+from transformers.cache_utils import DynamicCache
+from transformers.masking_utils import AttentionMaskInterface, eager_mask
+
+from clattn import CacheFullError, runtime
+
+from .hf_cache import (NAME, PENDING, ClattnCache, UnsupportedFeatureError, _Step,
+                       prefill_tables)
+
+__all__ = ["ClattnCache", "ClattnMask", "UnsupportedFeatureError", "attention",
+           "mask", "register"]
+
+#: what :func:`register` set: the default device and options of the caches made for generate
+DEFAULTS: dict = {"device": None, "prefill": True, "backend": "auto", "profile": None,
+                  "page_size": 16}
+
+
+def register(device: Any = None, *, prefill: bool = True, page_size: int = 16,
+             backend: str = "auto", profile: Any = None, patch_generate: bool = True) -> None:
+    """Register ``attn_implementation="clattn"`` with transformers (done at import).
+
+    Parameters
+    ----------
+    device : None, str, pyopencl.Device/Context/CommandQueue
+        Where the caches made from now on live: ``"pocl"``, ``"intel"``, a device name,
+        a pyopencl object; None: ``PYOPENCL_CTX``, else clattn's default device.
+    prefill : bool
+        Prompt steps on :class:`clattn.BatchPrefill` (True) or on the cache's causal
+        chunk attend (the decode kernel, one row per prompt token).
+    page_size : int
+        Tokens per page of the caches made for ``generate``.
+    backend, profile
+        As for :class:`clattn.PagedKVCache` (``backend="cpu"``: numpy, no device).
+    patch_generate : bool
+        Give ``generate`` a ClattnCache when the model attends with clattn, and accept
+        ``generate(..., attn_implementation=...)`` (transformers' own ``generate`` has
+        no such argument).
+    """
+    DEFAULTS.update(device=device, prefill=bool(prefill), page_size=int(page_size),
+                    backend=backend, profile=profile)
+    AttentionInterface.register(NAME, attention)
+    AttentionMaskInterface.register(NAME, mask)
+    if patch_generate:
+        _patch_generate()
+
+
+# ------------------------------------------------------------------------------ the mask
+class ClattnMask:
+    """What the ``"clattn"`` mask function returns instead of a dense mask: the 2D
+    padding mask and the mask arguments, from which the pattern is checked (causal, or
+    causal with the sliding window of the layers it is for) and, only for a forward
+    without a ClattnCache, the eager mask is built."""
+
+    def __init__(self, args: dict) -> None:
+        self.args = args
+        self.padding = args.get("attention_mask")  # bool [B, past + q] or None
+        self.q_length = int(args["q_length"])
+        self.kv_length = int(args["kv_length"])
+        self._patterns: dict = {}
+        self._dense = None
+
+    @property
+    def shape(self) -> tuple:
+        return (int(self.args["batch_size"]), 1, self.q_length, self.kv_length)
+
+    def dense(self) -> torch.Tensor | None:
+        """transformers' eager (additive float) mask for the same arguments."""
+        if self._dense is None:
+            self._dense = eager_mask(**self.args)
+        return self._dense
+
+    def check_pattern(self, window: int | None, layer: int) -> None:
+        """Raise unless the mask function is causal (with ``window``: and keeps the last
+        ``window`` positions), the only patterns clattn's cache attends."""
+        if window in self._patterns:
+            return
+        fn = self.args.get("mask_function")
+        what = "causal" if window is None else f"causal with a sliding window of {window}"
+        if self.args.get("use_vmap"):
+            raise UnsupportedFeatureError(
+                f"clattn: layer {layer}: the model overlays its own mask function on the "
+                f"{what} mask (images, blocks, packed sequences); clattn attends {what} "
+                f"only")
+        ok = fn is not None and _mask_matches(fn, window)
+        if not ok:
+            raise UnsupportedFeatureError(
+                f"clattn: layer {layer}: the model's mask pattern is not {what} (chunked, "
+                f"bidirectional or a custom mask function); clattn attends {what} only")
+        self._patterns[window] = True
+
+
+_MATCHES: dict = {}  # (the mask function's code and closure, window) -> bool
+_PLAIN = (int, float, str, bool, type(None))
+
+
+def _mask_matches(fn: Callable, window: int | None) -> bool:
+    """Whether the mask function is causal (with the window), memoized on its code and
+    closure values (transformers makes a new closure per forward)."""
+    key = _function_key(fn)
+    if key is None:  # a closure over data (tensors, ...): evaluated every time
+        return _evaluate_mask(fn, window)
+    hit = _MATCHES.get((key, window))
+    if hit is None:
+        hit = _MATCHES[key, window] = _evaluate_mask(fn, window)
+    return hit
+
+
+def _function_key(obj: Any, depth: int = 0) -> Any:
+    """A hashable key of a function made of its code and, recursively, its closure's
+    values; None when a value is not a plain constant or function."""
+    if isinstance(obj, _PLAIN):
+        return obj
+    if depth > 8:
+        return None
+    if isinstance(obj, tuple):
+        parts = tuple(_function_key(o, depth + 1) for o in obj)
+        return None if any(p is None and o is not None for p, o in zip(parts, obj)) else parts
+    code = getattr(obj, "__code__", None)
+    if code is None or getattr(obj, "__defaults__", None):
+        return None
+    cells = tuple(c.cell_contents for c in obj.__closure__ or ())
+    inner = _function_key(cells, depth + 1)
+    return None if inner is None else (code, inner)
+
+
+def _evaluate_mask(fn: Callable, window: int | None) -> bool:
+    """Evaluate the mask function at the positions that tell causal and the window apart."""
+    w = window or 4096
+    q = torch.tensor([0, 1, 2, 7, w - 1, w, w + 1, 3 * w + 5])
+    off = torch.tensor([-w - 2, -w - 1, -w, -w + 1, -2, -1, 0, 1, 2])
+    kv = (q[:, None] + off[None, :]).clamp(min=0)
+    want = kv <= q[:, None]
+    if window is not None:
+        want &= kv > q[:, None] - window
+    try:
+        zero = torch.tensor(0)
+        got = torch.as_tensor(fn(zero, zero, q[:, None], kv)).to(torch.bool)
+        return bool(torch.equal(got.expand_as(want), want))
+    except Exception:  # noqa: BLE001 - a function that needs vmap or data: not ours
+        return False
+
+
+def mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0,
+         kv_offset: int = 0, mask_function: Callable | None = None,
+         attention_mask: torch.Tensor | None = None, **kwargs: Any) -> ClattnMask:
+    """The ``AttentionMaskInterface`` function: no dense mask is built (see ClattnMask)."""
+    args = dict(batch_size=batch_size, q_length=q_length, kv_length=kv_length,
+                q_offset=q_offset, kv_offset=kv_offset, attention_mask=attention_mask,
+                **kwargs)
+    if mask_function is not None:
+        args["mask_function"] = mask_function
+    return ClattnMask(args)
+
+
+# ------------------------------------------------------------------------------ attention
+def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+              value: torch.Tensor, attention_mask: Any, dropout: float = 0.0,
+              scaling: float | None = None, is_causal: bool | None = None,
+              position_bias: torch.Tensor | None = None, **kwargs: Any) -> tuple:
+    """The ``AttentionInterface`` function ``"clattn"``.
+
+    ``query [B, H, L, D]`` (RoPE applied by the model), ``key``/``value`` ``[B, H_kv, L,
+    D]``: the new tokens, as a :class:`ClattnCache` returned them. Returns ``(out [B, L,
+    H, D], None)``.
+    """
+    pending, PENDING.value = PENDING.value, None
+    if pending is None or pending[2] is not key or pending[3] is not value:
+        if pending is not None:
+            exc = RuntimeError("clattn: the keys/values given to attention are not the ones "
+                               "the ClattnCache returned for this layer (the model changed "
+                               "them in between); clattn cannot attend them")
+            pending[0].fail(exc)
+            raise exc
+        return _eager(module, query, key, value, attention_mask, dropout, scaling, kwargs)
+    owner, index = pending[0], pending[1]
+    try:
+        return _paged(owner, index, module, query, key, value, attention_mask, dropout,
+                      scaling, is_causal, position_bias, kwargs), None
+    except BaseException as exc:  # the cache no longer agrees with transformers' count
+        owner.fail(exc)
+        raise
+
+
+def _paged(owner: ClattnCache, index: int, module: Any, query: torch.Tensor,
+           key: torch.Tensor, value: torch.Tensor, attention_mask: Any, dropout: float,
+           scaling: float | None, is_causal: Any, position_bias: Any,
+           kwargs: dict) -> torch.Tensor:
+    """Layer ``index``'s attention over the owner's paged cache (begins and ends the
+    layer kind's step)."""
+    scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+    _refuse(module, query, dropout, is_causal, position_bias, attention_mask, kwargs, index)
+    window = owner.windows[index]
+    asked = kwargs.get("sliding_window")
+    if (asked or None) != window:
+        raise UnsupportedFeatureError(
+            f"clattn: layer {index} attends with sliding_window={asked}, the cache was "
+            f"made for {window} from the config (layer_types / sliding_window)")
+    if isinstance(attention_mask, ClattnMask):
+        attention_mask.check_pattern(window, index)
+    B, _, L, _ = query.shape
+    rows = owner._rows_for(B)
+    g = owner.group(index, module, query, key, value, scaling, kwargs.get("softcap"))
+    step = g.step
+    local = g.local[index]
+    if step is not None and local in step.done:
+        raise RuntimeError("clattn: an earlier forward stopped half-way (an error in the "
+                           "model); the cache lost track of it: call cache.reset()")
+    if step is None:
+        step = g.step = _begin(g, rows, attention_mask, B, L, owner.layers[index])
+    out = _run_layer(g, step, local, query, key, value)
+    step.done.add(local)
+    if len(step.done) == len(g.layers):
+        if step.begun:
+            g.cache.end()
+        g.step = None
+    return out
+
+
+def _refuse(module: Any, query: torch.Tensor, dropout: float, is_causal: Any,
+            position_bias: Any, attention_mask: Any, kwargs: dict, index: int) -> None:
+    """A clear error for each call feature clattn cannot compute."""
+    if dropout and module.training:
+        raise UnsupportedFeatureError("clattn: attention dropout in training mode; clattn "
+                                      "runs inference (model.eval())")
+    if torch.is_grad_enabled() and query.requires_grad:
+        raise UnsupportedFeatureError("clattn: gradients through attention; clattn runs "
+                                      "inference (torch.no_grad() / torch.inference_mode())")
+    if is_causal is False or not getattr(module, "is_causal", True):
+        raise UnsupportedFeatureError(f"clattn: layer {index} is not causal; clattn "
+                                      f"attends causally")
+    if position_bias is not None:
+        raise UnsupportedFeatureError("clattn: an additive position bias (T5/ALiBi style)")
+    for name in ("s_aux", "sinks"):
+        if kwargs.get(name) is not None:
+            raise UnsupportedFeatureError(f"clattn: learned attention sinks ({name}=...)")
+    if isinstance(attention_mask, torch.Tensor):
+        raise UnsupportedFeatureError(
+            f"clattn: a prepared {attention_mask.dim()}D attention mask was given; clattn "
+            f"takes the 2D padding mask (attention_mask [batch, tokens]) and attends "
+            f"causally")
+
+
+def _begin(g: Any, rows: list, attention_mask: Any, B: int, L: int, layer: Any) -> Any:
+    """Begin the layer kind's step: the new tokens of each row that are not padding."""
+    step = _Step()
+    cache = g.cache
+    past = layer.cumulative_length - L
+    valid = None
+    pad = attention_mask.padding if isinstance(attention_mask, ClattnMask) else None
+    if pad is not None:
+        if tuple(pad.shape) != (B, past + L):
+            raise ValueError(f"clattn: the attention mask is {tuple(pad.shape)}, the cache "
+                             f"has seen {past} positions and this forward adds {L} to each "
+                             f"of {B} rows; pass the mask of every position so far")
+        pad = pad.detach().to("cpu", torch.bool).numpy()
+        held = np.array([cache.length(r) for r in rows])
+        if not np.array_equal(pad[:, :past].sum(axis=1), held):
+            raise ValueError("clattn: the attention mask marks other past positions as "
+                             "padding than the earlier forwards did; clattn stored only the "
+                             "positions that were not padding then")
+        new = pad[:, past:]
+        if not new.all():
+            valid = new
+            if g.window is not None:
+                late = (held[:, None] > 0) | (np.cumsum(new, axis=1) > 0)
+                if np.any(late & ~new):
+                    raise UnsupportedFeatureError(
+                        f"clattn: padding after a sequence's first token with sliding-window "
+                        f"layers (window {g.window}); pad on the left "
+                        f"(tokenizer.padding_side='left')")
+    if valid is None:
+        ids, lengths, step.T = rows, [L] * B, B * L
+    else:
+        counts = valid.sum(axis=1)
+        keep = np.flatnonzero(counts)
+        ids, lengths = [rows[b] for b in keep], [int(counts[b]) for b in keep]
+        step.T = int(counts.sum())
+        step.sel = torch.from_numpy(np.flatnonzero(valid.reshape(-1)))
+    if step.T == 0:
+        g.owner.steps["empty"] += 1
+        return step
+    try:
+        cache.begin(ids, lengths)
+    except CacheFullError as exc:
+        raise CacheFullError(f"{exc}. With transformers: ClattnCache(model, max_cache_len=...) "
+                             f"(tokens per sequence), num_pages= or budget_bytes=", exc.needed,
+                             exc.free) from None
+    step.begun = True
+    if max(lengths) > 1 and g.prefill is not None:
+        tables = prefill_tables(cache, g.on_device, g.queue if g.on_device else None)
+        if tables is not None:
+            host, step.prefill_args = tables
+            step.mode = "prefill"
+            step.plan = g.prefill.plan(host["qo_indptr"], host["page_indptr"],
+                                       host["last_page_len"],
+                                       window_offset=host.get("window_offset"),
+                                       sink_size=host.get("sink_size"))
+    if max(lengths) > 1 and step.mode != "prefill":
+        step.mode = "chunk"
+    g.owner.steps[step.mode] += 1
+    return step
+
+
+def _tokens(x: torch.Tensor, step: Any) -> np.ndarray:
+    """``x [B, heads, L, D]`` as the step's tokens ``[T, heads, D]`` (numpy view of a
+    contiguous CPU tensor: no copy when the model's layout is token-major already)."""
+    B, h, L, D = x.shape
+    t = x.detach().transpose(1, 2).reshape(B * L, h, D)
+    if step.sel is not None:
+        t = t.index_select(0, step.sel.to(t.device))
+    return t.to("cpu").contiguous().numpy()
+
+
+def _run_layer(g: Any, step: Any, local: int, query: torch.Tensor, key: torch.Tensor,
+               value: torch.Tensor) -> torch.Tensor:
+    B, H, L, D = query.shape
+    out = (torch.empty if step.sel is None else torch.zeros)((B, L, H, D), dtype=query.dtype)
+    if step.T == 0:
+        return out.to(query.device)
+    cache = g.cache
+    cache.append(local, _tokens(key, step), _tokens(value, step))
+    q = _tokens(query, step)
+    flat = out.view(B * L, H, D)
+    dest = flat.numpy() if step.sel is None else np.empty((step.T, H, D), q.dtype)
+    if g.on_device:
+        cl = runtime.cl()
+        dq, dout, dlse = g.buffers_for(step.T)
+        up = cl.enqueue_copy(g.queue, dq.base_data, q, dst_offset=dq.offset, is_blocking=False)
+        dq.events[:] = [up]
+        res = _attend(g, step, local, dq, dout, dlse)
+        cl.enqueue_copy(g.queue, dest, dout.base_data, src_offset=dout.offset,
+                        wait_for=[res.event] if res.event is not None else None,
+                        is_blocking=True)
+    else:
+        _attend(g, step, local, q, dest, np.empty((step.T, H), np.float32))
+    if step.sel is not None:
+        flat[step.sel] = torch.from_numpy(dest)
+    return out.to(query.device)
+
+
+def _attend(g: Any, step: Any, local: int, q: Any, out: Any, lse: Any) -> Any:
+    if step.mode == "prefill":
+        a = step.prefill_args
+        return g.prefill.run(q, g.cache.pools[local], a["qo_indptr"], a["page_indptr"],
+                             a["page_indices"], a["last_page_len"],
+                             window_offset=a.get("window_offset"), sink_size=a.get("sink_size"),
+                             sm_scale=g.shape.scaling, out=out, lse=lse, plan=step.plan)
+    return g.cache.attend(local, q, out=out, lse=lse)
+
+
+# ------------------------------------------------------------------------------ fallback
+def _eager(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+           attention_mask: Any, dropout: float, scaling: float | None, kwargs: dict) -> tuple:
+    """No ClattnCache: the model's own eager attention over the keys and values given."""
+    warnings.warn("clattn: this forward has no ClattnCache (use_cache=False or another "
+                  "cache class); its attention runs eager in torch, not on the OpenCL "
+                  "device", RuntimeWarning, stacklevel=2)  # once per place (default filter)
+    dense = attention_mask.dense() if isinstance(attention_mask, ClattnMask) else attention_mask
+    fn = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+    if fn is None:
+        from transformers.models.llama.modeling_llama import eager_attention_forward as fn
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
+    return fn(module, query, key, value, dense, dropout=dropout, scaling=scaling, **kwargs)
+
+
+# ------------------------------------------------------------------------------ generate
+def _uses_clattn(model: Any) -> bool:
+    cfg = model.config
+    text = cfg.get_text_config(decoder=True) if hasattr(cfg, "get_text_config") else cfg
+    return NAME in (getattr(cfg, "_attn_implementation", None),
+                    getattr(text, "_attn_implementation", None))
+
+
+def _patch_generate() -> None:
+    """Wrap ``GenerationMixin._prepare_cache_for_generation`` (a ClattnCache where it
+    would make a DynamicCache for a clattn model) and ``generate`` (accepts
+    ``attn_implementation=``). Once; inert for models that do not attend with clattn."""
+    from transformers.generation.utils import GenerationMixin
+
+    if getattr(GenerationMixin, "_clattn_patched", False):
+        return
+    prepare = GenerationMixin._prepare_cache_for_generation
+    prepare_sig = inspect.signature(prepare)
+
+    @functools.wraps(prepare)
+    def _prepare_cache_for_generation(self, *args: Any, **kw: Any) -> Any:
+        ours = _uses_clattn(self) and not getattr(self.config, "is_encoder_decoder", False)
+        try:
+            a = prepare_sig.bind(self, *args, **kw).arguments
+        except TypeError:  # another transformers' signature: leave it alone
+            return prepare(self, *args, **kw)
+        gen = a.get("generation_config")
+        model_kwargs = a.get("model_kwargs") or {}
+        user_cache = any(model_kwargs.get(n) is not None for n in ("cache", "past_key_values"))
+        if ours and not user_cache and getattr(gen, "cache_implementation", None) not in \
+                (None, "dynamic"):  # e.g. Gemma-2's "hybrid": the K/V live in clattn's pools
+            warnings.warn(f"clattn: cache_implementation={gen.cache_implementation!r} ignored; "
+                          f"the keys and values live in a ClattnCache", RuntimeWarning,
+                          stacklevel=3)
+            gen.cache_implementation = None
+        res = prepare(self, *args, **kw)
+        if ours:
+            for name in ("cache", "past_key_values"):
+                c = model_kwargs.get(name)
+                if type(c) is DynamicCache and not getattr(c, "_is_user_defined", False):
+                    model_kwargs[name] = ClattnCache(
+                        self, max_cache_len=a.get("max_cache_length"),
+                        page_size=DEFAULTS["page_size"])
+        return res
+
+    generate = GenerationMixin.generate
+
+    @functools.wraps(generate)
+    def _generate(self, *args: Any, attn_implementation: str | None = None, **kw: Any) -> Any:
+        if attn_implementation is None:
+            return generate(self, *args, **kw)
+        before = self.config._attn_implementation
+        self.set_attn_implementation(attn_implementation)
+        try:
+            return generate(self, *args, **kw)
+        finally:
+            self.set_attn_implementation(before)
+
+    GenerationMixin._prepare_cache_for_generation = _prepare_cache_for_generation
+    GenerationMixin.generate = _generate
+    GenerationMixin._clattn_patched = True
+
+
+register()

@@ -1,0 +1,318 @@
+"""Hugging Face transformers drives clattn (issue 11): ``attn_implementation="clattn"``.
+
+Models are built from the published architecture configs (written out below), shrunk to
+2 layers, hidden size 256, a 1024-token vocabulary and random f32 weights; head counts,
+head_dim, GQA, scaling, soft-capping and sliding windows stay as published (the windows of
+Gemma-2 and Mistral shortened so that the tests cross them). Greedy generation on each
+OpenCL device must give eager attention's tokens, logits within 1e-4: one prompt, and a
+left-padded batch of three prompts of different lengths.
+"""
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from transformers import AutoModelForCausalLM
+
+import clattn.integrations.transformers as cltf
+from conftest import GPU_PROFILE
+from clattn.integrations.hf_cache import ClattnCache, UnsupportedFeatureError, layer_windows
+
+# the published config.json of each model (architecture keys)
+CONFIGS = {
+    "Llama-3.2-1B": {
+        "model_type": "llama", "attention_bias": False, "attention_dropout": 0.0,
+        "bos_token_id": 128000, "eos_token_id": 128001, "head_dim": 64, "hidden_act": "silu",
+        "hidden_size": 2048, "initializer_range": 0.02, "intermediate_size": 8192,
+        "max_position_embeddings": 131072, "mlp_bias": False, "num_attention_heads": 32,
+        "num_hidden_layers": 16, "num_key_value_heads": 8, "pretraining_tp": 1,
+        "rms_norm_eps": 1e-05, "rope_theta": 500000.0, "tie_word_embeddings": True,
+        "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                         "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+        "vocab_size": 128256},
+    "Qwen2.5-0.5B": {
+        "model_type": "qwen2", "attention_dropout": 0.0, "bos_token_id": 151643,
+        "eos_token_id": 151643, "hidden_act": "silu", "hidden_size": 896,
+        "initializer_range": 0.02, "intermediate_size": 4864, "max_position_embeddings": 32768,
+        "max_window_layers": 24, "num_attention_heads": 14, "num_hidden_layers": 24,
+        "num_key_value_heads": 2, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0,
+        "sliding_window": 32768, "tie_word_embeddings": True, "use_mrope": False,
+        "use_sliding_window": False, "vocab_size": 151936},
+    "Gemma-2-2B": {
+        "model_type": "gemma2", "attention_bias": False, "attention_dropout": 0.0,
+        "attn_logit_softcapping": 50.0, "bos_token_id": 2, "cache_implementation": "hybrid",
+        "eos_token_id": [1, 107], "final_logit_softcapping": 30.0, "head_dim": 256,
+        "hidden_act": "gelu_pytorch_tanh", "hidden_activation": "gelu_pytorch_tanh",
+        "hidden_size": 2304, "initializer_range": 0.02, "intermediate_size": 9216,
+        "max_position_embeddings": 8192, "num_attention_heads": 8, "num_hidden_layers": 26,
+        "num_key_value_heads": 4, "pad_token_id": 0, "query_pre_attn_scalar": 256,
+        "rms_norm_eps": 1e-06, "rope_theta": 10000.0, "sliding_window": 4096,
+        "vocab_size": 256000},
+    "Mistral-7B-v0.1": {
+        "model_type": "mistral", "bos_token_id": 1, "eos_token_id": 2, "hidden_act": "silu",
+        "hidden_size": 4096, "initializer_range": 0.02, "intermediate_size": 14336,
+        "max_position_embeddings": 32768, "num_attention_heads": 32, "num_hidden_layers": 32,
+        "num_key_value_heads": 8, "rms_norm_eps": 1e-05, "rope_theta": 10000.0,
+        "sliding_window": 4096, "tie_word_embeddings": False, "vocab_size": 32000},
+    "Phi-3-mini-4k": {
+        "model_type": "phi3", "attention_bias": False, "attention_dropout": 0.0,
+        "bos_token_id": 1, "embd_pdrop": 0.0, "eos_token_id": 32000, "hidden_act": "silu",
+        "hidden_size": 3072, "initializer_range": 0.02, "intermediate_size": 8192,
+        "max_position_embeddings": 4096, "num_attention_heads": 32, "num_hidden_layers": 32,
+        "num_key_value_heads": 32, "original_max_position_embeddings": 4096,
+        "pad_token_id": 32000, "resid_pdrop": 0.0, "rms_norm_eps": 1e-05, "rope_scaling": None,
+        "rope_theta": 10000.0, "sliding_window": 2047, "tie_word_embeddings": False,
+        "vocab_size": 32064},
+}
+# Gemma-2-27B: the 2B's config but for these keys; query_pre_attn_scalar 144 != head_dim
+# 128, so its scaling is not 1/sqrt(head_dim)
+CONFIGS["Gemma-2-27B"] = {**CONFIGS["Gemma-2-2B"], "head_dim": 128, "hidden_size": 4608,
+                          "intermediate_size": 36864, "num_attention_heads": 32,
+                          "num_hidden_layers": 46, "num_key_value_heads": 16,
+                          "query_pre_attn_scalar": 144}
+#: windows shortened so that a 10-token prompt and 32 new tokens cross them (and the
+#: batch's 20-token prompt crosses them inside the prompt)
+WINDOWS = {"Gemma-2-2B": 16, "Gemma-2-27B": 16, "Mistral-7B-v0.1": 12}
+#: q and k projections scaled up where the config soft-caps scores, so that the scores reach
+#: the cap (random weights give scores far below 50, where the cap changes nothing)
+SOFTCAP_GAIN = 12.0
+VOCAB = 1024
+NEW_TOKENS = 32
+PROMPTS = (5, 11, 20)  # the batch's prompt lengths (left padded)
+
+
+def shrink(name: str) -> dict:
+    """The published config with 2 layers, hidden 256, a small vocabulary (special token
+    ids inside it) and the explicit head_dim of the published model."""
+    cfg = dict(CONFIGS[name])
+    cfg["head_dim"] = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    cfg.update(num_hidden_layers=2, hidden_size=256, intermediate_size=512, vocab_size=VOCAB,
+               bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    if name in WINDOWS:
+        cfg["sliding_window"] = WINDOWS[name]
+    return cfg
+
+
+_MODELS: dict = {}
+_EAGER: dict = {}
+
+
+def model(name: str):
+    """The 2-layer model (random f32 weights, seeded), built once."""
+    if name not in _MODELS:
+        cfg = transformers.AutoConfig.for_model(**shrink(name))
+        torch.manual_seed(0)
+        m = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager",
+                                             dtype=torch.float32).eval()
+        if getattr(cfg, "attn_logit_softcapping", None):
+            with torch.no_grad():
+                for layer in m.model.layers:
+                    layer.self_attn.q_proj.weight.mul_(SOFTCAP_GAIN)
+                    layer.self_attn.k_proj.weight.mul_(SOFTCAP_GAIN)
+        m.generation_config.pad_token_id = 0
+        _MODELS[name] = m
+    return _MODELS[name]
+
+
+def inputs(batch: bool) -> dict:
+    g = torch.Generator().manual_seed(1)
+    if not batch:
+        return {"input_ids": torch.randint(3, VOCAB, (1, 10), generator=g)}
+    n = max(PROMPTS)
+    ids = torch.zeros(len(PROMPTS), n, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(PROMPTS):
+        ids[i, n - p:] = torch.randint(3, VOCAB, (p,), generator=g)
+        mask[i, n - p:] = 1
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+def run(name: str, batch: bool, **kw):
+    m = model(name)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Gemma-2's "hybrid" cache_implementation notice
+        return m.generate(**inputs(batch), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                          do_sample=False, output_logits=True, return_dict_in_generate=True,
+                          **kw)
+
+
+def eager(name: str, batch: bool):
+    if (name, batch) not in _EAGER:
+        _EAGER[name, batch] = run(name, batch)
+    return _EAGER[name, batch]
+
+
+def check_same(name: str, batch: bool, device, profile=None) -> ClattnCache:
+    cltf.register(device=device, profile=profile)
+    try:
+        got = run(name, batch, attn_implementation="clattn")
+    finally:
+        cltf.register()
+    ref = eager(name, batch)
+    assert model(name).config._attn_implementation == "eager"  # restored after the call
+    cache = got.cache
+    assert isinstance(cache, ClattnCache)
+    diff = max(float((a - b).abs().max()) for a, b in zip(got.logits, ref.logits))
+    assert len(got.logits) == NEW_TOKENS
+    assert torch.equal(got.sequences, ref.sequences), f"{name}: tokens differ (logits {diff})"
+    assert diff <= 1e-4, f"{name}: logits differ by {diff}"
+    return cache
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_generate_matches_eager(name, device):
+    cache = check_same(name, False, device)
+    kinds = 2 if name.startswith("Gemma") else 1
+    assert cache.steps["prefill"] == kinds
+    assert cache.steps["decode"] == kinds * (NEW_TOKENS - 1)
+    assert len(cache.groups) == kinds
+    # the pools hold every token, or the window's pages once it slides
+    for w, g in cache.groups.items():
+        used = g.cache.stats().pages_used
+        held = 10 + NEW_TOKENS - 1 if w is None else w + g.spec.page_size
+        assert used <= -(-held // g.spec.page_size) + 1
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_left_padded_batch_matches_eager(name, device):
+    cache = check_same(name, True, device)
+    assert cache.batch_size == len(PROMPTS)
+    windowed = [w for w in cache.groups if w is not None and w < max(PROMPTS)]
+    # a window crossed inside the 20-token prompt runs on the cache's chunk attend
+    assert cache.steps["chunk"] == len(windowed)
+    lengths = [g.cache.length(r) for g in cache.groups.values() for r in cache.rows]
+    assert lengths == [p + NEW_TOKENS - 1 for p in PROMPTS] * len(cache.groups)  # no pads stored
+
+
+def test_gpu_kernels_through_transformers(device, name="Gemma-2-2B"):
+    """The GPU strategy (tiled decode, prefill and append kernels of a GPU profile) on the
+    CPU drivers, through the same integration: prefill, chunk and decode steps."""
+    cache = check_same(name, True, device, profile=GPU_PROFILE)
+    assert {g.cache.decoder.profile.strategy for g in cache.groups.values()} == {"tiled"}
+    assert cache.steps["prefill"] >= 1 and cache.steps["decode"] >= NEW_TOKENS - 1
+
+
+def test_cpu_backend_and_chunk_prompts():
+    """The numpy backend through the same path; prompts on the cache's chunk attend."""
+    cltf.register(backend="cpu", prefill=False)
+    try:
+        got = run("Qwen2.5-0.5B", True, attn_implementation="clattn")
+    finally:
+        cltf.register()
+    ref = eager("Qwen2.5-0.5B", True)
+    assert torch.equal(got.sequences, ref.sequences)
+    assert max(float((a - b).abs().max()) for a, b in zip(got.logits, ref.logits)) <= 1e-4
+    assert got.cache.steps["chunk"] == 1 and got.cache.steps["prefill"] == 0
+
+
+def test_explicit_cache_and_forward_without_cache():
+    m = model("Llama-3.2-1B")
+    ids = inputs(False)["input_ids"]
+    m.set_attn_implementation("clattn")
+    try:
+        cache = ClattnCache(m, backend="cpu", max_cache_len=64)
+        out = m.generate(ids, cache=cache, max_new_tokens=4, do_sample=False)
+        assert out.shape[1] == ids.shape[1] + 4 and cache.get_seq_length() == ids.shape[1] + 3
+        with torch.no_grad(), pytest.warns(RuntimeWarning, match="no ClattnCache"):
+            plain = m(ids, use_cache=False).logits
+        m.set_attn_implementation("eager")
+        with torch.no_grad():
+            assert torch.allclose(plain, m(ids, use_cache=False).logits, atol=1e-5)
+    finally:
+        m.set_attn_implementation("eager")
+
+
+def test_reorder_and_crop_share_pages():
+    m = model("Llama-3.2-1B")
+    m.set_attn_implementation("clattn")
+    try:
+        cache = ClattnCache(m, backend="cpu", max_cache_len=64)
+        with torch.no_grad():
+            m(torch.randint(3, VOCAB, (2, 20)), cache=cache, use_cache=True)
+        g = cache.groups[None].cache
+        used = g.stats().pages_used
+        cache.reorder_cache(torch.tensor([1, 1]))  # both rows become row 1: forks
+        assert g.stats().pages_used < used and g.stats().pages_shared > 0
+        cache.crop(-3)
+        assert [g.length(r) for r in cache.rows] == [17, 17] and cache.get_seq_length() == 17
+        cache.reset()
+        assert g.stats().pages_used == 0 and cache.get_seq_length() == 0
+    finally:
+        m.set_attn_implementation("eager")
+
+
+def test_beam_search_reorders_by_forks():
+    m = model("Gemma-2-2B")
+    kw = dict(inputs(True), max_new_tokens=8, num_beams=3, do_sample=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ref = m.generate(**kw)
+        cltf.register(backend="cpu")
+        try:
+            assert torch.equal(m.generate(**kw, attn_implementation="clattn"), ref)
+        finally:
+            cltf.register()
+
+
+def test_cache_needs_clattn_attention():
+    m = model("Llama-3.2-1B")  # attends eagerly: it would see the new keys only
+    with torch.no_grad(), pytest.raises(RuntimeError, match="needs attn_implementation"):
+        m(inputs(False)["input_ids"], cache=ClattnCache(m, backend="cpu"), use_cache=True)
+
+
+def test_refusals_name_the_feature():
+    m = model("Mistral-7B-v0.1")
+    m.set_attn_implementation("clattn")
+    try:
+        ids = torch.randint(3, VOCAB, (2, 6))
+        right = torch.ones_like(ids)
+        right[0, 4:] = 0  # right padding with a sliding window
+        cache = ClattnCache(m, backend="cpu")
+        with torch.no_grad(), pytest.raises(UnsupportedFeatureError, match="pad on the left"):
+            m(ids, attention_mask=right, cache=cache, use_cache=True)
+        with torch.no_grad(), pytest.raises(RuntimeError, match="stopped at an error"):
+            m(ids, cache=cache, use_cache=True)  # positions and tokens no longer agree
+        cache.reset()
+        with torch.no_grad():
+            m(ids, cache=cache, use_cache=True)
+        assert cache.get_seq_length() == 6 and cache.stats()["window 12"].pages_used == 2
+        with torch.no_grad(), pytest.raises(UnsupportedFeatureError, match="4D attention mask"):
+            m(ids, attention_mask=torch.zeros(2, 1, 6, 6), cache=ClattnCache(m, backend="cpu"),
+              use_cache=True)
+        with pytest.raises(UnsupportedFeatureError, match="bfloat16"):
+            with torch.no_grad():
+                m.to(torch.bfloat16)(ids, cache=ClattnCache(m, backend="cpu"), use_cache=True)
+    finally:
+        m.to(torch.float32).set_attn_implementation("eager")
+    cfg = transformers.AutoConfig.for_model(**shrink("Llama-3.2-1B"))
+    cfg.layer_types = ["chunked_attention", "full_attention"]
+    with pytest.raises(UnsupportedFeatureError, match="chunked_attention"):
+        layer_windows(cfg)
+
+
+def test_mask_pattern_check():
+    from transformers.masking_utils import (bidirectional_mask_function, causal_mask_function,
+                                            sliding_window_causal_mask_function)
+
+    def check(fn, window):
+        cltf.mask(1, 1, 1, mask_function=fn).check_pattern(window, 0)
+
+    check(causal_mask_function, None)
+    check(sliding_window_causal_mask_function(7), 7)
+    for fn, window in ((sliding_window_causal_mask_function(8), 7),
+                       (bidirectional_mask_function, None),
+                       (causal_mask_function, 7)):
+        with pytest.raises(UnsupportedFeatureError, match="mask pattern"):
+            check(fn, window)
+
+
+def test_token_views_do_not_copy():
+    """q/k/v in transformers' layout ([B, L, H, D] memory seen as [B, H, L, D]) reach the
+    device from a numpy view of the torch tensor: the upload is the only copy."""
+    from clattn.integrations.hf_cache import _Step
+
+    x = torch.randn(3, 1, 8, 64).transpose(1, 2)  # a decode step's q
+    assert np.shares_memory(cltf._tokens(x, _Step()), x.numpy())
