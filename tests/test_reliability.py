@@ -208,3 +208,15 @@ def test_negative_window_offset_is_named():
     kw["window_offset"] = np.array([-1, 2], np.int32)
     with pytest.raises(ValueError, match=r"window_offset\[0\]=-1: must be >= 0"):
         _decoder(spec, "cpu", None).run(*args, **kw)
+
+
+def test_user_profile_dir_odd_files(tmp_path, monkeypatch):
+    """A non-UTF-8 profile file is named in the error; a directory named x.json is not
+    a profile file and is passed over."""
+    from clattn.profiles import user_profiles
+    monkeypatch.setenv("CLATTN_CONFIG_DIR", str(tmp_path))
+    (tmp_path / "dir.json").mkdir()
+    assert user_profiles() == {}
+    (tmp_path / "bad.json").write_bytes(b'{"name": "x\xff"}')
+    with pytest.raises(ValueError, match=r"bad\.json: not UTF-8"):
+        user_profiles()

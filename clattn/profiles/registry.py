@@ -148,6 +148,11 @@ def _load_file(path: Path, user: bool) -> list[_Entry]:
         data = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
         raise ValueError(f"{path}: malformed JSON: {e}") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start}); profiles "
+                         f"are JSON files in UTF-8") from None
+    except OSError as e:
+        raise ValueError(f"{path}: cannot be read as a profile file ({e.strerror})") from None
     items = data if isinstance(data, list) else [data]
     return [_parse_entry(item, str(path), user) for item in items]
 
@@ -172,7 +177,7 @@ def _user_entries() -> list[_Entry]:
         return []
     builtin = {e.name: e for e in _builtin_entries()}
     out = []
-    for path in sorted(folder.glob("*.json")):
+    for path in sorted(p for p in folder.glob("*.json") if p.is_file()):  # not x.json/ dirs
         for e in _load_file(path, user=True):
             b = builtin.get(e.name)
             if b is not None and "match" not in e.raw:
