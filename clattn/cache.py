@@ -29,6 +29,7 @@ from .cache_tables import CacheFullError, PageTable, StepTables
 from .codegen import render_append
 from .decode import BatchDecode
 from .fit import append_geometry
+from .quant import QUANTIZED, check_quantizable, quantize, region_views
 from .result import DecodeResult
 from .rope import parse_rope_scaling, rope_tables, rotate
 from .spec import LSE_DTYPE, AttentionSpec
@@ -89,7 +90,10 @@ class PagedKVCache:
         The model's attention (heads, head_dim, page size, dtype, window, RoPE scaling).
         ``spec.sliding_window`` must be True for sequences with a window.
     num_layers : int
-        Layers; each has its own pool ``[num_pages, 2, H_kv, page_size, D]``.
+        Layers; each has its own pool ``[num_pages, 2, H_kv, page_size, D]``, or the
+        byte pool ``uint8 [num_pages, page_bytes]`` of :mod:`clattn.quant` when
+        ``spec.k_format``/``spec.v_format`` store q8_0/q4_0 blocks (quantized on append;
+        docs/cache.md, "Quantized pages").
     num_pages : int, optional
         Pages per layer's pool. Exactly one of ``num_pages`` and ``budget_bytes``.
     budget_bytes : int, optional
@@ -128,11 +132,6 @@ class PagedKVCache:
                  rollback: int = 0) -> None:
         if not isinstance(spec, AttentionSpec):
             raise TypeError(f"spec: expected an AttentionSpec, got {type(spec).__name__}")
-        if spec.byte_pool:
-            raise NotImplementedError(
-                f"PagedKVCache: k_format={spec.k_format!r}/v_format={spec.v_format!r}: "
-                f"quantizing on append is the quantized-pages issue (13); the cache stores "
-                f"{spec.dtype} pages today")
         if not _is_int(num_layers) or num_layers < 1:
             raise ValueError(f"num_layers={num_layers!r}: must be a positive integer")
         if rope not in ROPE_MODES:
@@ -303,6 +302,8 @@ class PagedKVCache:
             if missing:
                 raise StepError(f"end: layers {_short(missing)} were not appended this step; "
                                 f"append every layer (or cancel())")
+            if step.checks:
+                self._device.refused(step.checks)
             self.table.commit(step.tables)
             self._step = None
 
@@ -345,6 +346,7 @@ class _Step:
         self.cache = cache
         self.tables = tables
         self.appended = [False] * cache.num_layers
+        self.checks: dict[int, int] = {}  # layer -> epoch of an append checked on the device
         spec = cache.spec
         self.kv_shape = (tables.T, spec.num_kv_heads, spec.head_dim)
         self.q_shape = (tables.T, spec.num_qo_heads, spec.head_dim)
@@ -371,7 +373,7 @@ class _Step:
             self._append_host(cache.pools[layer], k, v)
             evt = None
         else:
-            evt = dev.append(cache.pools[layer], k, v)
+            evt = dev.append(layer, k, v, self.checks)
         self.appended[layer] = True
         return evt
 
@@ -383,14 +385,20 @@ class _Step:
             self.cache._device.copy(self.cache.pools[layer])
 
     def _copy_host(self, pool: np.ndarray) -> None:
+        spec = self.cache.spec
         for src, dst, rows in self.tables.copies.reshape(-1, 3):
-            pool[dst, :, :, :rows] = pool[src, :, :, :rows]
+            if not spec.byte_pool:
+                pool[dst, :, :, :rows] = pool[src, :, :, :rows]
+                continue
+            for kind in (0, 1):
+                for view in region_views(pool, spec.layout, kind):
+                    if view is not None:
+                        view[dst, :, :rows] = view[src, :, :rows]
 
     def _append_host(self, pool: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:
         """The append and page-copy kernels' semantics in numpy (CPU backend)."""
         t, cache = self.tables, self.cache
         spec, ps = cache.spec, cache.spec.page_size
-        self._copy_host(pool)
         if cache.rope == "append":
             inv, att, long_from = cache._rope
             interleaved = parse_rope_scaling(spec.rope_scaling,
@@ -401,10 +409,21 @@ class _Step:
                 if sel.any():
                     kf[sel] = rotate(kf[sel].transpose(1, 0, 2), t.k_pos[sel] * cache.rope_scale,
                                      inv[tab], att, interleaved).transpose(1, 0, 2)
-            k = kf.astype(spec.np_dtype)
+            k = kf.astype(np.float32 if spec.byte_pool else spec.np_dtype)
         page, slot = t.slots // ps, t.slots % ps
-        pool[page, 0, :, slot] = k
-        pool[page, 1, :, slot] = v
+        if not spec.byte_pool:
+            self._copy_host(pool)
+            pool[page, 0, :, slot] = k
+            pool[page, 1, :, slot] = v
+            return
+        rows = [_stored(x, fmt, name) for x, fmt, name in
+                ((k, spec.k_format, "k"), (v, spec.v_format, "v"))]  # may refuse: nothing written
+        self._copy_host(pool)
+        for kind, (data, scales) in enumerate(rows):
+            dview, sview = region_views(pool, spec.layout, kind)
+            dview[page, :, slot] = data
+            if scales is not None:
+                sview[page, :, slot] = scales
 
     def attend(self, layer: int, q: Any, out: Any, lse: Any) -> DecodeResult:
         cache, t = self.cache, self.tables
@@ -479,10 +498,21 @@ class _DeviceSteps:
         source = lambda: render_append(spec, cache.geometry)  # noqa: E731
         turns, long_from, att = dec._rope_buffer(int(cache.rope == "append"), cache.rope_theta,
                                                  cache.rope_scale)
-        self.append_k = rt.launcher(key, signatures.APPEND, source).bind(
-            k=None, v=None, pages=None, num_pages=cache.num_pages, slots=None, n_tokens=0,
-            k_pos=None, rotary_mode=int(cache.rope == "append"), rope_turns=turns,
-            long_from=long_from, rope_att=att)
+        # byte pools: one flag per layer, set by the check pass to the epoch of an append
+        # it refuses (the append then writes nothing); read back by end()
+        self.quantized = QUANTIZED if spec.k_format in QUANTIZED or \
+            spec.v_format in QUANTIZED else ()
+        self.flags = None
+        self.epoch = 0
+        if spec.byte_pool:
+            self.flags = cl.Buffer(self.ctx, cl.mem_flags.READ_WRITE, 4 * cache.num_layers)
+            cl.enqueue_fill_buffer(self.queue, self.flags, np.int32(0), 0, 4 * cache.num_layers)
+        args = dict(k=None, v=None, pages=None, num_pages=cache.num_pages, slots=None,
+                    n_tokens=0, k_pos=None, rotary_mode=int(cache.rope == "append"),
+                    rope_turns=turns, long_from=long_from, rope_att=att, flags=None, epoch=-1)
+        self.append_k = rt.launcher(key, signatures.APPEND, source).bind(**args)
+        self.check_k = rt.launcher(key, signatures.APPEND_CHECK, source).bind(**args) \
+            if self.quantized else None
         self.copy_k = rt.launcher(key, signatures.PAGE_COPY, source).bind(
             pages=None, num_pages=cache.num_pages, copies=None, n_copies=0)
         self.ring = [[None, 0, []], [None, 0, []]]  # [buffer, capacity (ints), its step's events]
@@ -536,12 +566,19 @@ class _DeviceSteps:
                                                        plan.num_parts if plan.split else 1),
                              self.geometry.local_size())
         self.append_k.set(slots=tab["slots"], n_tokens=t.T, k_pos=tab["k_pos"])
+        if self.check_k is not None:
+            self.check_k.set(slots=tab["slots"], n_tokens=t.T, k_pos=tab["k_pos"])
         geom = self.cache.geometry
-        self.append_sizes = geom.sizes(t.T * spec.num_kv_heads, D)
+        copy_rows = t.n_copies * 2 * spec.num_kv_heads * spec.page_size
+        if spec.byte_pool:  # one work-item per (token, head, kind, block); per copied row
+            self.append_sizes = ((t.T * spec.num_kv_heads * 2 * (D // 32),), None)
+        else:
+            self.append_sizes = geom.sizes(t.T * spec.num_kv_heads, D)
         self.n_copies = t.n_copies
         if t.n_copies:
             self.copy_k.set(copies=tab["copies"], n_copies=t.n_copies)
-            self.copy_sizes = geom.sizes(t.n_copies * 2 * spec.num_kv_heads * spec.page_size, D)
+            self.copy_sizes = ((copy_rows,), None) if spec.byte_pool else \
+                geom.sizes(copy_rows, D)
 
     def _plan(self, t: StepTables) -> Any:
         """The split plan: the last one while it still fits this batch, else a new one."""
@@ -600,18 +637,51 @@ class _DeviceSteps:
         self._track(evt)
         return evt
 
-    def append(self, pool: Any, k: Any, v: Any) -> Any:
+    def append(self, layer: int, k: Any, v: Any, checks: dict) -> Any:
+        """Write k, v into layer's pool; a byte pool's device check is recorded in
+        ``checks`` (layer -> epoch) for :meth:`refused`."""
+        spec = self.cache.spec
+        verified = bool(self.quantized) and is_host(k) and is_host(v) and \
+            self.cache.rope != "append"
+        if verified:  # refused here, before anything is uploaded or written
+            check_quantizable(k, spec.k_format, "k")
+            check_quantizable(v, spec.v_format, "v")
+        pool = self.cache.pools[layer]
         (dk, ek), (dv, ev) = self._device_input("k", k), self._device_input("v", v)
         waits = ek + ev if self.in_order else self.waits + pool.events + ek + ev
         if self.n_copies:  # copy-on-write first: the appends may land in the copies
             waits = [self.copy(pool, ek + ev)]
-        evt = self.append_k.launch(self.queue, *self.append_sizes, waits, k=dk, v=dv, pages=pool)
+        extra = {}
+        if self.flags is not None:
+            self.epoch = self.epoch % (2**31 - 2) + 1
+            extra = dict(flags=(self.flags, layer), epoch=self.epoch)
+            checks.pop(layer, None)
+            if self.quantized and not verified:
+                waits = [self.check_k.launch(self.queue, *self.append_sizes, waits, k=dk, v=dv,
+                                             pages=pool, **extra)]
+                checks[layer] = self.epoch
+        evt = self.append_k.launch(self.queue, *self.append_sizes, waits, k=dk, v=dv, pages=pool,
+                                   **extra)
         pool.events[:] = [evt]
         if not self.in_order:
             for st in self.stage.values():
                 st[2] = [evt]  # the staging buffers are free again once this append has run
         self._track(evt)
         return evt
+
+    def refused(self, checks: dict) -> None:
+        """Raise ValueError when the device check refused an append of ``checks``
+        (layer -> epoch): that layer's append wrote nothing."""
+        flags = np.empty(self.cache.num_layers, np.int32)
+        runtime.cl().enqueue_copy(self.queue, flags, self.flags, is_blocking=True)
+        bad = [layer for layer, epoch in sorted(checks.items()) if flags[layer] == epoch]
+        if bad:
+            spec = self.cache.spec
+            raise ValueError(
+                f"end: the keys or values appended to layers {_short(bad)} hold inf/NaN, or a "
+                f"block whose scale overflows float16, which {spec.k_format} keys / "
+                f"{spec.v_format} values cannot store; nothing was written for those layers. "
+                f"The step is still open: cancel() it (or append those layers again)")
 
     def attend(self, pool: Any, q: Any, out: Any, lse: Any,
                waits: list | None = None) -> DecodeResult:
@@ -632,6 +702,13 @@ class _DeviceSteps:
         lse.events[:] = [evts[-1]]
         self._track(evts[-1])
         return DecodeResult(out, lse, evts[-1], tuple(evts))
+
+
+def _stored(x: np.ndarray, fmt: str, name: str) -> tuple[np.ndarray, np.ndarray | None]:
+    """``(data uint8 [..., row_bytes], scales or None)`` of rows ``x`` stored as ``fmt``."""
+    if fmt in QUANTIZED:
+        return quantize(x, fmt, name)
+    return np.ascontiguousarray(x.astype(fmt)).view(np.uint8), None
 
 
 def _is_int(x: Any) -> bool:

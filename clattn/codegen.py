@@ -66,18 +66,18 @@ def render_merge(head_dim: int, dtype: str, vin: str, geom: MergeGeometry) -> st
 
 def render_append(spec: AttentionSpec, geom: MergeGeometry) -> str:
     """OpenCL C source of the KV-cache append and page-copy kernels (``append.cl.mako``;
-    tables :data:`clattn.signatures.APPEND` and :data:`~clattn.signatures.PAGE_COPY`)."""
+    tables :data:`clattn.signatures.APPEND` and :data:`~clattn.signatures.PAGE_COPY`; a byte
+    pool adds :data:`~clattn.signatures.APPEND_CHECK`)."""
     scaling = parse_rope_scaling(spec.rope_scaling, spec.max_position_embeddings)
     app, cp = signatures.APPEND, signatures.PAGE_COPY
-    fmt = {"float16": "half", "float32": "float"}
     return _lookup().get_template("append.cl.mako").render(
         D=spec.head_dim, HKV=spec.num_kv_heads, PS=spec.page_size, ROT=spec.rotary_dim,
         INTERLEAVED=scaling.interleaved, DTYPE=_cl_dtype(spec.dtype),
         NATIVE_HALF=geom.native_fp16, DENORMS=geom.denorms, PRAGMAS=(),
         STRATEGY=geom.strategy, VEC=geom.vec, MH=geom.mh,
-        KFMT=fmt.get(spec.k_format, spec.k_format), VFMT=fmt.get(spec.v_format, spec.v_format),
         APPEND_SIGNATURE=app.signature(), APPEND_FIXUP=app.fixup(),
-        COPY_SIGNATURE=cp.signature(), COPY_FIXUP=cp.fixup())
+        CHECK_SIGNATURE=signatures.APPEND_CHECK.signature(),
+        COPY_SIGNATURE=cp.signature(), COPY_FIXUP=cp.fixup(), **_pool_params(spec))
 
 
 def render_prefill(spec: AttentionSpec, geom: PrefillGeometry) -> str:

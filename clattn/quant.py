@@ -86,25 +86,41 @@ def _check_finite(x: np.ndarray, what: str) -> None:
                          f"pages hold finite values only (nothing was written)")
 
 
+def _scales(x: np.ndarray, fmt: str, what: str) -> tuple[np.ndarray, np.ndarray]:
+    """``(blocks [..., D/32, 32] f32, scales f16 [..., D/32])`` of finite rows ``x``;
+    ValueError naming ``what`` for inf/NaN or a scale beyond f16."""
+    _check_finite(x, what)
+    D = x.shape[-1]
+    blocks = x.reshape(x.shape[:-1] + (D // BLOCK, BLOCK))
+    amax_i = np.argmax(np.abs(blocks), axis=-1)
+    m = np.take_along_axis(blocks, amax_i[..., None], axis=-1)[..., 0]
+    with np.errstate(over="ignore"):
+        if fmt == "q8_0":
+            d = (np.abs(m) / np.float32(127)).astype(np.float32).astype(np.float16)
+        else:
+            d = (m / np.float32(-8)).astype(np.float32).astype(np.float16)
+    if not np.isfinite(d).all():
+        raise ValueError(f"{what}: a block's scale overflows float16 (|value| up to "
+                         f"{float(np.abs(m).max()):.3g}); {fmt} holds |x| <= "
+                         f"{65504 * (127 if fmt == 'q8_0' else 8):.3g} (nothing was written)")
+    return blocks, d
+
+
+def check_quantizable(x: np.ndarray, fmt: str, what: str = "values") -> None:
+    """Raise ValueError (naming ``what``) when rows ``x [..., D]`` cannot be stored as
+    ``fmt``: a value inf or NaN, or a block whose scale overflows f16. Float formats
+    hold anything."""
+    if fmt in QUANTIZED:
+        _scales(np.asarray(x, dtype=np.float32), fmt, what)
+
+
 def quantize(x: np.ndarray, fmt: str, what: str = "values") -> tuple[np.ndarray, np.ndarray]:
     """Quantize rows ``x [..., D]`` (D a multiple of 32) to ``(data uint8 [..., row_bytes],
     scales float16 [..., D / 32])``."""
     if fmt not in QUANTIZED:
         raise ValueError(f"format {fmt!r}: quantize takes {QUANTIZED}")
     x = np.asarray(x, dtype=np.float32)
-    _check_finite(x, what)
-    D = x.shape[-1]
-    blocks = x.reshape(x.shape[:-1] + (D // BLOCK, BLOCK))
-    amax_i = np.argmax(np.abs(blocks), axis=-1)
-    m = np.take_along_axis(blocks, amax_i[..., None], axis=-1)[..., 0]
-    if fmt == "q8_0":
-        d = (np.abs(m) / np.float32(127)).astype(np.float32).astype(np.float16)
-    else:
-        d = (m / np.float32(-8)).astype(np.float32).astype(np.float16)
-    if not np.isfinite(d).all():
-        raise ValueError(f"{what}: a block's scale overflows float16 (|value| up to "
-                         f"{float(np.abs(m).max()):.3g}); {fmt} holds |x| <= "
-                         f"{65504 * (127 if fmt == 'q8_0' else 8):.3g} (nothing was written)")
+    blocks, d = _scales(x, fmt, what)
     d32 = d.astype(np.float64)[..., None]
     with np.errstate(divide="ignore", invalid="ignore"):
         q = np.where(d32 != 0, np.rint(blocks.astype(np.float64) / np.where(d32 != 0, d32, 1)), 0)
@@ -130,8 +146,9 @@ def dequantize(data: np.ndarray, scales: np.ndarray, fmt: str) -> np.ndarray:
     return out.reshape(out.shape[:-2] + (nb * BLOCK,))
 
 
-def _region_view(pool: np.ndarray, layout: PageLayout, kind: int) -> tuple[np.ndarray, np.ndarray | None]:
-    """(data [P, H, ps, row_bytes] uint8, scales [P, H, ps, D/32] f16 or None) views."""
+def region_views(pool: np.ndarray, layout: PageLayout, kind: int) -> tuple[np.ndarray, np.ndarray | None]:
+    """Views ``(data uint8 [P, H_kv, page_size, row_bytes], scales f16 [P, H_kv,
+    page_size, D/32] or None)`` of the K (``kind`` 0) or V (1) regions of a byte pool."""
     fmt = layout.k_format if kind == 0 else layout.v_format
     P = pool.shape[0]
     H, ps, D = layout.num_kv_heads, layout.page_size, layout.head_dim
@@ -153,7 +170,7 @@ def pack_pool(k: np.ndarray, v: np.ndarray, layout: PageLayout) -> np.ndarray:
     pool = np.zeros((P, layout.page_bytes), np.uint8)
     for kind, x in ((0, k), (1, v)):
         fmt = layout.k_format if kind == 0 else layout.v_format
-        data, sc = _region_view(pool, layout, kind)
+        data, sc = region_views(pool, layout, kind)
         if fmt in QUANTIZED:
             qd, qs = quantize(x, fmt, "keys" if kind == 0 else "values")
             data[...], sc[...] = qd, qs
@@ -169,7 +186,7 @@ def unpack_pool(pool: np.ndarray, layout: PageLayout,
     out = []
     for kind in (0, 1):
         fmt = layout.k_format if kind == 0 else layout.v_format
-        data, sc = _region_view(np.ascontiguousarray(sel), layout, kind)
+        data, sc = region_views(np.ascontiguousarray(sel), layout, kind)
         if fmt in QUANTIZED:
             out.append(dequantize(data, sc, fmt))
         else:

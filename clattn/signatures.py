@@ -40,7 +40,8 @@ MERGE_VARLEN = ArgTable("clattn_merge_varlen", [
 ])
 
 #: KV-cache append (clattn.cache): token t's key/value rows of every KV head to flat slot
-#: slots[t] = page * page_size + slot; keys rotated at k_pos[t] when rotary_mode is 1
+#: slots[t] = page * page_size + slot; keys rotated at k_pos[t] when rotary_mode is 1;
+#: byte pools write nothing when flags[0] == epoch (set by APPEND_CHECK)
 APPEND = ArgTable("clattn_append", [
     Buffer("k", "st_t"), Buffer("v", "st_t"),
     Buffer("pages", "kv_t", const=False, offset="ulong"), Scalar("num_pages", "int"),
@@ -48,7 +49,13 @@ APPEND = ArgTable("clattn_append", [
     Buffer("k_pos", "int"), Scalar("rotary_mode", "int"),
     Buffer("rope_turns", "float2", offset=None), Scalar("long_from", "int"),
     Scalar("rope_att", "float"),
+    Buffer("flags", "int", const=False), Scalar("epoch", "int"),
 ])
+
+#: byte pools: the append's first pass, with the append's arguments; sets flags[0] = epoch
+#: when a block of a quantized kind holds inf/NaN or a scale beyond f16 (the append then
+#: writes nothing)
+APPEND_CHECK = ArgTable("clattn_append_check", APPEND.args)
 
 #: copy-on-write of pages (clattn.cache): rows [0, rows) of page src to page dst, for
 #: each (src, dst, rows) row of the [n_copies, 3] table
@@ -76,4 +83,4 @@ PREFILL = ArgTable("clattn_prefill", [
     Scalar("rope_att", "float"),
 ])
 
-ALL = (DECODE, MERGE_PAIR, MERGE_VARLEN, APPEND, PAGE_COPY, PREFILL)
+ALL = (DECODE, MERGE_PAIR, MERGE_VARLEN, APPEND, APPEND_CHECK, PAGE_COPY, PREFILL)

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import clattn
-from clattn import runtime
+from clattn import quant, runtime
 from clattn.cache import LayerIndexError, StepError, StepShapeError
 from clattn.cache_tables import DuplicateSequenceError, PopTooLongError, UnknownSequenceError
 from cases import compare
@@ -62,9 +62,17 @@ class History:
 
     def add(self, sid, window=None, sink=0, pos=0):
         shape = (self.layers, 0, self.spec.num_kv_heads, self.spec.head_dim)
-        self.seqs[sid] = dict(k=np.zeros(shape, self.spec.np_dtype),
-                              v=np.zeros(shape, self.spec.np_dtype), window=window, sink=sink,
-                              pos=pos)
+        dt = np.float32 if self.spec.byte_pool else self.spec.np_dtype
+        self.seqs[sid] = dict(k=np.zeros(shape, dt), v=np.zeros(shape, dt), window=window,
+                              sink=sink, pos=pos)
+
+    def stored(self, x, kind):
+        """The values a page of the spec's format holds for rows ``x``: quantized ones
+        dequantized (clattn.quant's numpy rules, which test_quant checks)."""
+        fmt = (self.spec.k_format, self.spec.v_format)[kind]
+        if fmt in quant.QUANTIZED:
+            return quant.dequantize(*quant.quantize(x, fmt), fmt)
+        return x.astype(fmt) if self.spec.byte_pool else x
 
     def fork(self, parent, child):
         p = self.seqs[parent]
@@ -188,12 +196,13 @@ def simulate(cache, steps, seed, rope):
             assert cache.num_tokens == T
             ks = rng.standard_normal((L, T, Hkv, D)).astype(dt)
             vs = rng.standard_normal((L, T, Hkv, D)).astype(dt)
+            ks_st, vs_st = hist.stored(ks, 0), hist.stored(vs, 1)
             cancel = rng.random() < 0.05
             for layer in range(L):
                 q = rng.standard_normal((T, H, D)).astype(dt)
                 cache.append(layer, ks[layer], vs[layer])
                 res = cache.attend(layer, q)
-                ref = hist.oracle(layer, list(zip(chosen, ns)), ks[layer], vs[layer], q,
+                ref = hist.oracle(layer, list(zip(chosen, ns)), ks_st[layer], vs_st[layer], q,
                                   rope, cache)
                 compare(res.out, res.lse, *ref, dt, what=f"step {counts['step']} layer {layer}: ")
             if cancel:
@@ -201,7 +210,7 @@ def simulate(cache, steps, seed, rope):
                 counts["cancel"] += 1
             else:
                 cache.end()
-                hist.commit(ks, vs, list(zip(chosen, ns)))
+                hist.commit(ks_st, vs_st, list(zip(chosen, ns)))
             counts["step"] += 1
         check_pool(cache)
         for sid, s in hist.seqs.items():
@@ -220,6 +229,12 @@ SIM_SPECS = {
                          max_position_embeddings=4096), "attend"),
     # no window, keys stored as given
     "plain": (dict(), None),
+    # quantized pages (byte pool): q8_0 keys rotated in the kernel, q4_0 values, windows
+    "q8-q4-window-rope": (dict(head_dim=32, k_format="q8_0", v_format="q4_0",
+                               sliding_window=True, rope_scaling=LLAMA3,
+                               max_position_embeddings=4096), "attend"),
+    # q4_0 keys beside float values of the other storage type (a byte pool all the same)
+    "q4-float": (dict(head_dim=32, k_format="q4_0", v_format="float32"), None),
 }
 
 
@@ -229,7 +244,9 @@ SIM_SPECS = {
 def test_simulation(target, dtype, variant, steps):
     """A few hundred steps over all targets by default; thousands under ``-m slow``."""
     build, rope = SIM_SPECS[variant]
-    spec = clattn.AttentionSpec(4, 2, 16, page_size=4, dtype=dtype, **build)
+    build = dict(build)
+    spec = clattn.AttentionSpec(4, 2, build.pop("head_dim", 16), page_size=4, dtype=dtype,
+                                **build)
     cache = make_cache(spec, target, num_pages=24 if steps < 1000 else 40, rope=rope)
     seed = zlib.crc32(f"{variant}-{dtype}-{steps}".encode()) % 1000
     counts = simulate(cache, steps, seed=seed, rope=rope == "attend")

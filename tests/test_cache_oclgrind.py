@@ -58,13 +58,17 @@ def _cache(spec, profile, **kw):
     return cache
 
 
-def simulation_variant(profile, dtype, window, rope, seed=0):
+def simulation_variant(profile, dtype, window, rope, seed=0, formats=None):
     import clattn
     from test_cache import simulate
     build = dict(sliding_window=True) if window else {}
     if rope == "attend":
         build.update(rope_scaling=LLAMA3, max_position_embeddings=4096)
-    spec = clattn.AttentionSpec(2, 1, 16, page_size=4, dtype=dtype, **build)
+    D = 16
+    if formats:  # quantized pages: blocks of 32 along head_dim
+        build.update(k_format=formats[0], v_format=formats[1])
+        D = 32
+    spec = clattn.AttentionSpec(2, 1, D, page_size=4, dtype=dtype, **build)
     cache = _cache(spec, profile, num_pages=12, rope=rope)
     counts = simulate(cache, 14, seed=seed, rope=rope == "attend")
     # seeds chosen so that a prompt chunk and a copy-on-write happen
@@ -116,14 +120,86 @@ def adversarial_variant(profile, dtype, rope):
     C = len(copies)
     cache._device.copy_k.launch(queue, *geom.sizes(C * 2 * 2 * ps, 16), None, pages=pool,
                        copies=d(copies.ravel()), n_copies=C)
-    got = pool.get()
+
+    def copy_rows(want, src, dst, rows):
+        want[dst, :, :, :rows] = before[src, :, :, :rows]
+    assert np.array_equal(pool.get(), _copied(before, copies, P, ps, copy_rows)), \
+        "page copy wrote the wrong rows"
+    print("adversarial copy ok", flush=True)
+
+
+def _copied(before, copies, P, ps, copy_rows):
+    """The pool the copy table should leave: valid destinations get their clamped
+    source's rows (``copy_rows(want, src, dst, rows)``), nothing else changes."""
     want = before.copy()
     for src, dst, rows in copies:
         if 0 <= dst < P:
-            src, rows = min(max(src, 0), P - 1), min(max(rows, 0), ps)
-            want[dst, :, :, :rows] = before[src, :, :, :rows]
-    assert np.array_equal(got, want), "page copy wrote the wrong rows"
-    print("adversarial copy ok", flush=True)
+            copy_rows(want, min(max(src, 0), P - 1), dst, min(max(rows, 0), ps))
+    return want
+
+
+def adversarial_bytes_variant(profile, dtype, rope):
+    """The byte-pool append, check and copy kernels with the same garbage tables."""
+    import clattn
+    from clattn import quant, runtime
+    cl = runtime.cl()
+    spec = clattn.AttentionSpec(2, 2, 32, page_size=4, dtype=dtype, rotary_dim=8,
+                                k_format="q8_0", v_format="q4_0")
+    P, ps, T = 5, 4, 10
+    cache = _cache(spec, profile, num_pages=P, rope="append" if rope else None)
+    dev = cache._device
+    queue = cache._rt.queue
+    rng = np.random.default_rng(0)
+    k = rng.standard_normal((T, 2, 32)).astype(spec.np_dtype)
+    v = rng.standard_normal((T, 2, 32)).astype(spec.np_dtype)
+    slots = np.array([-1, P * ps, 2**31 - 1, -2**31, 0, P * ps - 1, 7, -ps, 13, 2**30], np.int32)
+    k_pos = np.array([2**31 - 1, -2**31, 0, -1, 5, 2**31 - 64, 70000, 3, 1, 2], np.int32)
+    d = lambda a: cl.array.to_device(queue, a)  # noqa: E731
+    pool = cache.pools[0]
+    flags = d(np.zeros(1, np.int32))
+    sizes = ((T * 2 * 2 * 32 // 32,), None)
+    args = dict(k=d(k), v=d(v), pages=pool, slots=d(slots), n_tokens=T, k_pos=d(k_pos),
+                flags=flags, epoch=7)
+    dev.check_k.launch(queue, *sizes, list(pool.events), **args)
+    assert flags.get()[0] == 0, "finite values refused"
+    dev.append_k.launch(queue, *sizes, None, **args)
+    got = pool.get()
+    layout = spec.layout
+    vd, vs = quant.region_views(got, layout, 1)
+    qd, qs = quant.quantize(v.astype(np.float32), "q4_0")
+    written = np.zeros((P, ps), bool)
+    for t, s in enumerate(slots):
+        if 0 <= s < P * ps:
+            written[s // ps, s % ps] = True
+            assert np.array_equal(vd[s // ps, :, s % ps], qd[t]), f"token {t}'s values"
+            assert np.array_equal(vs[s // ps, :, s % ps], qs[t])
+    kd, _ = quant.region_views(got, layout, 0)
+    assert not vd.transpose(0, 2, 1, 3)[~written].any(), "values written outside the slots"
+    assert not kd.transpose(0, 2, 1, 3)[~written].any(), "keys written outside the slots"
+    print("adversarial byte append ok", flush=True)
+    bad = v.copy()
+    bad[3, 1, 30] = np.nan
+    before = got.copy()
+    args.update(v=d(bad), epoch=8)
+    dev.check_k.launch(queue, *sizes, None, **args)
+    assert flags.get()[0] == 8, "a NaN was not flagged"
+    dev.append_k.launch(queue, *sizes, None, **args)
+    assert np.array_equal(pool.get(), before), "a refused append wrote"
+    copies = np.array([[-5, 1, 3], [P + 3, 2, 99], [0, -1, 2], [1, P, 2],
+                       [2**31 - 1, 3, -4], [-2**31, -2**31, 2**31 - 1],
+                       [2, 2**31 - 1, 4]], np.int32)
+    C = len(copies)
+    dev.copy_k.launch(queue, (C * 2 * 2 * ps,), None, None, pages=pool,
+                      copies=d(copies.ravel()), n_copies=C)
+
+    def copy_rows(want, src, dst, rows):
+        for kind in (0, 1):
+            for w, b in zip(quant.region_views(want, layout, kind),
+                            quant.region_views(before, layout, kind)):
+                w[dst, :, :rows] = b[src, :, :rows]
+    assert np.array_equal(pool.get(), _copied(before, copies, P, ps, copy_rows)), \
+        "page copy wrote the wrong bytes"
+    print("adversarial byte copy ok", flush=True)
 
 
 VARIANTS = {
@@ -139,11 +215,19 @@ VARIANTS = {
     "append-adversarial-tiled-f32": lambda: adversarial_variant(SMALL_TILED, "float32", False),
     "append-adversarial-tiled-f16-rope": lambda: adversarial_variant(SMALL_TILED, "float16",
                                                                      True),
+    "cache-rows-f16-q8-q4-window": lambda: simulation_variant(
+        "generic-cpu", "float16", True, None, seed=1, formats=("q8_0", "q4_0")),
+    "cache-tiled-f32-q4-q8-rope-attend": lambda: simulation_variant(
+        SMALL_TILED, "float32", True, "attend", seed=1, formats=("q4_0", "q8_0")),
+    "append-adversarial-bytes-f16": lambda: adversarial_bytes_variant("generic-cpu", "float16",
+                                                                      False),
+    "append-adversarial-bytes-f32-rope": lambda: adversarial_bytes_variant(SMALL_TILED,
+                                                                           "float32", True),
 }
 #: variants whose decode launches use sincos (in-kernel RoPE): Oclgrind's uninitialised-
 #: value plugin stops on its private pointer (tests/test_oclgrind.py); the append kernel
 #: itself calls sin and cos apart, so every other variant runs with the plugin too
-WITH_SINCOS = ("cache-tiled-f16-rope-attend",)
+WITH_SINCOS = ("cache-tiled-f16-rope-attend", "cache-tiled-f32-q4-q8-rope-attend")
 
 
 def _run(name: str, uninit: bool) -> None:

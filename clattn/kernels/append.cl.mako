@@ -15,18 +15,25 @@ Template parameters (clattn.codegen.render_append; geometry clattn.fit.append_ge
   STRATEGY, VEC, MH   rows (CPU drivers): work-groups of one work-item, each striding over
                       (token, head) rows, VEC elements at a time; tiled (GPUs): D/VEC
                       lanes per row, MH rows per work-group
-  KFMT, VFMT          page formats; only DTYPE itself today (quantized pages quantize on
-                      append: issue 13)
-  APPEND_SIGNATURE/APPEND_FIXUP, COPY_SIGNATURE/COPY_FIXUP  from clattn.signatures
-                      APPEND and PAGE_COPY
+  KFMT, VFMT, BYTE_POOL, PAGE_BYTES, K_REGION, V_REGION, K_ROWB, V_ROWB
+                      page storage (clattn.codegen's pool parameters, clattn.quant's layout)
+  APPEND_SIGNATURE/APPEND_FIXUP, CHECK_SIGNATURE, COPY_SIGNATURE/COPY_FIXUP  from
+                      clattn.signatures APPEND, APPEND_CHECK and PAGE_COPY
 Every index is checked or clamped: a slot outside the pool, or a copy whose destination
 is outside it, writes nothing; a copy's source page and row count are clamped. Values
 without RoPE are copied bit for bit.
+
+Byte pools (K or V not stored as DTYPE; append_bytes.clh.mako): one work-item per
+(token, head, kind, block of 32 values), whatever the strategy. clattn_append_check runs
+first and sets flags[0] = epoch when a block of a quantized kind holds inf/NaN or a scale
+beyond f16; clattn_append then writes nothing at all (the cache reports it).
 </%doc>
 <%namespace name="c" file="common.clh.mako"/>
 ${c.prelude()}
+% if BYTE_POOL:
+<%include file="append_bytes.clh.mako"/>
+% else:
 <%
-assert KFMT == DTYPE and VFMT == DTYPE, "quantized pages: append is issue 13's work"
 NV = D // VEC
 RAW = "ushort" if DTYPE == "half" else "uint"     # the bits of one stored element
 %>\
@@ -158,4 +165,5 @@ ${copy_setup()}
         ${mv('dr + lane * %d' % VEC, 'sr + lane * %d' % VEC)}
     }
 }
+% endif
 % endif

@@ -1,0 +1,231 @@
+"""Quantized pages in the cache: the device quantizer against numpy's, bit for bit, and
+what happens to values a format cannot hold.
+
+numpy's quantizer (clattn.quant, itself checked against the format's written rules in
+tests/test_quant.py) is the reference: the append kernel must store the same bytes for
+adversarial blocks (exact ties of the rounding, their neighbours one unit away, equal
+magnitudes of both signs, zero blocks, scales that are f16 subnormals or round up to the
+next binade, the largest values a scale holds). The randomized cache simulation over
+quantized pages is in tests/test_cache.py (SIM_SPECS).
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import clattn
+from clattn import quant, runtime
+from naive import naive_inv_freq, naive_rotate
+from test_cache import make_cache, pool_host
+
+FORMATS = [("q8_0", "q4_0"), ("q4_0", "q8_0")]
+
+
+def _ties(rng, fmt, n):
+    """Blocks whose largest value fixes the scale d exactly and whose others are exact
+    ties k + 1/2 of the code grid, or one f32 unit either side of one."""
+    out = np.empty((n, 32), np.float32)
+    for i in range(n):
+        d = np.float32(np.float16(rng.uniform(1e-3, 4.0) * 2.0 ** rng.integers(-12, 8)))
+        lim = 127 if fmt == "q8_0" else 8
+        m = np.float32(lim * d) * (np.float32(1.0) if fmt == "q8_0" else np.float32(-1.0))
+        k = rng.integers(-lim, lim, 31).astype(np.float32)
+        tie = ((k + np.float32(0.5)) * d).astype(np.float32)
+        nudge = rng.integers(-1, 2, 31)
+        tie = np.where(nudge < 0, np.nextafter(tie, np.float32(-np.inf)),
+                       np.where(nudge > 0, np.nextafter(tie, np.float32(np.inf)), tie))
+        out[i, 0], out[i, 1:] = m, tie
+        out[i] = np.roll(out[i], int(rng.integers(32)))
+    return out
+
+
+def adversarial_blocks(fmt, seed=0):
+    """float32 [n, 32] blocks that stress every rounding the format makes."""
+    rng = np.random.default_rng(seed)
+    parts = [_ties(rng, fmt, 48)]
+    # random blocks over many magnitudes, f16-subnormal scales included
+    mag = 2.0 ** rng.integers(-30, 16, (48, 1))
+    parts.append((rng.standard_normal((48, 32)) * mag).astype(np.float32))
+    # the largest magnitude twice, with both signs (q4_0 keeps the first one's sign)
+    b = rng.standard_normal((16, 32)).astype(np.float32)
+    b[:, 3], b[:, 17] = 5.0, -5.0
+    b[8:, 3], b[8:, 17] = -5.0, 5.0
+    parts.append(b)
+    # zero blocks, a single non-zero, and scales just around an f16 rounding boundary
+    z = np.zeros((8, 32), np.float32)
+    z[4:, 9] = np.float32(3e-3)
+    parts.append(z)
+    edge = rng.standard_normal((16, 32)).astype(np.float32) * 0.1
+    lim = 127 if fmt == "q8_0" else 8
+    for i in range(16):
+        h = np.float16(rng.uniform(0.01, 100))
+        mid = (np.float32(h) + np.float32(np.nextafter(h, np.float16(np.inf)))) / 2
+        edge[i, i] = np.nextafter(np.float32(mid * lim), np.float32((-1) ** i * np.inf))
+    parts.append(edge)
+    # the largest values a scale holds
+    big = rng.uniform(-1, 1, (4, 32)).astype(np.float32) * np.float32(65000 * lim)
+    parts.append(big)
+    return np.concatenate(parts)
+
+
+def _append_blocks(target, blocks_k, blocks_v, dtype="float32", kf="q8_0", vf="q4_0"):
+    """Write the blocks as tokens of a 1-head, head_dim-64 cache; return its pool."""
+    T = len(blocks_k) // 2
+    spec = clattn.AttentionSpec(1, 1, 64, page_size=16, dtype=dtype, k_format=kf, v_format=vf)
+    cache = make_cache(spec, target, layers=1, num_pages=-(-T // 16))
+    cache.add("s")
+    cache.begin(["s"], [T])
+    k = blocks_k[:2 * T].reshape(T, 1, 64).astype(dtype)
+    v = blocks_v[:2 * T].reshape(T, 1, 64).astype(dtype)
+    cache.append(0, k, v)
+    cache.end()
+    return spec, pool_host(cache, 0), k, v
+
+
+@pytest.mark.parametrize("kf,vf", FORMATS)
+def test_device_quantizer_equals_numpy_bit_for_bit(device_target, kf, vf):
+    bk, bv = adversarial_blocks(kf, 1), adversarial_blocks(vf, 2)
+    n = min(len(bk), len(bv)) // 2 * 2
+    spec, pool, k, v = _append_blocks(device_target, bk[:n], bv[:n], kf=kf, vf=vf)
+    want = quant.pack_pool(_paged(k, spec), _paged(v, spec), spec.layout)
+    T = len(k)
+    for kind, fmt in ((0, kf), (1, vf)):
+        got_d, got_s = quant.region_views(pool, spec.layout, kind)
+        want_d, want_s = quant.region_views(want, spec.layout, kind)
+        got_d, want_d = got_d.reshape(-1, got_d.shape[-1])[:T], want_d.reshape(-1, want_d.shape[-1])[:T]
+        got_s, want_s = got_s.reshape(-1, got_s.shape[-1])[:T], want_s.reshape(-1, want_s.shape[-1])[:T]
+        bad = np.flatnonzero((got_d != want_d).any(-1) | (got_s.view(np.uint16) !=
+                                                          want_s.view(np.uint16)).any(-1))
+        assert not len(bad), (f"{fmt}: the device stored other bytes than numpy for "
+                              f"{len(bad)} rows, first row {bad[0]}: scales "
+                              f"{got_s[bad[0]]} vs {want_s[bad[0]]}")
+
+
+def _paged(x, spec):
+    """[T, H, D] rows as pages [P, H, page_size, D] in token order (zero padded)."""
+    T, H, D = x.shape
+    ps = spec.page_size
+    P = -(-T // ps)
+    out = np.zeros((P * ps, H, D), np.float32)
+    out[:T] = x
+    return out.reshape(P, ps, H, D).transpose(0, 2, 1, 3)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_half_inputs_quantize_alike(device_target, dtype):
+    """f16 keys and values (what most apps store) through the same quantizer."""
+    rng = np.random.default_rng(3)
+    b = (rng.standard_normal((64, 32)) * 2.0 ** rng.integers(-6, 6, (64, 1))).astype(dtype)
+    spec, pool, k, v = _append_blocks(device_target, b.astype(np.float32), b[::-1].astype(
+        np.float32), dtype=dtype)
+    want = quant.pack_pool(_paged(k.astype(np.float32), spec), _paged(v.astype(np.float32), spec),
+                           spec.layout)
+    assert np.array_equal(pool[:len(want)], want)
+
+
+BAD = [("k", np.inf), ("v", np.nan), ("k", -np.inf), ("v", 1e9)]
+
+
+@pytest.mark.parametrize("name,value", BAD)
+def test_values_a_format_cannot_hold_are_refused_before_anything_is_written(target, name,
+                                                                            value):
+    """numpy k/v: refused by append, naming the argument; the pool is unchanged and the
+    step goes on (a good append of the layer works)."""
+    spec = clattn.AttentionSpec(2, 1, 32, page_size=4, dtype="float32", k_format="q8_0",
+                                v_format="q4_0")
+    cache = make_cache(spec, target, layers=1, num_pages=4)
+    cache.add("s")
+    cache.begin(["s"], [3])
+    rng = np.random.default_rng(0)
+    k = rng.standard_normal((3, 1, 32)).astype(np.float32)
+    v = rng.standard_normal((3, 1, 32)).astype(np.float32)
+    before = pool_host(cache, 0).copy()
+    bad = {"k": k.copy(), "v": v.copy()}
+    bad[name][1, 0, 7] = value
+    kept = {n: a.copy() for n, a in bad.items()}
+    with pytest.raises(ValueError, match=rf"^{name}: "):
+        cache.append(0, bad["k"], bad["v"])
+    assert np.array_equal(pool_host(cache, 0), before), "a refused append wrote"
+    for n in bad:
+        assert np.array_equal(bad[n], kept[n], equal_nan=True), f"the call changed {n}"
+    cache.append(0, k, v)
+    q = rng.standard_normal((3, 2, 32)).astype(np.float32)
+    out = cache.attend(0, q).out
+    assert np.isfinite(out).all()
+    cache.end()
+    assert cache.length("s") == 3
+
+
+def test_device_arrays_are_checked_on_the_device(device_target):
+    """Device k/v cannot be checked on the host without a wait: the check kernel refuses
+    on the device (nothing written for that layer) and end() reports it; the step stays
+    open, cancel() frees it, and the cache goes on."""
+    spec = clattn.AttentionSpec(2, 1, 32, page_size=4, dtype="float16", k_format="q4_0",
+                                v_format="q8_0")
+    cache = make_cache(spec, device_target, layers=2, num_pages=6)
+    queue = cache._rt.queue
+    cl = runtime.cl()
+    rng = np.random.default_rng(1)
+    good = [rng.standard_normal((2, 1, 32)).astype(np.float16) for _ in range(4)]
+    cache.add("s")
+    before = [pool_host(cache, i).copy() for i in range(2)]
+    cache.begin(["s"], [2])
+    bad_v = good[3].copy()
+    bad_v[0, 0, 5] = np.inf
+    dev = lambda a: cl.array.to_device(queue, a)  # noqa: E731
+    cache.append(0, dev(good[0]), dev(good[1]))
+    cache.append(1, dev(good[2]), dev(bad_v))
+    with pytest.raises(ValueError, match=r"layers \[1\].*nothing was written.*cancel"):
+        cache.end()
+    assert np.array_equal(pool_host(cache, 1), before[1]), "the refused layer was written"
+    assert not np.array_equal(pool_host(cache, 0), before[0]), "the good layer was not"
+    cache.cancel()
+    assert cache.length("s") == 0
+    cache.begin(["s"], [2])
+    cache.append(0, dev(good[0]), dev(good[1]))
+    cache.append(1, dev(good[2]), dev(good[3]))
+    cache.end()  # re-appended good values: no stale refusal
+    assert cache.length("s") == 2
+    k1 = quant.unpack_pool(pool_host(cache, 1), spec.layout)[0]
+    page = cache.table.seqs["s"].pages[0]
+    want = quant.dequantize(*quant.quantize(good[2].astype(np.float32), "q4_0"), "q4_0")
+    assert np.array_equal(k1[page, :, :2], want.transpose(1, 0, 2))
+
+
+def test_keys_rotated_at_append_then_quantized(target):
+    """rope="append" with q8_0 keys: what is stored is the rotated key within half a
+    quantization step of its block (the scale the pool holds)."""
+    spec = clattn.AttentionSpec(2, 2, 64, page_size=8, dtype="float32", k_format="q8_0",
+                                v_format="q8_0")
+    cache = make_cache(spec, target, layers=1, num_pages=4, rope="append", rope_theta=1e4)
+    cache.add("s", pos_offset=1000)
+    cache.begin(["s"], [11])
+    rng = np.random.default_rng(5)
+    k = rng.standard_normal((11, 2, 64)).astype(np.float32)
+    cache.append(0, k, k)
+    pos = cache.positions.copy()
+    cache.end()
+    pool = pool_host(cache, 0)
+    data, scales = quant.region_views(pool, spec.layout, 0)
+    kq = quant.dequantize(data, scales, "q8_0")
+    pages = cache.table.seqs["s"].pages
+    rows = np.concatenate([kq[p] for p in pages[:2]], axis=1)[:, :11]  # [H, T, D]
+    sc = np.concatenate([scales[p] for p in pages[:2]], axis=1)[:, :11].astype(np.float64)
+    inv, att = naive_inv_freq(64, 1e4, None)
+    want = np.array([[naive_rotate(k[t, h], pos[t], inv, att, 64, False) for t in range(11)]
+                     for h in range(2)])
+    step = np.repeat(sc, 32, axis=-1)
+    err = np.abs(rows - want)
+    assert (err <= step * (0.5 + 1e-3) + 1e-6).all(), float((err / step).max())
+    assert (err > 0).any()
+
+
+def test_stats_report_bytes_per_token_per_format(target):
+    sizes = {}
+    for fmt in ("float16", "q8_0", "q4_0"):
+        spec = clattn.AttentionSpec(32, 8, 128, page_size=16, dtype="float16", k_format=fmt,
+                                    v_format=fmt)
+        cache = make_cache(spec, target, layers=4, num_pages=2)
+        sizes[fmt] = cache.stats().bytes_per_token
+        assert sizes[fmt] == 4 * 2 * 8 * 128 * quant.bytes_per_value(fmt)
+    assert sizes == {"float16": 16384, "q8_0": 8704, "q4_0": 4608}
