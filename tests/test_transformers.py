@@ -208,6 +208,30 @@ def test_cpu_backend_and_chunk_prompts():
     assert got.cache.steps["chunk"] == 1 and got.cache.steps["prefill"] == 0
 
 
+def test_quantized_caches_through_transformers(device):
+    """q4_0 keys and q8_0 values (quantized on append on the device; prefill, window chunk
+    and decode over the byte pools) give the tokens and logits of the numpy backend's
+    quantizer and decode, and keep 32 greedy tokens close to eager f32 on a model that
+    tolerates the 4-bit keys (tools/quant_error.py reports all five configs)."""
+    for name, batch, path in (("Mistral-7B-v0.1", True, "chunk"), ("Llama-3.2-1B", False,
+                                                                     "prefill")):
+        got = {}
+        for backend in ("cpu", "opencl"):
+            cltf.register(device=device, backend=backend, k_format="q4_0", v_format="q8_0")
+            try:
+                got[backend] = run(name, batch, attn_implementation="clattn")
+            finally:
+                cltf.register()
+        dev, cpu = got["opencl"], got["cpu"]
+        assert torch.equal(dev.sequences, cpu.sequences), name
+        assert max(float((a - b).abs().max()) for a, b in zip(dev.logits, cpu.logits)) <= 1e-4
+        assert all(g.spec.byte_pool for g in dev.cache.groups.values())
+        assert dev.cache.steps[path] == 1 and dev.cache.steps["decode"] == NEW_TOKENS - 1
+        ref = eager(name, batch)
+        diff = max(float((a - b).abs().max()) for a, b in zip(dev.logits, ref.logits))
+        assert 1e-4 < diff < 1.0, f"{name}: quantization should show, within reason: {diff}"
+
+
 def test_explicit_cache_and_forward_without_cache():
     m = model("Llama-3.2-1B")
     ids = inputs(False)["input_ids"]

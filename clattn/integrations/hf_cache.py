@@ -166,6 +166,9 @@ class ClattnCache(Cache):
         cache's causal chunk attend.
     backend, profile
         As for :class:`clattn.PagedKVCache` (``backend="cpu"``: numpy pools).
+    k_format, v_format : {None, "float16", "float32", "q8_0", "q4_0"}, optional
+        Storage of the keys and values (default: register()'s, else the model's dtype);
+        quantized formats need a head_dim that is a multiple of 32.
 
     The pools are made at the first forward, from the shapes and dtype the model
     attends with (f16 or f32), one :class:`~clattn.PagedKVCache` per layer kind.
@@ -175,7 +178,8 @@ class ClattnCache(Cache):
                  page_size: int | None = None, max_cache_len: int | None = None,
                  num_pages: int | None = None, budget_bytes: int | None = None,
                  prefill: bool | None = None, backend: str | None = None,
-                 profile: Any = None) -> None:
+                 profile: Any = None, k_format: str | None = None,
+                 v_format: str | None = None) -> None:
         from . import transformers as _tf  # the defaults given to register()
 
         if model is None and config is None:
@@ -196,6 +200,8 @@ class ClattnCache(Cache):
         self.use_prefill = d["prefill"] if prefill is None else bool(prefill)
         self.backend = d["backend"] if backend is None else backend
         self.profile = d["profile"] if profile is None else profile
+        self.k_format = d["k_format"] if k_format is None else k_format
+        self.v_format = d["v_format"] if v_format is None else v_format
         self.groups: dict = {}  # window (None = full) -> _Group, made at the first forward
         self.rows: list | None = None  # the sequence id of each batch row
         self._next_id = 0
@@ -381,7 +387,8 @@ class _Group:
         self.spec = AttentionSpec(
             num_qo_heads=shape.heads, num_kv_heads=shape.kv_heads, head_dim=shape.head_dim,
             page_size=owner.page_size, dtype=DTYPES[shape.dtype],
-            sliding_window=window is not None, softcap=shape.softcap)
+            sliding_window=window is not None, softcap=shape.softcap,
+            k_format=owner.k_format, v_format=owner.v_format)
         dev = owner.cl_device()
         backend = "cpu" if dev is None else "opencl"
         pages = owner._pool_pages(self.spec, len(layers), max(1, owner.batch_size))

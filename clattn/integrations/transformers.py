@@ -40,11 +40,12 @@ __all__ = ["ClattnCache", "ClattnMask", "UnsupportedFeatureError", "attention",
 
 #: what :func:`register` set: the default device and options of the caches made for generate
 DEFAULTS: dict = {"device": None, "prefill": True, "backend": "auto", "profile": None,
-                  "page_size": 16}
+                  "page_size": 16, "k_format": None, "v_format": None}
 
 
 def register(device: Any = None, *, prefill: bool = True, page_size: int = 16,
-             backend: str = "auto", profile: Any = None, patch_generate: bool = True) -> None:
+             backend: str = "auto", profile: Any = None, k_format: str | None = None,
+             v_format: str | None = None, patch_generate: bool = True) -> None:
     """Register ``attn_implementation="clattn"`` with transformers (done at import).
 
     Parameters
@@ -59,13 +60,16 @@ def register(device: Any = None, *, prefill: bool = True, page_size: int = 16,
         Tokens per page of the caches made for ``generate``.
     backend, profile
         As for :class:`clattn.PagedKVCache` (``backend="cpu"``: numpy, no device).
+    k_format, v_format : {None, "float16", "float32", "q8_0", "q4_0"}
+        How the caches store keys and values (None: the model's dtype); ``"q8_0"`` and
+        ``"q4_0"`` quantize on append (llama.cpp's ``--cache-type-k/-v``).
     patch_generate : bool
         Give ``generate`` a ClattnCache when the model attends with clattn, and accept
         ``generate(..., attn_implementation=...)`` (transformers' own ``generate`` has
         no such argument).
     """
     DEFAULTS.update(device=device, prefill=bool(prefill), page_size=int(page_size),
-                    backend=backend, profile=profile)
+                    backend=backend, profile=profile, k_format=k_format, v_format=v_format)
     AttentionInterface.register(NAME, attention)
     AttentionMaskInterface.register(NAME, mask)
     if patch_generate:

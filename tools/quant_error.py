@@ -1,0 +1,139 @@
+#!/usr/bin/env python
+"""What quantized KV pages cost in accuracy (issue 13's report; a developer script).
+
+1. Attention error: for the five model shapes of the benchmarks, decode attention over
+   q8_0 and q4_0 pages against unquantized f32 attention (float64 oracle), with keys that
+   have outlier channels as real keys do (a few channels per head 10-30x the others, the
+   query leaning on them so that attention is peaked), values Gaussian. Printed: relative
+   L2 error of the output, its largest absolute error, and the largest lse difference.
+2. Greedy tokens: through the transformers integration (``k_format``/``v_format`` of the
+   cache), the 2-layer random-weight models of tests/test_transformers.py generate 32
+   greedy tokens with f32 weights; printed: how many of the 32 equal eager f32 attention's,
+   the first that differs, and the largest logit difference.
+
+Examples
+  python tools/quant_error.py                      # both parts, PoCL for part 2
+  python tools/quant_error.py --part attention --context 8192
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import warnings
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
+
+import clattn  # noqa: E402
+from clattn import cpu_backend, quant  # noqa: E402
+from bench import MODELS  # noqa: E402  (the benchmark's five shapes)
+
+FORMATS = ("q8_0", "q4_0")
+
+
+def outlier_keys(rng, n: int, hkv: int, d: int, channels: int = 4) -> np.ndarray:
+    """Gaussian keys ``[n, hkv, d]`` whose heads each have ``channels`` outlier channels
+    10-30x larger, with a per-channel offset (as observed in LLM keys)."""
+    k = rng.standard_normal((n, hkv, d)).astype(np.float32)
+    for h in range(hkv):
+        idx = rng.choice(d, channels, replace=False)
+        k[:, h, idx] = k[:, h, idx] * rng.uniform(10, 30, channels) + rng.uniform(-20, 20, channels)
+    return k
+
+
+def attention_errors(context: int, seed: int) -> list[dict]:
+    rng = np.random.default_rng(seed)
+    rows = []
+    for name, (hqo, hkv, d) in MODELS.items():
+        ps = 16
+        P = context // ps
+        k = outlier_keys(rng, context, hkv, d)
+        v = rng.standard_normal((context, hkv, d)).astype(np.float32)
+        # queries that lean on the outlier channels: peaked attention, as in real heads
+        q = rng.standard_normal((1, hqo, d)).astype(np.float32)
+        q += 0.05 * np.repeat(np.sign(k.mean(0)), hqo // hkv, axis=0)[None]
+        paged = lambda x: x.reshape(P, ps, hkv, d).transpose(0, 2, 1, 3)  # noqa: E731
+        tables = (np.array([0, P], np.int32), np.arange(P, dtype=np.int32),
+                  np.array([ps], np.int32))
+        ref = _oracle(q, k, v, hqo // hkv, 1 / np.sqrt(d))
+        for fmt in FORMATS:
+            spec = clattn.AttentionSpec(hqo, hkv, d, page_size=ps, dtype="float32",
+                                        k_format=fmt, v_format=fmt)
+            pool = quant.pack_pool(paged(k), paged(v), spec.layout)
+            out, lse = cpu_backend.batch_decode(spec, q, pool, *tables)
+            err = out.astype(np.float64) - ref[0]
+            rows.append(dict(model=name, fmt=fmt, rel_l2=float(np.linalg.norm(err) /
+                                                              np.linalg.norm(ref[0])),
+                             max_abs=float(np.abs(err).max()),
+                             lse=float(np.abs(lse - ref[1]).max())))
+    return rows
+
+
+def _oracle(q, k, v, group, scale):
+    """float64 attention of one query over dense k, v; lse in base 2."""
+    kk = np.repeat(k.astype(np.float64), group, axis=1)  # [n, hqo, d]
+    vv = np.repeat(v.astype(np.float64), group, axis=1)
+    s = np.einsum("hd,nhd->hn", q[0].astype(np.float64), kk) * scale
+    m = s.max(1, keepdims=True)
+    p = np.exp(s - m)
+    out = np.einsum("hn,nhd->hd", p, vv) / p.sum(1, keepdims=True)
+    lse = (m[:, 0] + np.log(p.sum(1))) / np.log(2)
+    return out[None], lse[None]
+
+
+def token_agreement(device: str) -> list[dict]:
+    import clattn.integrations.transformers as cltf
+    import test_transformers as tt
+    rows = []
+    for name in list(tt.CONFIGS)[:5]:
+        ref = tt.eager(name, False)
+        for fmt in FORMATS:
+            cltf.register(device=device, k_format=fmt, v_format=fmt)
+            try:
+                got = tt.run(name, False, attn_implementation="clattn")
+            finally:
+                cltf.register()
+            a, b = got.sequences[0, -tt.NEW_TOKENS:], ref.sequences[0, -tt.NEW_TOKENS:]
+            same = (a == b).numpy()
+            first = int(np.argmin(same)) if not same.all() else tt.NEW_TOKENS
+            diff = max(float((x - y).abs().max()) for x, y in zip(got.logits, ref.logits))
+            rows.append(dict(model=name, fmt=fmt, equal=int(same.sum()), first_diff=first,
+                             logits=diff))
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--part", choices=("all", "attention", "tokens"), default="all")
+    ap.add_argument("--context", type=int, default=4096)
+    ap.add_argument("--device", default="pocl")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    warnings.simplefilter("ignore")
+    if args.part in ("all", "attention"):
+        print(f"## Decode attention over quantized pages vs f32 (B=1, context {args.context}, "
+              f"keys with 4 outlier channels per head)\n")
+        print("| model | format | rel. L2 error of out | max abs error | max lse error |")
+        print("|---|---|---:|---:|---:|")
+        for r in attention_errors(args.context, args.seed):
+            print(f"| {r['model']} | {r['fmt']} | {r['rel_l2']:.2e} | {r['max_abs']:.2e} | "
+                  f"{r['lse']:.2e} |")
+    if args.part in ("all", "tokens"):
+        print(f"\n## 32 greedy tokens through transformers (2-layer random-weight models, f32 "
+              f"weights, device {args.device}) vs eager f32\n")
+        print("| config | cache | tokens equal | first different | max logit diff |")
+        print("|---|---|---:|---:|---:|")
+        for r in token_agreement(args.device):
+            first = "-" if r["first_diff"] == 32 else r["first_diff"]
+            print(f"| {r['model']} | {r['fmt']} | {r['equal']}/32 | {first} | "
+                  f"{r['logits']:.3g} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
