@@ -325,11 +325,16 @@ class PrefillGeometry:
 
 #: rows prefill: floats of q (and as many of accumulators) a work-item keeps: 32 rows of
 #: head_dim 128 (measured on a 2-core AMD EPYC, PoCL and Intel, Llama-3-8B shapes: 1.3-1.4x
-#: the speed of 16 rows, 16 rows of 64 no better)
+#: the speed of 16 rows, 16 rows of 64 no better); the derived queries per work-item
 PREFILL_ROW_FLOATS = 4096
 #: rows prefill: at most this many (query, head) rows per work-item (Qwen2.5's 7 heads of
-#: 64 per KV head: 9 queries, 64 rows, 1.1-1.4x the speed of 32 rows on Intel's runtime)
+#: 64 per KV head: 9 queries, 64 rows, 1.1-1.4x the speed of 32 rows on Intel's runtime);
+#: a ``prefill_qb`` wish is cut to it
 PREFILL_ROWS = 64
+#: rows prefill: keys per block are a power of two up to this
+PREFILL_MAX_KB = 16
+#: tiled prefill without wishes: threads per row group, rows per thread, keys per thread
+PREFILL_TC, PREFILL_RM, PREFILL_RK = 16, 4, 2
 
 
 def _prefill_local_bytes(d: int, rows: int, kb: int, tc: int) -> int:
@@ -337,62 +342,146 @@ def _prefill_local_bytes(d: int, rows: int, kb: int, tc: int) -> int:
     return FLOAT * (rows * d + kb * (d + 1) + kb * d + rows * (kb + 1) + 2 * rows * tc)
 
 
+class _Cuts:
+    """The prefill wishes of a profile and why each one was cut (notes in field order)."""
+
+    def __init__(self, profile: Profile) -> None:
+        self.profile = profile
+        self.why: dict[str, list[str]] = {}
+
+    def cut(self, name: str, why: str) -> None:
+        """Record a reason ``name``'s wish was not kept (once per reason)."""
+        reasons = self.why.setdefault(name, [])
+        if why not in reasons:
+            reasons.append(why)
+
+    def notes(self, got: Mapping[str, int]) -> list[str]:
+        """``"prefill_qb 32 -> 9: why"`` for each wish (not None) that ``got`` differs from."""
+        out = []
+        for name, value in got.items():
+            want = getattr(self.profile, name)
+            if want is not None and want != value:
+                out.append(f"{name} {want} -> {value}: "
+                           + "; ".join(self.why.get(name, ["the kernel's limits"])))
+        return out
+
+
+def _halvings(n: int) -> list[int]:
+    """``n, n // 2, ..., 1``."""
+    out = [max(1, n)]
+    while out[-1] > 1:
+        out.append(out[-1] // 2)
+    return out
+
+
+def _prefill_rows(spec: AttentionSpec, profile: Profile, limits: Limits,
+                  native: bool) -> PrefillGeometry:
+    D, G = spec.head_dim, spec.group_size
+    notes = []
+    vec = _vec_for(D, profile.vec)
+    if vec != profile.vec:
+        notes.append(f"vec {profile.vec} -> {vec}: head_dim {D}")
+    kb_field = "prefill_kb" if profile.prefill_kb is not None else "tile_rows"
+    want_kb = getattr(profile, kb_field)
+    kb = 1 << (min(max(1, want_kb), PREFILL_MAX_KB).bit_length() - 1)
+    if kb != want_kb:
+        notes.append(f"{kb_field} {want_kb} -> {kb}: the rows kernel takes a power of two up "
+                     f"to {PREFILL_MAX_KB}")
+    cap = max(1, PREFILL_ROWS // G)
+    if profile.prefill_qb is None:
+        qb = max(1, min(16, PREFILL_ROW_FLOATS // (D * G), cap))
+    else:
+        qb = min(profile.prefill_qb, cap)
+        if qb != profile.prefill_qb:
+            notes.append(f"prefill_qb {profile.prefill_qb} -> {qb}: the rows kernel keeps at "
+                         f"most {PREFILL_ROWS} (query, head) rows per work-item ({G} heads "
+                         f"per query)")
+    return PrefillGeometry("rows", vec, qb, kb, native_fp16=native, denorms=limits.denorms,
+                           notes=tuple(notes))
+
+
 def prefill_geometry(spec: AttentionSpec, profile: Profile, limits: Limits) -> PrefillGeometry:
     """Fit the profile to the prefill kernels of ``spec`` on a device with ``limits``.
 
-    rows: ``vec`` and ``tile_rows`` (keys per block, a power of two up to 16) as in decode;
-    queries per work-item so that its q and accumulators hold about
-    :data:`PREFILL_ROW_FLOATS` floats. tiled: 16 threads per row group where head_dim
-    allows, 4 rows per thread, 2 keys per thread per tile, as many row groups as
-    ``thread_limit`` allows; then the key tile, the query tile (down to 16 rows), the
-    threads per row group (down to 4) and the query tile again are halved until local
-    memory fits (tile sizes are not profile wishes: no note). Wishes the prefill kernels
-    do not take (sub-group reduction, K/V outside local memory) are listed in ``notes``.
+    rows: ``vec`` as in decode; keys per block ``prefill_kb`` (None: ``tile_rows``), a
+    power of two up to :data:`PREFILL_MAX_KB`; queries per work-item ``prefill_qb``, at
+    most :data:`PREFILL_ROWS` (query, head) rows (None: so that q and the accumulators
+    hold about :data:`PREFILL_ROW_FLOATS` floats, at most 16 queries).
+
+    tiled: ``prefill_tc`` threads per row group (None: :data:`PREFILL_TC`), halved until
+    it divides head_dim and fits the work-group; ``prefill_rm`` rows per thread (None:
+    :data:`PREFILL_RM`), raised only when one query's heads need more rows than the row
+    groups hold; ``prefill_kb`` keys per tile, a multiple of the threads of a row group
+    (None: :data:`PREFILL_RK` per thread); ``prefill_qb`` queries per work-group, at most
+    what the row groups hold (None: that many). Then the key tile, the query tile (down to
+    16 rows), the threads per row group (down to 4) and the query tile again are halved
+    until local memory fits.
+
+    Every wish that is cut is listed in ``notes`` with its reason, as are the wishes the
+    prefill kernels do not take (sub-group reduction, K/V outside local memory); an
+    impossible fit raises.
     """
     D, G = spec.head_dim, spec.group_size
     native = bool(profile.native_fp16 and limits.has_fp16 and spec.dtype == "float16")
-    notes: list[str] = []
     if profile.strategy == "rows":
-        vec = _vec_for(D, profile.vec)
-        if vec != profile.vec:
-            notes.append(f"vec {profile.vec} -> {vec}: head_dim {D}")
-        kb = 1 << (min(max(1, profile.tile_rows), 16).bit_length() - 1)
-        if kb != profile.tile_rows:
-            notes.append(f"tile_rows {profile.tile_rows} -> {kb}: the rows kernel takes a power "
-                         f"of two up to 16")
-        qb = max(1, min(16, PREFILL_ROW_FLOATS // (D * G), PREFILL_ROWS // G))
-        return PrefillGeometry("rows", vec, qb, kb, native_fp16=native, denorms=limits.denorms,
-                               notes=tuple(notes))
+        return _prefill_rows(spec, profile, limits, native)
+    notes: list[str] = []
     if profile.reduction == "subgroup":
         notes.append("reduction subgroup -> local: the prefill kernel reduces through local "
                      "memory")
     if not profile.use_local_kv:
         notes.append("use_local_kv off -> on: the prefill kernel tiles queries and keys "
                      "through local memory")
+    cuts = _Cuts(profile)
     limit = max(1, min(profile.thread_limit, limits.max_work_group_size))
-    tc = next(t for t in (16, 8, 4, 2, 1) if D % t == 0 and t <= min(limit, limits.max_work_item_sizes[0]))
-    rm, rk = 4, 2
+    cap_x = min(limit, limits.max_work_item_sizes[0])
+    want_tc = profile.prefill_tc or PREFILL_TC
+    tc = next(t for t in _halvings(want_tc) if D % t == 0 and t <= cap_x)
+    if want_tc > cap_x:
+        cuts.cut("prefill_tc", f"at most {cap_x} work-items across the work-group")
+    if D % want_tc:
+        cuts.cut("prefill_tc", f"head_dim {D} is not a multiple of {want_tc} (halved until "
+                               f"it is)")
+    rm = profile.prefill_rm or PREFILL_RM
+    want_kb = profile.prefill_kb or tc * PREFILL_RK
+    rk = max(1, want_kb // tc)
+    if tc * rk != want_kb:
+        cuts.cut("prefill_kb", f"a multiple of the {tc} threads of a row group")
     tr_max = max(1, min(limit // tc, limits.max_work_item_sizes[1]))
     qb = max(1, tr_max * rm // G)
+    if profile.prefill_qb is not None:
+        if profile.prefill_qb > qb:
+            cuts.cut("prefill_qb", f"{tr_max} row groups of {rm} rows hold {qb} queries of "
+                                   f"{G} heads (work-group limit {limit})")
+        qb = min(profile.prefill_qb, qb)
+    local = f"the tiles must fit {limits.local_mem_size} bytes of local memory"
     while True:
         rows = qb * G
-        tr = -(-rows // rm)
-        rm_eff = rm if tr <= tr_max else -(-rows // tr_max)
+        rm_eff = rm if -(-rows // rm) <= tr_max else -(-rows // tr_max)
         tr = -(-rows // rm_eff)
         need = _prefill_local_bytes(D, tr * rm_eff, tc * rk, tc)
         if need <= limits.local_mem_size:
             break
         if rk > 1:
             rk //= 2
+            cuts.cut("prefill_kb", local)
         elif qb > 1 and qb * G > 16:
             qb //= 2
+            cuts.cut("prefill_qb", local)
         elif tc > 4:
             tc //= 2
             tr_max = max(1, min(limit // tc, limits.max_work_item_sizes[1]))
+            cuts.cut("prefill_tc", local)
+            cuts.cut("prefill_kb", local)
         elif qb > 1:
             qb //= 2
+            cuts.cut("prefill_qb", local)
         else:
             raise ValueError(f"prefill kernel for head_dim={D}, group={G} needs {need} bytes of "
                              f"local memory; the device has {limits.local_mem_size}")
+    if rm_eff != rm:
+        cuts.cut("prefill_rm", f"one query's {G} heads over at most {tr_max} row groups")
+    notes += cuts.notes({"prefill_qb": qb, "prefill_kb": tc * rk, "prefill_tc": tc,
+                         "prefill_rm": rm_eff})
     return PrefillGeometry("tiled", 1, qb, tc * rk, rm=rm_eff, tc=tc, tr=tr, native_fp16=native,
                            denorms=limits.denorms, local_mem_bytes=need, notes=tuple(notes))

@@ -235,12 +235,51 @@ def test_source_mentions_every_width():
 
 # -- tools/bench.py -------------------------------------------------------------------------------
 
+def _load_bench():
+    spec = importlib.util.spec_from_file_location("clattn_bench", os.path.join(ROOT, "tools",
+                                                                               "bench.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return bench
+
+
+def _decode_ok(data, rows):
+    d = [r for r in rows if "page_sets" in r]
+    assert d and all(r["page_sets"] >= 4 and r["hot_ms"] > 0 and r["kernel_ms"] > 0 for r in d)
+    assert data["ceilings"]["cold_bytes"] >= 4 * max(c["size_bytes"]
+                                                     for c in data["ceilings"]["caches"])
+    if data["args"]["formats"]:  # every format on the row, each timed against float16 pages
+        assert sorted(r["format"] for r in d) == sorted(data["args"]["formats"])
+        assert all(r["vs_f16"] > 0 for r in d)
+        cost = next(rows for title, rows in data["sections"].items() if title.startswith("GPU"))
+        assert {r["format"]: r["row"] for r in cost} == {"float16": 128, "q8_0": 68, "q4_0": 36}
+
+
+def _prefill_ok(data, rows):
+    assert all(r["kernel_ms"] > 0 and r["gflops"] > 0 and r["peak"] > 0 and
+               0 < r["peak_frac"] for r in rows)
+    if importlib.util.find_spec("torch") is not None:  # torch's SDPA timed beside it
+        assert all(r["vs_torch"] > 0 and r["torch-float32_ms"] > 0 for r in rows)
+    assert data["ceilings"]["fma_gflops"]
+
+
+def _cache_ok(data, rows):
+    assert all(r["step_ms"] > 0 and r["append_ms"] > 0 and r["attend_ms"] > 0 and
+               r["begin_alone_ms"] > 0 and r["tables_bytes"] > 0 for r in rows)
+
+
+SUITE_CHECKS = {"decode": _decode_ok, "prefill": _prefill_ok, "cache": _cache_ok}
+
+
 @needs_pocl
-@pytest.mark.parametrize("suite", ["decode", "split", "fallback"])
-def test_bench_smoke(suite, tmp_path):
+@pytest.mark.parametrize("suite,extra", [
+    ("decode", ()), ("split", ()), ("fallback", ()), ("prefill", ()), ("cache", ()),
+    ("decode", ("--formats", "float16,q8_0,q4_0"))],
+    ids=["decode", "split", "fallback", "prefill", "cache", "decode-formats"])
+def test_bench_smoke(suite, extra, tmp_path):
     out = tmp_path / "r.json"
     cmd = [sys.executable, os.path.join(ROOT, "tools", "bench.py"), "--suite", suite, "--smoke",
-           "--device", "pocl", "--json", str(out)]
+           "--device", "pocl", "--json", str(out), *extra]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "| model |" in proc.stdout or "| N |" in proc.stdout
@@ -249,33 +288,45 @@ def test_bench_smoke(suite, tmp_path):
     assert data["suite"] == suite and data["mismatches"] == []
     rows = [r for rows in data["sections"].values() for r in rows]
     assert rows and not any(r.get("skipped") for r in rows)
-    for r in rows:  # every timed row was checked against the CPU backend first
+    timed = [r for title, rows in data["sections"].items() if not title.startswith("GPU")
+             for r in rows]
+    for r in timed:  # every timed row was checked against the CPU backend first
         assert r["max_err"] <= 2 * TOL[r.get("dtype", "float16")], r
-    if suite == "decode":
-        d = [r for r in rows if "model" in r]
-        assert d and all(r["page_sets"] >= 4 and r["hot_ms"] > 0 and r["kernel_ms"] > 0
-                         for r in d)
-        assert data["ceilings"]["cold_bytes"] >= 4 * max(c["size_bytes"]
-                                                         for c in data["ceilings"]["caches"])
+    SUITE_CHECKS.get(suite, lambda *a: None)(data, timed)
 
 
 @needs_pocl
-def test_bench_exits_nonzero_on_a_wrong_result(monkeypatch, capsys):
-    spec = importlib.util.spec_from_file_location("clattn_bench", os.path.join(ROOT, "tools",
-                                                                               "bench.py"))
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    real = cpu_backend.batch_decode
+@pytest.mark.parametrize("suite,reference", [("decode", "batch_decode"),
+                                             ("prefill", "batch_prefill"),
+                                             ("cache", "batch_decode")])
+def test_bench_exits_nonzero_on_a_wrong_result(suite, reference, monkeypatch, capsys):
+    bench = _load_bench()
+    real = getattr(cpu_backend, reference)
 
     def shifted(*a, **kw):
         out, lse = real(*a, **kw)
         return out + np.asarray(0.25, out.dtype), lse
 
-    monkeypatch.setattr(bench.cpu_backend, "batch_decode", shifted)
+    monkeypatch.setattr(bench.cpu_backend, reference, shifted)  # the cache's twin reads it too
     monkeypatch.setattr(bench, "merge_sections", lambda *a: [])
     timed = []
     monkeypatch.setattr(bench, "sample_interleaved", lambda *a, **kw: timed.append(1))
-    rc = bench.main(["--suite", "decode", "--smoke", "--device", "pocl", "--no-markdown"])
+    rc = bench.main(["--suite", suite, "--smoke", "--device", "pocl", "--no-markdown"])
     err = capsys.readouterr().err
     assert rc == 1 and "disagree with the CPU backend" in err and "max error 0.25" in err
     assert not timed  # nothing wrong is timed
+
+
+def test_bench_skips_rows_that_do_not_fit():
+    bench = _load_bench()
+    db = bench.DeviceBench.__new__(bench.DeviceBench)
+    db.args = SimpleNamespace(max_pool_gib=4.0)
+    db.cold_bytes = 128 * MiB
+    db.dev = _device(32 * MiB, cpu=False, max_alloc=1 << 30)
+    q8 = bench.model_spec("Llama-3-8B", "float16", "q8_0")
+    f16 = bench.model_spec("Llama-3-8B", "float16")
+    assert db.no_room(q8, 1, 16384) is None
+    assert "largest allocation" in db.no_room(q8, 8, 65536)  # 1.06 GiB of q8_0 pages
+    assert "--max-pool-gib" in db.no_room(f16, 32, 65536)    # 8 GiB of f16 pages
+    db.args.max_pool_gib, db.dev = 1e6, _device(32 * MiB, max_alloc=1 << 50)
+    assert "host memory" in db.no_room(f16, 1024, 65536)     # 256 GiB

@@ -94,6 +94,9 @@ def test_quick_run_ceilings_past_every_cache(quick):
     assert host  # PoCL is a CPU device: the host's caches count too
     assert c["launch"]["round_trip_us"] > 0 and c["launch"]["kernel_us"] >= 0
     assert c["transfer"]["h2d"]["gbps"] > 0 and c["transfer"]["d2h"]["gbps"] > 0
+    fma = c["fma"]  # the f32 multiply-add peak beside the bandwidth ceilings
+    assert 0 < fma["gflops"] <= fma["best_gflops"] and fma["repetitions"] >= 3
+    assert fma["flops"] > 0 and len(fma["samples"]) == fma["repetitions"]
 
 
 def test_quick_run_correctness_covers_every_feature(quick):
@@ -101,9 +104,11 @@ def test_quick_run_correctness_covers_every_feature(quick):
     assert rep["correctness_passed"]
     names = " | ".join(ch["name"] for ch in rep["correctness"])
     for what in ("f16", "f32", "plain", "split", "RoPE", "sliding window + sinks", "soft-cap",
-                 "merge_state_ f16", "merge_states f32"):
+                 "K q8_0 V q4_0", "K q4_0 V q8_0", "prefill f16", "causal + RoPE",
+                 "non-causal", "merge_state_ f16", "merge_states f32"):
         assert what in names, what
     assert all(ch["max_abs_err"] <= ch["tol"] for ch in rep["correctness"])
+    assert set(rep["kv_bytes"]["per_format"]) == {"float16", "float32", "q8_0", "q4_0"}
 
 
 def test_quick_run_tuning(quick):
@@ -368,6 +373,7 @@ def test_correctness_runs_the_profile_it_is_given(monkeypatch):
     prof = match(device_info(POCL), user=False).profile
     seen = []
     real_bd, real_m2, real_mk = checks.BatchDecode, checks.merge_state_, checks.merge_states
+    real_bp = checks.BatchPrefill
 
     def spy(fn):
         def wrapped(*a, profile=None, **kw):
@@ -378,9 +384,11 @@ def test_correctness_runs_the_profile_it_is_given(monkeypatch):
     monkeypatch.setattr(checks, "BatchDecode", spy(real_bd))
     monkeypatch.setattr(checks, "merge_state_", spy(real_m2))
     monkeypatch.setattr(checks, "merge_states", spy(real_mk))
+    monkeypatch.setattr(checks, "BatchPrefill", spy(real_bp))
     res = checks.correctness(POCL, profile=prof)
     assert all(c.passed for c in res), [c for c in res if not c.passed]
-    assert len(seen) == len(checks.DECODE_CASES) + 4 and all(p is prof for p in seen)
+    decoders = len(checks.DECODE_CASES) + len(checks.QUANT_CASES)
+    assert len(seen) == decoders + 1 + 4 and all(p is prof for p in seen)
 
 
 @needs_pocl

@@ -253,6 +253,18 @@ def test_user_profiles_are_searched_first():
     assert match(RECORDS["apple-m1-opencl-1.2"]).profile.name == "apple"      # untouched
 
 
+def test_user_profile_prefill_wishes_layer_and_null_means_derived():
+    _write(user_profile_dir() / "mine.json", [
+        {"name": "gpu-wish", "base": "nvidia", "match": {"device": ["My GPU"]},
+         "params": {"prefill_qb": 4, "prefill_tc": 8}},
+        {"name": "gpu-auto", "base": "generic-cpu", "params": {"prefill_kb": None}}])
+    got = user_profiles()
+    wish, auto = got["gpu-wish"], got["gpu-auto"]
+    assert (wish.prefill_qb, wish.prefill_tc, wish.prefill_kb, wish.prefill_rm) == (4, 8, None, 4)
+    assert auto.prefill_kb is None and auto.strategy == "rows"  # keys per block: tile_rows
+    assert match({"device_name": "My GPU", "device_type": "GPU"}).profile == wish
+
+
 def test_user_profile_named_like_builtin_layers_over_it():
     _write(user_profile_dir() / "adreno-7xx.json", {"name": "adreno-7xx", "params": {"vec": 8}})
     m = match(RECORDS["qcom-adreno735-header-only"])
@@ -292,6 +304,9 @@ def test_clattn_profile_forces_by_name_and_path(monkeypatch, tmp_path):
     ({"name": "p", "match": {"architecture": {"family": "mali", "model": "G52"}}},
      ["bad.json", "architecture"]),
     ({"name": "p", "params": {"use_local_kv": "yes"}}, ["bad.json", "use_local_kv", "bool"]),
+    ({"name": "p", "params": {"prefill_qb": "8"}}, ["bad.json", "'prefill_qb'", "int or null"]),
+    ({"name": "p", "params": {"prefill_kb": 0}},
+     ["bad.json", "profile 'p'", "prefill_kb=0", "positive integer or null"]),
     ({"name": "p", "params": {"strategy": "fast"}},
      ["bad.json", "profile 'p'", "strategy='fast'", "rows"]),
     ({"name": "p", "base": "nope"}, ["bad.json", "unknown base 'nope'"]),

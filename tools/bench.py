@@ -8,25 +8,48 @@ Suites
             kernel time from the events of each call (decode + merge when split), cold
             (each call reads another page set; the sets span at least 4x the largest cache,
             as successive layers do) and hot (the same pages every call); wall time per
-            call; KV bytes/s and its fraction of the streaming-read ceiling (medians with
-            medians); then merge_state_ bandwidth (N=4096) and small-N merge time vs the
-            launch latency.
+            call; GB/s of the KV bytes actually read (data + block scales of the page
+            format) and its fraction of the streaming-read ceiling (medians with medians);
+            ``--formats float16,q8_0,q4_0`` runs every row with each page format
+            (``k_format = v_format``), prints each time over the float16 pages' time on
+            the same row and a table of bytes per KV row per format; then merge_state_
+            bandwidth (N=4096) and small-N merge time vs the launch latency.
   split     split-KV: unsplit vs the planner's choice vs the best forced partition size
             (cold, as above).
+  prefill   BatchPrefill (a 512-token prompt on an empty cache, a 128-token chunk over
+            4096 cached tokens; ``--chunks``): kernel time, GFLOP/s (4 * H_qo * D per
+            attended (query, key) pair) and its fraction of the device's f32 multiply-add
+            peak (clattn.tune.ceilings.fma_launcher) timed round-robin with the row, beside
+            torch's scaled_dot_product_attention on the same inputs (dense K/V, GQA,
+            is_causal / the bottom-right causal mask; storage dtype and f32) when torch
+            is importable.
+  cache     one decode step of a layer stack through clattn.PagedKVCache (begin, layers x
+            (append + attend), end) for B sequences holding ``ctx`` tokens each: host time
+            of each call, device time of the append and attend kernels, wall time from
+            begin to the last kernel, begin alone (begin + cancel back to back), bytes
+            uploaded per step.
 
-Every timed configuration is first checked against the CPU backend on the same shape;
-a mismatch is reported in its row and the script exits with status 1.
+Every timed configuration is first checked against the CPU backend on the same inputs
+(decode: clattn.cpu_backend.batch_decode on the row's page set, one sequence at a time;
+prefill: batch_prefill; cache: every layer's attend against a CPU-backend PagedKVCache fed
+the same tokens); a mismatch is reported in its row and the script exits with status 1.
 
 Examples
   python tools/bench.py --suite fallback --quick
   python tools/bench.py --suite decode --device intel --json tools/results/decode-intel.json
+  python tools/bench.py --suite decode --device pocl --formats float16,q8_0,q4_0
   python tools/bench.py --suite split --device pocl --profile adreno-7xx
+  python tools/bench.py --suite prefill --device intel
+  python tools/bench.py --suite cache --device pocl --batches 1,8 --contexts 4096
 
-Data: pseudo-random f16/f32 (filled on the device before timing), pages shuffled within
-each page set, one pool per (model, dtype) reused by every row, one warm-up run per
-configuration (it includes the compile; never counted). Medians over ``--repeat`` timed
-runs (at least 3, fewer than --repeat once a row has run ``--row-seconds``), variants of a
-row timed round-robin (clattn.tune.timing.sample).
+Data: pseudo-random f16/f32 (filled on the device before timing; quantized pools are a
+block of pages packed by clattn.quant.pack_pool on the host and repeated over the pool),
+pages shuffled within each page set, one pool per (model, dtype, format) reused by every
+row, one warm-up run per configuration (it includes the compile; never counted). Medians
+over ``--repeat`` timed runs (at least 3, fewer than --repeat once a row has run
+``--row-seconds``), variants of a row timed round-robin (clattn.tune.timing.sample).
+Rows whose pool does not fit (``--max-pool-gib``, the device's largest allocation, the
+host memory the check needs) are skipped with the reason.
 """
 from __future__ import annotations
 
@@ -45,16 +68,19 @@ from typing import Any, Callable
 
 # numpy's BLAS (the dense baseline) single-threaded unless the caller says otherwise: the
 # CPU backend is single-threaded too, and OpenBLAS's spinning threads turn any background
-# load on a small machine into 2-5x noise
+# load on a small machine into 2-5x noise; torch's OpenMP threads (the prefill baseline)
+# sleep between calls instead of spinning on the cores the OpenCL runtime's threads need
 for _v in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ.setdefault(_v, "1")
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import numpy as np  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from clattn import cpu_backend, runtime  # noqa: E402
+from clattn import BatchPrefill, PagedKVCache, cpu_backend, runtime  # noqa: E402
 from clattn.merge import merge_state_  # noqa: E402
+from clattn.quant import KV_FORMATS, bytes_per_value, pack_pool, row_bytes  # noqa: E402
 from clattn.spec import AttentionSpec, default_sm_scale  # noqa: E402
 from clattn.tune import ceilings as ceil  # noqa: E402
 from clattn.tune.checks import TOL, compare, decoder  # noqa: E402
@@ -68,8 +94,16 @@ MODELS = {  # name: (H_qo, H_kv, D)
     "Gemma-2-2B": (8, 4, 256),
     "Phi-3-mini": (32, 32, 96),
 }
+LAYERS = {"Llama-3.2-1B": 16, "Llama-3-8B": 32, "Qwen2.5-0.5B": 24, "Gemma-2-2B": 26,
+          "Phi-3-mini": 32}
 GiB = 1 << 30
 PAGE = 16
+#: (new tokens, cached tokens) per sequence of the prefill rows
+PREFILL_CHUNKS = [(512, 0), (128, 4096)]
+#: values packed on the host at once for a quantized pool (the block repeated over it)
+PACK_VALUES = 1 << 22
+#: row keys shown in the table even when the row was skipped
+KEY_COLS = ("model", "dtype", "format", "B", "ctx", "n", "N", "layers")
 
 
 # -- small utilities ---------------------------------------------------------------------
@@ -83,14 +117,49 @@ def csv(text: str | None, cast: Callable = str) -> list | None:
     return None if text is None else [cast(x.strip()) for x in text.split(",") if x.strip()]
 
 
-def kv_bytes(hkv: int, d: int, B: int, ctx: int, itemsize: int) -> int:
-    """Bytes of the K and V rows a decode reads."""
-    return 2 * B * hkv * ctx * d * itemsize
+def chunk(text: str) -> tuple[int, int]:
+    """``"128:4096"`` -> ``(128, 4096)``: new tokens, cached tokens."""
+    new, _, cached = text.partition(":")
+    return int(new), int(cached or 0)
 
 
-def io_bytes(hqo: int, hkv: int, d: int, B: int, ctx: int, itemsize: int) -> int:
+def model_spec(name: str, dtype: str, fmt: str | None = None) -> AttentionSpec:
+    """The spec of a model of :data:`MODELS`; ``fmt`` stores both K and V pages."""
+    hqo, hkv, d = MODELS[name]
+    return AttentionSpec(hqo, hkv, d, page_size=PAGE, dtype=dtype, k_format=fmt, v_format=fmt)
+
+
+def page_bytes(spec: AttentionSpec) -> int:
+    """Bytes of one page of the spec's pool (K and V, every KV head, scales and padding)."""
+    return int(np.prod(spec.pool_shape(1))) * spec.pool_dtype.itemsize
+
+
+def kv_bytes(spec: AttentionSpec, B: int, ctx: int) -> int:
+    """Bytes of the K and V rows a decode reads (data and block scales of the page format)."""
+    return int(B * ctx * spec.bytes_per_token)
+
+
+def io_bytes(spec: AttentionSpec, B: int, ctx: int) -> int:
     """Bytes a decode must move: K and V attended, q in, out and lse written."""
-    return kv_bytes(hkv, d, B, ctx, itemsize) + 2 * B * hqo * d * itemsize + B * hqo * 4
+    hqo, d = spec.num_qo_heads, spec.head_dim
+    return kv_bytes(spec, B, ctx) + 2 * B * hqo * d * spec.itemsize + B * hqo * 4
+
+
+def gib(n: float) -> str:
+    """``1.5 GiB``."""
+    return f"{n / GiB:.2f} GiB"
+
+
+def host_available_bytes() -> int:
+    """The host memory available now (``MemAvailable``; free pages where /proc is absent)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def short_plan(plan: Any) -> str:
@@ -107,6 +176,21 @@ class Deadline:
     def over(self) -> bool:
         """Whether the time is up."""
         return time.perf_counter() > self.end
+
+
+def skip(rows: list[dict], why: str) -> None:
+    """Mark rows skipped, with the reason."""
+    for row in rows:
+        row["skipped"] = why
+
+
+def run_rows(rows: list[dict], deadline: Deadline, run: Callable[[dict], Any]) -> None:
+    """``run(row)`` for each row until the time is up; the rest are marked skipped."""
+    for i, row in enumerate(rows):
+        if deadline.over():
+            skip(rows[i:], "time budget")
+            return
+        run(row)
 
 
 def sample_interleaved(calls: dict, repeat: int, row_seconds: float,
@@ -131,11 +215,13 @@ def sample_interleaved(calls: dict, repeat: int, row_seconds: float,
     return flat, outs
 
 
-def _secs(evt: Any) -> float:
-    return event_seconds([evt])
-
-
-fmt = cell  # the one cell formatter (tools/bench_prefill.py reads it from here)
+def timed_wall(fn: Callable[[], Any]) -> Callable[[], dict]:
+    """A call of ``fn`` under :func:`sample`: its wall time as ``{"s": seconds}``."""
+    def call() -> dict:
+        t = time.perf_counter()
+        fn()
+        return {"s": time.perf_counter() - t}
+    return call
 
 
 def markdown(rows: list[dict], cols: list[tuple]) -> str:
@@ -143,8 +229,7 @@ def markdown(rows: list[dict], cols: list[tuple]) -> str:
     cells = []
     for r in rows:
         if r.get("skipped"):
-            line = [cell(r.get(k), f) if k in ("model", "dtype", "B", "ctx", "N") else ""
-                    for k, _, f in cols]
+            line = [cell(r.get(k), f) if k in KEY_COLS else "" for k, _, f in cols]
             line[-1] = f"skipped: {r['skipped']}"
         else:
             line = [cell(r.get(k), f) for k, _, f in cols]
@@ -168,6 +253,16 @@ def page_table(rng: np.random.Generator, pool_pages_: int, B: int, ctx: int):
     """Host (indptr, indices, last_page_len): B sequences of ctx rows on shuffled pages."""
     indptr, last, sets = rotating_tables(rng, pool_pages_, B, ctx, PAGE)
     return indptr, sets[0], last
+
+
+def dense_kv(pool: np.ndarray, indices: np.ndarray, B: int, ctx: int) -> tuple[np.ndarray, ...]:
+    """Contiguous ``K, V [B, Hkv, ctx, D]`` of B sequences with equally many pages each
+    (``indices`` in order) of a float pool ``[P, 2, Hkv, PAGE, D]``."""
+    _, _, hkv, _, d = pool.shape
+    sel = pool[indices].reshape(B, -1, 2, hkv, PAGE, d)  # [B, np, 2, Hkv, PS, D]
+    return tuple(np.ascontiguousarray(
+        sel[:, :, kind].transpose(0, 2, 1, 3, 4).reshape(B, hkv, -1, d)[:, :, :ctx])
+        for kind in (0, 1))
 
 
 class Mismatches:
@@ -204,13 +299,10 @@ def dense_attention(q: np.ndarray, K: np.ndarray, V: np.ndarray, scale: float) -
 def _fallback_row(args: argparse.Namespace, row: dict, spec: AttentionSpec, pool: np.ndarray,
                   rng: np.random.Generator) -> None:
     B, ctx = row["B"], row["ctx"]
-    hqo, hkv, d = spec.num_qo_heads, spec.num_kv_heads, spec.head_dim
+    hqo, d = spec.num_qo_heads, spec.head_dim
     indptr, indices, last = page_table(rng, len(pool), B, ctx)
     q = (rng.standard_normal((B, hqo, d), dtype=np.float32)).astype(spec.np_dtype)
-    sel = pool[indices].reshape(B, -1, 2, hkv, PAGE, d)  # [B, np, 2, Hkv, PS, D]
-    K = np.ascontiguousarray(sel[:, :, 0].transpose(0, 2, 1, 3, 4).reshape(B, hkv, -1, d)[:, :, :ctx])
-    V = np.ascontiguousarray(sel[:, :, 1].transpose(0, 2, 1, 3, 4).reshape(B, hkv, -1, d)[:, :, :ctx])
-    del sel
+    K, V = dense_kv(pool, indices, B, ctx)
     scale = default_sm_scale(d)
     o_fb, _ = cpu_backend.batch_decode(spec, q, pool, indptr, indices, last)
     o_dn = dense_attention(q, K, V, scale)
@@ -219,20 +311,12 @@ def _fallback_row(args: argparse.Namespace, row: dict, spec: AttentionSpec, pool
     if not Mismatches.check(row, f"fallback {row['model']} {spec.dtype} B={B} ctx={ctx}",
                             err <= tol, err, f"vs numpy dense attention, tolerance {tol:g}"):
         return
-
-    def timed(fn: Callable[[], Any]) -> Callable[[], dict]:
-        def call() -> dict:
-            t = time.perf_counter()
-            fn()
-            return {"s": time.perf_counter() - t}
-        return call
-
     res, _ = sample_interleaved(
-        {"fb": timed(lambda: cpu_backend.batch_decode(spec, q, pool, indptr, indices, last)),
-         "dense": timed(lambda: dense_attention(q, K, V, scale))},
+        {"fb": timed_wall(lambda: cpu_backend.batch_decode(spec, q, pool, indptr, indices, last)),
+         "dense": timed_wall(lambda: dense_attention(q, K, V, scale))},
         args.repeat, args.row_seconds)
     a, b = res["fb"], res["dense"]
-    kvb = kv_bytes(hkv, d, B, ctx, spec.itemsize)
+    kvb = kv_bytes(spec, B, ctx)
     row.update(fallback_ms=a["s"] * 1e3, fallback_gbps=kvb / a["s"] * 1e-9,
                dense_ms=b["s"] * 1e3, dense_gbps=kvb / b["s"] * 1e-9,
                ratio=a["s"] / b["s"], kv_mib=kvb / 2**20, runs=a["runs"])
@@ -252,22 +336,15 @@ def suite_fallback(args: argparse.Namespace, deadline: Deadline) -> dict:
     rng = np.random.default_rng(args.seed)
     rows = []
     for name in models:
-        hqo, hkv, d = MODELS[name]
         for dt in dtypes:
-            spec = AttentionSpec(hqo, hkv, d, page_size=PAGE, dtype=dt)
+            spec = model_spec(name, dt)
+            todo = [dict(model=name, dtype=dt, B=B, ctx=ctx) for B in batches for ctx in contexts]
+            rows += todo
             n_pages = max(batches) * -(-max(contexts) // PAGE)
-            pool = None
-            for B in batches:
-                for ctx in contexts:
-                    row = dict(model=name, dtype=dt, B=B, ctx=ctx)
-                    rows.append(row)
-                    if deadline.over():
-                        row["skipped"] = "time budget"
-                        continue
-                    if pool is None:
-                        pool = host_pool(rng, n_pages, hkv, d, spec.np_dtype)
-                    _fallback_row(args, row, spec, pool, rng)
-            del pool
+            pool = None if deadline.over() else host_pool(rng, n_pages, spec.num_kv_heads,
+                                                          spec.head_dim, spec.np_dtype)
+            run_rows(todo, deadline, lambda row: _fallback_row(args, row, spec, pool, rng))
+            pool = None  # freed before the next one is made
     cols = [("model", "model", ""), ("dtype", "dtype", ""), ("B", "B", "d"), ("ctx", "ctx", "d"),
             ("kv_mib", "KV MiB", ".1f"), ("fallback_ms", "CPU backend ms", ".2f"),
             ("fallback_gbps", "CPU backend GB/s", ".2f"), ("dense_ms", "numpy dense ms", ".2f"),
@@ -277,10 +354,30 @@ def suite_fallback(args: argparse.Namespace, deadline: Deadline) -> dict:
 
 
 # -- device helpers ----------------------------------------------------------------------
-class DeviceBench:
-    """A device, its runtime, its measured ceilings and the cold working set."""
+class PackedPagePool(PagePool):
+    """A byte pool (quantized or mixed page formats) on the device: pseudo-random values in
+    [-1, 1) packed by :func:`clattn.quant.pack_pool` on the host, one block of
+    :data:`PACK_VALUES` values repeated over the pool (every page is still memory of its
+    own, so cold page sets stay cold; quantizing gigabytes in numpy would take minutes)."""
 
-    def __init__(self, args: argparse.Namespace) -> None:
+    def __init__(self, rt: Any, spec: AttentionSpec, pages: int, seed: int) -> None:
+        self.spec = spec
+        self.pages = runtime.cl().array.empty(rt.queue, spec.pool_shape(pages), spec.pool_dtype)
+        per_page = 2 * spec.num_kv_heads * PAGE * spec.head_dim
+        values = host_pool(np.random.default_rng(seed), min(pages, max(1, PACK_VALUES // per_page)),
+                           spec.num_kv_heads, spec.head_dim, np.float32)
+        block = pack_pool(values[:, 0], values[:, 1], spec.layout)
+        for start in range(0, pages, len(block)):
+            n = min(len(block), pages - start)
+            self.pages[start:start + n].set(block[:n])
+        rt.queue.finish()
+
+
+class DeviceBench:
+    """A device, its runtime, its measured ceilings (unless told otherwise) and the cold
+    working set."""
+
+    def __init__(self, args: argparse.Namespace, *, ceilings: bool = True) -> None:
         self.args = args
         self.dev = runtime.select_device(args.device)
         if self.dev is None:
@@ -291,9 +388,15 @@ class DeviceBench:
         log(f"device: {self.dev.platform.name.strip()} / {self.dev.name.strip()} "
             f"({self.dev.max_compute_units} compute units)")
         self.sizing = ceil.sizing(self.dev)
-        size = int(args.bw_mib * 2**20) if args.bw_mib else None
         self.cold_bytes = int(args.cold_mib * 2**20) if args.cold_mib else \
             self.sizing.working_set_bytes
+        self.read = self.copy = self.latency = None
+        if ceilings:
+            self._measure()
+
+    def _measure(self) -> None:
+        args = self.args
+        size = int(args.bw_mib * 2**20) if args.bw_mib else None
         t = time.perf_counter()
         self.read = ceil.read_bandwidth(self.rt, size, args.bw_target_s)
         log(self.read.summary())
@@ -304,30 +407,61 @@ class DeviceBench:
         log(f"(ceilings measured in {time.perf_counter() - t:.1f} s)")
 
     def ceilings(self) -> dict:
-        """The ceilings as JSON-able dicts."""
-        return {"read": asdict(self.read), "copy": asdict(self.copy),
-                "latency": asdict(self.latency), "cold_bytes": self.cold_bytes,
-                "caches": [asdict(c) for c in self.sizing.caches]}
+        """The ceilings as JSON-able dicts (those measured)."""
+        out = {k: asdict(m) for k, m in (("read", self.read), ("copy", self.copy),
+                                         ("latency", self.latency)) if m is not None}
+        return dict(out, cold_bytes=self.cold_bytes,
+                    caches=[asdict(c) for c in self.sizing.caches])
 
     def header(self) -> list[str]:
-        """Markdown bullet lines: device, ceilings, caches, the cold working set."""
+        """Markdown bullet lines: device, then ceilings, caches and the cold working set
+        when measured."""
+        lines = [f"- device: {self.dev.platform.name.strip()} / {self.dev.name.strip()} "
+                 f"({self.dev.max_compute_units} CUs)"]
+        if self.read is None:
+            return lines
         caches = ", ".join(f"{c.where} {ceil.size_text(c.size_bytes)}" for c in self.sizing.caches)
-        return [f"- device: {self.dev.platform.name.strip()} / {self.dev.name.strip()} "
-                f"({self.dev.max_compute_units} CUs)",
-                f"- {self.read.summary()}", f"- {self.copy.summary()}",
-                f"- {self.latency.summary()}",
-                f"- caches reported: {caches or 'none'}; cold rows rotate over page sets "
-                f"spanning at least {ceil.size_text(self.cold_bytes)}"]
+        return lines + [f"- {self.read.summary()}", f"- {self.copy.summary()}",
+                        f"- {self.latency.summary()}",
+                        f"- caches reported: {caches or 'none'}; cold rows rotate over page "
+                        f"sets spanning at least {ceil.size_text(self.cold_bytes)}"]
 
     def decoder(self, spec: AttentionSpec, profile: Any) -> Any:
         """A built OpenCL BatchDecode."""
         return decoder(spec, self.dev, profile)
 
+    def pool_pages(self, spec: AttentionSpec, set_pages: int) -> int:
+        """Pages of a pool for sets of ``set_pages`` pages, spanning the cold working set."""
+        return pool_pages(set_pages, page_bytes(spec), self.cold_bytes)
+
     def pool(self, spec: AttentionSpec, set_pages: int) -> PagePool:
         """A page pool for sets of ``set_pages`` pages, spanning the cold working set."""
-        page_bytes = 2 * spec.num_kv_heads * PAGE * spec.head_dim * spec.itemsize
-        pages = pool_pages(set_pages, page_bytes, self.cold_bytes)
-        return PagePool(self.rt, spec, pages, seed=int(self.rng.integers(1 << 31)))
+        pages, seed = self.pool_pages(spec, set_pages), int(self.rng.integers(1 << 31))
+        if spec.byte_pool:
+            return PackedPagePool(self.rt, spec, pages, seed)
+        return PagePool(self.rt, spec, pages, seed=seed)
+
+    def no_room(self, spec: AttentionSpec, B: int, ctx: int) -> str | None:
+        """Why a decode row cannot run here (its KV past ``--max-pool-gib``, its pool past
+        the device's largest allocation, or the pool and the host copy the check reads
+        past the host memory available), or None."""
+        set_pages = B * -(-ctx // PAGE)
+        kv = set_pages * page_bytes(spec)
+        pool = self.pool_pages(spec, set_pages) * page_bytes(spec)
+        if kv > self.args.max_pool_gib * GiB:
+            return f"KV {gib(kv)} > --max-pool-gib {self.args.max_pool_gib:g}"
+        if pool > self.dev.max_mem_alloc_size:
+            return f"pool {gib(pool)} > the device's largest allocation " \
+                   f"{gib(self.dev.max_mem_alloc_size)}"
+        # the check's host copy of the page set (+ one sequence's pages in f32 for a byte
+        # pool), and the pool itself when the device is the host's CPU
+        host = kv + (ctx * 8 * spec.num_kv_heads * spec.head_dim * 3 if spec.byte_pool else 0)
+        host += pool if self.dev.type & runtime.cl().device_type.CPU else 0
+        avail = host_available_bytes()
+        if host > 0.8 * avail:
+            return f"needs {gib(host)} of host memory (pool, the check's copy), " \
+                   f"{gib(avail)} available"
+        return None
 
     def workload(self, pool: PagePool, B: int, ctx: int) -> Workload:
         """A row's tables on ``pool`` (every page set)."""
@@ -350,15 +484,26 @@ def timed_decode(dec: Any, w: Workload, plan: Any, *, hot: bool = False) -> Call
     return call
 
 
+def cpu_decode(spec: AttentionSpec, q: np.ndarray, pages: np.ndarray, indptr: np.ndarray,
+               indices: np.ndarray, last: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``cpu_backend.batch_decode`` one sequence at a time: a byte pool is decoded to f32
+    per call, so only one sequence's pages at once."""
+    res = [cpu_backend.batch_decode(spec, q[b:b + 1], pages, indptr[b:b + 2] - indptr[b],
+                                    indices[indptr[b]:indptr[b + 1]], last[b:b + 1])
+           for b in range(len(q))]
+    return np.concatenate([o for o, _ in res]), np.concatenate([s for _, s in res])
+
+
 def check_decode_row(row: dict, what: str, dec: Any, w: Workload, plans: dict,
                      ref: tuple | None = None) -> tuple | None:
     """Run every plan once on page set 0 and compare with the CPU backend (timed: the
     row's ``fallback_ms``); the reference, or None after a mismatch."""
     if ref is None:
-        q, pages, indptr, indices, last = w.host_args()
+        host = w.host_args()
         t = time.perf_counter()
-        ref = cpu_backend.batch_decode(dec.spec, q, pages, indptr, indices, last)
+        ref = cpu_decode(dec.spec, *host)
         row["fallback_ms"] = (time.perf_counter() - t) * 1e3
+        del host
     for name, plan in plans.items():
         res = dec.run(*w.args(0), out=w.out, lse=w.lse, plan=plan)
         ok, err, why = compare(res.out.get(), res.lse.get(), ref[0], ref[1], dec.spec.dtype)
@@ -375,7 +520,7 @@ def _decode_row(args: argparse.Namespace, db: DeviceBench, row: dict, dec: Any,
     w = db.workload(pool, B, ctx)
     try:
         plan = dec.plan(w.indptr, w.last, split=None)
-        what = f"decode {row['model']} {row['dtype']} B={B} ctx={ctx}"
+        what = f"decode {row['model']} {row['dtype']} {row['format']} pages B={B} ctx={ctx}"
         if check_decode_row(row, what, dec, w, {"planned": plan}) is None:
             return
         res, _ = sample_interleaved({"cold": timed_decode(dec, w, plan),
@@ -384,7 +529,7 @@ def _decode_row(args: argparse.Namespace, db: DeviceBench, row: dict, dec: Any,
     finally:
         w.release()
     r, h = res["cold"], res["hot"]
-    nbytes = io_bytes(spec.num_qo_heads, spec.num_kv_heads, spec.head_dim, B, ctx, spec.itemsize)
+    nbytes = io_bytes(spec, B, ctx)
     gbps = nbytes / r["kernel"] * 1e-9
     row.update(plan=short_plan(plan), plan_full=str(plan), page_sets=w.n_sets,
                kernel_ms=r["kernel"] * 1e3, decode_ms=r["decode"] * 1e3,
@@ -393,13 +538,67 @@ def _decode_row(args: argparse.Namespace, db: DeviceBench, row: dict, dec: Any,
                frac=gbps / db.read.median_gbps, wall_gbps=nbytes / r["wall"] * 1e-9,
                runs=r["runs"], mib=nbytes / 2**20)
     row["fallback_ratio"] = row["fallback_ms"] / row["wall_ms"]
-    log(f"decode {row['model']} {row['dtype']} B={B} ctx={ctx}: kernel {row['kernel_ms']:.3f} ms "
-        f"cold, {row['hot_ms']:.3f} hot ({row['frac']:.0%} of read bw), wall "
-        f"{row['wall_ms']:.3f} ms; {row['plan']}")
+    log(f"{what}: kernel {row['kernel_ms']:.3f} ms cold, {row['hot_ms']:.3f} hot "
+        f"({row['frac']:.0%} of read bw), wall {row['wall_ms']:.3f} ms; {row['plan']}")
+
+
+def _decode_spec_rows(args: argparse.Namespace, db: DeviceBench, deadline: Deadline, name: str,
+                      spec: AttentionSpec, batches: list[int], contexts: list[int]) -> list[dict]:
+    """Every (B, ctx) row of one model, dtype and page format, on one pool."""
+    rows = [dict(model=name, dtype=spec.dtype, format=spec.k_format, B=B, ctx=ctx)
+            for B in batches for ctx in contexts]
+    for row in rows:
+        why = db.no_room(spec, row["B"], row["ctx"])
+        if why:
+            row["skipped"] = why
+            log(f"decode {name} {spec.dtype} {spec.k_format} B={row['B']} ctx={row['ctx']}: "
+                f"skipped: {why}")
+    todo = [r for r in rows if not r.get("skipped")]
+    if deadline.over():
+        skip(todo, "time budget")
+    if not todo or deadline.over():
+        return rows
+    pool = db.pool(spec, max(r["B"] * -(-r["ctx"] // PAGE) for r in todo))
+    dec = db.decoder(spec, args.profile)
+    run_rows(todo, deadline, lambda row: _decode_row(args, db, row, dec, pool))
+    pool.release()
+    return rows
+
+
+def relate_to_float16(rows: list[dict]) -> None:
+    """``vs_f16``: a row's cold kernel time over that of the row of the same model, dtype,
+    B and ctx with float16 pages."""
+    def key(r: dict) -> tuple:
+        return r["model"], r["dtype"], r["B"], r["ctx"]
+    base = {key(r): r["kernel_ms"] for r in rows if r["format"] == "float16" and "kernel_ms" in r}
+    for r in rows:
+        if "kernel_ms" in r and key(r) in base:
+            r["vs_f16"] = r["kernel_ms"] / base[key(r)]
+
+
+def format_costs(models: list[str], formats: list[str]) -> tuple:
+    """The section of bytes per KV row (one K or V row of one KV head) per page format."""
+    rows = []
+    for name in models:
+        d = MODELS[name][2]
+        for fmt in dict.fromkeys(["float16"] + formats):
+            spec = model_spec(name, "float16", fmt)
+            data, total = row_bytes(fmt, d), d * bytes_per_value(fmt)
+            rows.append(dict(model=name, format=fmt, D=d, data=data, scales=total - data,
+                             row=total, vs_f16=total / (2 * d),
+                             in_pool=spec.layout.region_bytes(fmt) / PAGE,
+                             token=spec.bytes_per_token))
+    cols = [("model", "model", ""), ("format", "format", ""), ("D", "D", "d"),
+            ("data", "data B/row", "d"), ("scales", "scales B/row", ".0f"),
+            ("row", "B/row read", ".0f"), ("vs_f16", "/ float16", ".3f"),
+            ("in_pool", "B/row in the pool (16-byte aligned regions)", ".2f"),
+            ("token", "KV B/token/layer (all KV heads)", ".0f")]
+    return ("GPU cost per page format: bytes a kernel reads per KV row (one K or V row of "
+            "one KV head: data + f16 block scales)", rows, cols)
 
 
 def suite_decode(args: argparse.Namespace, deadline: Deadline) -> dict:
-    """BatchDecode on one device, cold and hot, then the merge sections."""
+    """BatchDecode on one device, cold and hot, per page format; then the merge sections."""
     db = DeviceBench(args)
     models = args.models or (["Llama-3-8B", "Qwen2.5-0.5B"] if args.quick else list(MODELS))
     batches = args.batches or ([1, 8] if args.quick else [1, 8, 32])
@@ -409,46 +608,28 @@ def suite_decode(args: argparse.Namespace, deadline: Deadline) -> dict:
         models, batches, contexts, dtypes = ["Qwen2.5-0.5B"], [1], [512], ["float16"]
     rows: list[dict] = []
     for name in models:
-        hqo, hkv, d = MODELS[name]
         for dt in dtypes:
-            spec = AttentionSpec(hqo, hkv, d, page_size=PAGE, dtype=dt)
-            page_bytes = 2 * hkv * PAGE * d * spec.itemsize
-            todo = []
-            for B in batches:
-                for ctx in contexts:
-                    row = dict(model=name, dtype=dt, B=B, ctx=ctx)
-                    rows.append(row)
-                    need = B * -(-ctx // PAGE) * page_bytes
-                    if need > args.max_pool_gib * GiB:
-                        row["skipped"] = f"KV {need / GiB:.1f} GiB > --max-pool-gib"
-                    else:
-                        todo.append((row, need // page_bytes))
-            if not todo:
-                continue
-            if deadline.over():
-                for row, _ in todo:
-                    row["skipped"] = "time budget"
-                continue
-            pool = db.pool(spec, max(n for _, n in todo))
-            dec = db.decoder(spec, args.profile)
-            for row, _ in todo:
-                if deadline.over():
-                    row["skipped"] = "time budget"
-                    continue
-                _decode_row(args, db, row, dec, pool)
-            pool.release()
-            del pool, dec
-    cols = [("model", "model", ""), ("dtype", "dtype", ""), ("B", "B", "d"), ("ctx", "ctx", "d"),
+            for fmt in args.formats or [dt]:
+                rows += _decode_spec_rows(args, db, deadline, name, model_spec(name, dt, fmt),
+                                          batches, contexts)
+    relate_to_float16(rows)
+    cols = [("model", "model", ""), ("dtype", "dtype", ""), ("format", "pages", ""),
+            ("B", "B", "d"), ("ctx", "ctx", "d"),
             ("mib", "MiB moved", ".1f"), ("plan", "plan", ""), ("page_sets", "page sets", "d"),
             ("decode_ms", "decode ms", ".3f"), ("merge_ms", "merge ms", ".3f"),
             ("kernel_ms", "cold ms", ".3f"), ("hot_ms", "hot ms", ".3f"),
             ("cold_vs_hot", "cold/hot", ".2f"), ("wall_ms", "wall ms", ".3f"),
-            ("gbps", "GB/s (cold)", ".2f"), ("frac", "of read bw (medians)", ".1%"),
-            ("fallback_ms", "CPU backend ms", ".2f"), ("fallback_ratio", "backend/wall", ".1f"),
-            ("max_err", "max abs err", ".1e")]
+            ("gbps", "GB/s (cold)", ".2f"), ("frac", "of read bw (medians)", ".1%")]
+    if args.formats:
+        cols.append(("vs_f16", "cold ms / float16 pages'", ".2f"))
+    cols += [("fallback_ms", "CPU backend ms", ".2f"), ("fallback_ratio", "backend/wall", ".1f"),
+             ("max_err", "max abs err", ".1e")]
     sections = [("Decode (median kernel event times, cold: page sets rotating over at least "
-                 f"{db.cold_bytes / 2**20:.0f} MiB; hot: the same pages; GB/s = KV + q/out/lse "
-                 "bytes / cold kernel time)", rows, cols)]
+                 f"{db.cold_bytes / 2**20:.0f} MiB; hot: the same pages; GB/s = KV bytes read "
+                 "(data + block scales of the page format) + q/out/lse bytes / cold kernel "
+                 "time)", rows, cols)]
+    if args.formats:
+        sections.append(format_costs(models, args.formats))
     sections += merge_sections(args, db, deadline)
     return {"sections": sections, "ceilings": db.ceilings(), "header": db.header()}
 
@@ -501,14 +682,9 @@ def merge_sections(args: argparse.Namespace, db: DeviceBench, deadline: Deadline
     H, D = 32, 128
     big = [256] if args.smoke else [4096]
     small = [1, 32] if args.smoke else [1, 2, 4, 8, 16, 32]
-    rows_bw, rows_lat = [], []
-    for N in big + small:
-        row = dict(N=N, H=H, D=D, dtype="float16")
-        (rows_bw if N in big else rows_lat).append(row)
-        if deadline.over():
-            row["skipped"] = "time budget"
-            continue
-        _merge_row(args, db, row, N in small)
+    rows_bw = [dict(N=N, H=H, D=D, dtype="float16") for N in big]
+    rows_lat = [dict(N=N, H=H, D=D, dtype="float16") for N in small]
+    run_rows(rows_bw + rows_lat, deadline, lambda row: _merge_row(args, db, row, row["N"] in small))
     c1 = [("N", "N", "d"), ("H", "H", "d"), ("D", "D", "d"), ("dtype", "dtype", ""),
           ("mib", "MiB moved", ".1f"), ("kernel_us", "kernel us", ".1f"),
           ("wall_us", "wall us", ".1f"), ("gbps", "GB/s", ".2f"),
@@ -557,7 +733,7 @@ def _split_row(args: argparse.Namespace, db: DeviceBench, row: dict, dec: Any,
         res, _ = sample_interleaved(calls, args.repeat, args.row_seconds)
     finally:
         w.release()
-    nbytes = io_bytes(spec.num_qo_heads, spec.num_kv_heads, spec.head_dim, B, ctx, spec.itemsize)
+    nbytes = io_bytes(spec, B, ctx)
     unsplit, planned = res["unsplit"], res[planned_key]
     control = res.pop("unsplit (control)")
     forced = [(plans[k], r) for k, r in res.items() if k != "unsplit"]
@@ -599,23 +775,16 @@ def suite_split(args: argparse.Namespace, deadline: Deadline) -> dict:
     dt = (args.dtypes or ["float16"])[0]
     rows: list[dict] = []
     for name in models:
-        hqo, hkv, d = MODELS[name]
-        spec = AttentionSpec(hqo, hkv, d, page_size=PAGE, dtype=dt)
-        todo_rows = [dict(model=name, dtype=dt, B=B, ctx=ctx) for B in batches for ctx in contexts]
-        rows += todo_rows
+        spec = model_spec(name, dt)
+        todo = [dict(model=name, dtype=dt, B=B, ctx=ctx) for B in batches for ctx in contexts]
+        rows += todo
         if deadline.over():
-            for row in todo_rows:
-                row["skipped"] = "time budget"
+            skip(todo, "time budget")
             continue
         pool = db.pool(spec, max(batches) * -(-max(contexts) // PAGE))
         dec = db.decoder(spec, args.profile)
-        for row in todo_rows:
-            if deadline.over():
-                row["skipped"] = "time budget"
-                continue
-            _split_row(args, db, row, dec, pool, sizes)
+        run_rows(todo, deadline, lambda row: _split_row(args, db, row, dec, pool, sizes))
         pool.release()
-        del pool, dec
     cols = [("model", "model", ""), ("B", "B", "d"), ("ctx", "ctx", "d"), ("mib", "MiB", ".0f"),
             ("unsplit_ms", "unsplit ms", ".3f"), ("frac_unsplit", "unsplit bw", ".1%"),
             ("plan", "planner's choice", ""), ("planned_ms", "planned ms", ".3f"),
@@ -630,13 +799,318 @@ def suite_split(args: argparse.Namespace, deadline: Deadline) -> dict:
     return {"sections": [(title, rows, cols)], "ceilings": db.ceilings(), "header": db.header()}
 
 
+
+# -- prefill suite -----------------------------------------------------------------------
+def prefill_flops(spec: AttentionSpec, B: int, n: int, ctx: int) -> float:
+    """4 * H_qo * D per attended (query, key) pair (QK and PV), causal."""
+    return 4.0 * spec.num_qo_heads * spec.head_dim * B * (n * ctx + n * (n + 1) / 2)
+
+
+def fma_peak_call(rt: Any) -> tuple[Callable[[], dict], float]:
+    """A timed launch of the f32 multiply-add peak kernel and the FLOPs it does."""
+    launch, flops = ceil.fma_launcher(rt)
+    return (lambda: {"s": event_seconds([launch()])}), flops
+
+
+class PrefillInputs:
+    """One prefill row on the host and the device: a pool holding ``n + ctx`` rows per
+    sequence (the new tokens' keys and values already appended, as the cache does before
+    attending), its tables, q, and out/lse on the device."""
+
+    def __init__(self, rt: Any, spec: AttentionSpec, rng: np.random.Generator, B: int, n: int,
+                 ctx: int) -> None:
+        cla = runtime.cl().array
+        n_pages = B * -(-(n + ctx) // PAGE)
+        self.pages = host_pool(rng, n_pages, spec.num_kv_heads, spec.head_dim, spec.np_dtype)
+        self.indptr, self.indices, self.last = page_table(rng, n_pages, B, n + ctx)
+        self.qo = (np.arange(B + 1) * n).astype(np.int32)
+        self.q = (rng.random((B * n, spec.num_qo_heads, spec.head_dim), dtype=np.float32) * 2
+                  - 1).astype(spec.np_dtype)
+        self.host = (self.q, self.pages, self.qo, self.indptr, self.indices, self.last)
+        self.dev = tuple(cla.to_device(rt.queue, a) for a in self.host)
+        self.out = cla.empty(rt.queue, self.q.shape, spec.np_dtype)
+        self.lse = cla.empty(rt.queue, self.q.shape[:2], np.float32)
+
+
+def timed_prefill(pre: BatchPrefill, x: PrefillInputs, plan: Any) -> Callable[[], dict]:
+    """A call of ``pre`` on ``x`` returning its kernel seconds (from the events)."""
+    def call() -> dict:
+        res = pre.run(*x.dev, out=x.out, lse=x.lse, plan=plan)
+        return {"s": event_seconds(res.events)}
+    return call
+
+
+def torch_sdpa_calls(spec: AttentionSpec, x: PrefillInputs, B: int, n: int,
+                     ctx: int) -> dict[str, Callable[[], dict]]:
+    """Timed calls of torch's scaled_dot_product_attention on the row's inputs (dense K/V
+    ``[B, H_kv, n + ctx, D]``, GQA; is_causal, or the bottom-right causal mask over a
+    cache) in the storage dtype and in f32; none without torch."""
+    try:
+        import torch
+        from torch.nn.attention.bias import causal_lower_right
+    except ImportError:
+        return {}
+    torch.set_num_threads(os.cpu_count() or 1)
+    K, V = dense_kv(x.pages, x.indices, B, n + ctx)
+    q = x.q.reshape(B, n, spec.num_qo_heads, spec.head_dim).transpose(0, 2, 1, 3)
+    mask = None if ctx == 0 else causal_lower_right(n, n + ctx)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    calls = {}
+    for dt in dict.fromkeys([spec.dtype, "float32"]):
+        tq, tk, tv = (torch.from_numpy(np.ascontiguousarray(a)).to(getattr(torch, dt))
+                      for a in (q, K, V))
+
+        def run(tq: Any = tq, tk: Any = tk, tv: Any = tv) -> None:
+            with torch.no_grad():
+                sdpa(tq, tk, tv, attn_mask=mask, is_causal=mask is None, enable_gqa=True,
+                     scale=default_sm_scale(spec.head_dim))
+        calls[f"torch-{dt}"] = timed_wall(run)
+    return calls
+
+
+def _prefill_row(args: argparse.Namespace, db: DeviceBench, row: dict, pre: BatchPrefill,
+                 peak: tuple[Callable[[], dict], float]) -> None:
+    spec, B, n, ctx = pre.spec, row["B"], row["n"], row["ctx"]
+    x = PrefillInputs(db.rt, spec, db.rng, B, n, ctx)
+    plan = pre.plan(x.qo, x.indptr, x.last)
+    t = time.perf_counter()
+    ref = cpu_backend.batch_prefill(spec, *x.host)
+    row["fallback_ms"] = (time.perf_counter() - t) * 1e3
+    pre.run(*x.dev, out=x.out, lse=x.lse, plan=plan).event.wait()
+    ok, err, why = compare(x.out.get(), x.lse.get(), ref[0], ref[1], spec.dtype)
+    what = f"prefill {row['model']} {spec.dtype} B={B} new={n} cached={ctx}"
+    if not Mismatches.check(row, what, ok, err, why):
+        return
+    calls = {"clattn": timed_prefill(pre, x, plan), "peak": peak[0]}
+    calls.update(torch_sdpa_calls(spec, x, B, n, ctx))
+    res, _ = sample_interleaved(calls, args.repeat, args.row_seconds)
+    s = res["clattn"]["s"]
+    row.update(units=len(plan.units), kernel_ms=s * 1e3, runs=res["clattn"]["runs"],
+               gflops=prefill_flops(spec, B, n, ctx) / s * 1e-9,
+               peak=peak[1] / res["peak"]["s"] * 1e-9)
+    row["peak_frac"] = row["gflops"] / row["peak"]
+    torch_s = {k: r["s"] for k, r in res.items() if k.startswith("torch")}
+    row.update({f"{k}_ms": v * 1e3 for k, v in torch_s.items()})
+    row["vs_torch"] = min(torch_s.values()) / s if torch_s else None
+    log(f"{what}: {row['kernel_ms']:.2f} ms, {row['gflops']:.1f} GFLOP/s = "
+        f"{row['peak_frac']:.0%} of {row['peak']:.0f}; torch best / clattn "
+        f"{cell(row['vs_torch'], '.2f')}")
+
+
+def suite_prefill(args: argparse.Namespace, deadline: Deadline) -> dict:
+    """BatchPrefill vs the multiply-add peak and torch's SDPA, timed round-robin."""
+    db = DeviceBench(args, ceilings=False)
+    peak = fma_peak_call(db.rt)
+    models = args.models or ["Llama-3-8B", "Qwen2.5-0.5B"]
+    batches = args.batches or [1, 4]
+    chunks = args.chunks or PREFILL_CHUNKS
+    dtypes = args.dtypes or ["float16"]
+    if args.smoke:
+        models, batches, chunks, dtypes = ["Qwen2.5-0.5B"], [1], [(32, 64)], ["float16"]
+    rows: list[dict] = []
+    for name in models:
+        for dt in dtypes:
+            spec = model_spec(name, dt)
+            todo = [dict(model=name, dtype=dt, B=B, n=n, ctx=ctx) for n, ctx in chunks
+                    for B in batches]
+            rows += todo
+            if deadline.over():
+                skip(todo, "time budget")
+                continue
+            pre = decoder(spec, db.dev, args.profile, kind=BatchPrefill)
+            run_rows(todo, deadline, lambda row: _prefill_row(args, db, row, pre, peak))
+    peaks = [r["peak"] for r in rows if "peak" in r]
+    cols = [("model", "model", ""), ("dtype", "dtype", ""), ("B", "B", "d"), ("n", "new", "d"),
+            ("ctx", "cached", "d"), ("units", "work units", "d"), ("kernel_ms", "ms", ".2f"),
+            ("gflops", "GFLOP/s", ".1f"), ("peak", "peak GFLOP/s", ".0f"),
+            ("peak_frac", "of peak", ".0%"), ("torch-float16_ms", "torch f16 ms", ".2f"),
+            ("torch-float32_ms", "torch f32 ms", ".2f"),
+            ("vs_torch", "torch best / clattn", ".2f"), ("fallback_ms", "CPU backend ms", ".1f"),
+            ("max_err", "max abs err", ".1e")]
+    header = db.header() + [
+        "- GFLOP/s: 4 * H_qo * D per attended (query, key) pair; peak: the f32 multiply-add "
+        "peak (clattn.tune.ceilings.fma_launcher) timed round-robin with each row"
+        + (", " + "-".join(dict.fromkeys(f"{p:.0f}" for p in (min(peaks), max(peaks))))
+           + " GFLOP/s over the rows" if peaks else ""),
+        "- torch: scaled_dot_product_attention on the same inputs (dense K/V, GQA, causal), "
+        "wall time; torch best / clattn > 1: clattn is faster"]
+    return {"sections": [("Prefill (median kernel event times; device-resident inputs)", rows,
+                          cols)],
+            "ceilings": dict(db.ceilings(), fma_gflops=peaks),
+            "header": header}
+
+
+# -- cache suite -------------------------------------------------------------------------
+class StepInputs:
+    """A cache row's inputs: the fill (``ctx`` tokens per sequence) and one decode token's
+    q, k, v per sequence, on the host (for the CPU-backend twin) and on the device (an app
+    whose projections run on the device keeps them there); each layer's out and lse."""
+
+    def __init__(self, queue: Any, spec: AttentionSpec, rng: np.random.Generator, B: int,
+                 ctx: int, layers: int) -> None:
+        cla = runtime.cl().array
+        hqo, hkv, d, dt = spec.num_qo_heads, spec.num_kv_heads, spec.head_dim, spec.np_dtype
+        shapes = dict(fill_k=(B * ctx, hkv, d), fill_v=(B * ctx, hkv, d), q=(B, hqo, d),
+                      k=(B, hkv, d), v=(B, hkv, d))
+        self.host = {k: (rng.standard_normal(s, dtype=np.float32) * 0.5).astype(dt)
+                     for k, s in shapes.items()}
+        self.dev = {k: cla.to_device(queue, a) for k, a in self.host.items()}
+        self.out = [cla.empty(queue, (B, hqo, d), dt) for _ in range(layers)]
+        self.lse = [cla.empty(queue, (B, hqo), np.float32) for _ in range(layers)]
+        self.queue = queue
+
+
+def fill_cache(cache: PagedKVCache, ids: list[str], k: Any, v: Any) -> None:
+    """One prompt step of ``len(k) / len(ids)`` tokens per sequence, appends only."""
+    cache.begin(ids, [len(k) // len(ids)] * len(ids))
+    for layer in range(cache.num_layers):
+        cache.append(layer, k, v)
+    cache.end()
+
+
+def timed_step(cache: PagedKVCache, ids: list[str], x: StepInputs) -> Callable[[], dict]:
+    """One whole decode step (begin, layers x (append + attend), end) with the device idle
+    first: host seconds of each call (enqueue only), device seconds of the append and
+    attend kernels, wall seconds from begin to the last kernel, bytes uploaded."""
+    def call() -> dict:
+        x.queue.finish()
+        up0 = cache.bytes_uploaded
+        host = dict.fromkeys(("begin", "append", "attend", "end"), 0.0)
+        appends, attends = [], []
+        t0 = t = time.perf_counter()
+        cache.begin(ids)
+        host["begin"] = time.perf_counter() - t
+        for layer in range(cache.num_layers):
+            t = time.perf_counter()
+            appends.append(cache.append(layer, x.dev["k"], x.dev["v"]))
+            t1 = time.perf_counter()
+            attends += cache.attend(layer, x.dev["q"], out=x.out[layer], lse=x.lse[layer]).events
+            host["append"] += t1 - t
+            host["attend"] += time.perf_counter() - t1
+        t = time.perf_counter()
+        cache.end()
+        host["end"] = time.perf_counter() - t
+        x.queue.finish()
+        step = time.perf_counter() - t0
+        return dict({f"host_{k}": s for k, s in host.items()}, host=sum(host.values()),
+                    step=step, append=event_seconds(appends), attend=event_seconds(attends),
+                    tables=cache.bytes_uploaded - up0)
+    return call
+
+
+def timed_begin(cache: PagedKVCache, ids: list[str]) -> Callable[[], dict]:
+    """``begin`` alone (then cancel), with the device idle and the caches warm."""
+    def call() -> dict:
+        t = time.perf_counter()
+        cache.begin(ids)
+        s = time.perf_counter() - t
+        cache.cancel()
+        return {"s": s}
+    return call
+
+
+def check_step(row: dict, what: str, cache: PagedKVCache, twin: PagedKVCache, ids: list[str],
+               x: StepInputs) -> bool:
+    """One step on the device cache and on its CPU-backend twin (layer 0, the same tokens):
+    every layer's output must match the twin's (each layer got the same keys and values)."""
+    twin.begin(ids)
+    twin.append(0, x.host["k"], x.host["v"])
+    ref = twin.attend(0, x.host["q"])
+    twin.end()
+    timed_step(cache, ids, x)()
+    for layer in range(cache.num_layers):
+        ok, err, why = compare(x.out[layer].get(), x.lse[layer].get(), ref.out, ref.lse,
+                               cache.spec.dtype)
+        if not Mismatches.check(row, f"{what} layer {layer}", ok, err, why):
+            return False
+    return True
+
+
+def cache_pair(args: argparse.Namespace, db: DeviceBench, spec: AttentionSpec, B: int,
+               ctx: int, layers: int) -> tuple[PagedKVCache, PagedKVCache, list[str]]:
+    """The device cache of a row, its one-layer CPU-backend twin, and B sequence ids added
+    to both; pages for the fill, the check step, a warm-up and ``--repeat`` timed steps."""
+    kw = dict(num_pages=B * -(-(ctx + args.repeat + 4) // PAGE),
+              rope="attend" if args.rope else None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        cache = PagedKVCache(spec, layers, device=db.dev, profile=args.profile,
+                             backend="opencl", **kw)
+    twin = PagedKVCache(spec, 1, backend="cpu", **kw)
+    ids = [f"s{b}" for b in range(B)]
+    for c in (cache, twin):
+        for i in ids:
+            c.add(i)
+    return cache, twin, ids
+
+
+def _cache_row(args: argparse.Namespace, db: DeviceBench, row: dict) -> None:
+    spec = model_spec(row["model"], row["dtype"], row["format"])
+    B, ctx, layers = row["B"], row["ctx"], row["layers"]
+    cache, twin, ids = cache_pair(args, db, spec, B, ctx, layers)
+    x = StepInputs(db.queue, spec, db.rng, B, ctx, layers)
+    t = time.perf_counter()
+    fill_cache(cache, ids, x.dev["fill_k"], x.dev["fill_v"])
+    x.queue.finish()
+    row["fill_s"] = time.perf_counter() - t
+    fill_cache(twin, ids, x.host["fill_k"], x.host["fill_v"])
+    what = f"cache {row['model']} {spec.dtype} {spec.k_format} pages B={B} ctx={ctx}"
+    if not check_step(row, what, cache, twin, ids, x):
+        return
+    del twin
+    r = sample_interleaved({"step": timed_step(cache, ids, x)}, args.repeat,
+                           args.row_seconds)[0]["step"]
+    alone = sample({"begin": timed_begin(cache, ids)}, warmup=5, min_runs=25,
+                   max_runs=25)["begin"]["s"].median
+    row.update({f"{k}_ms": r[k] * 1e3 for k in ("step", "host", "host_begin", "host_append",
+                                                "host_attend", "host_end", "append", "attend")},
+               begin_alone_ms=alone * 1e3, append_vs_attend=r["append"] / r["attend"],
+               tables_bytes=r["tables"], runs=r["runs"], pages_used=cache.stats().pages_used,
+               profile=cache.decoder.profile.name,
+               qkv_bytes=B * (spec.num_qo_heads + 2 * spec.num_kv_heads) * spec.head_dim
+               * spec.itemsize * layers)
+    log(f"{what} x {layers} layers: step {row['step_ms']:.3f} ms, host {row['host_ms']:.3f} ms, "
+        f"append {row['append_ms']:.3f} ms / attend {row['attend_ms']:.3f} ms on the device")
+
+
+def suite_cache(args: argparse.Namespace, deadline: Deadline) -> dict:
+    """Decode steps through PagedKVCache: host, device and wall time per call kind."""
+    db = DeviceBench(args, ceilings=False)
+    models = args.models or ["Llama-3-8B"]
+    batches = args.batches or [1, 8]
+    contexts = args.contexts or [4096]
+    dtypes = args.dtypes or ["float16"]
+    if args.smoke:
+        models, batches, contexts, dtypes = ["Qwen2.5-0.5B"], [1], [64], ["float16"]
+    rows = [dict(model=name, dtype=dt, format=fmt or dt, B=B, ctx=ctx,
+                 layers=args.layers or (2 if args.smoke else LAYERS[name]))
+            for name in models for dt in dtypes for fmt in args.formats or [None]
+            for B in batches for ctx in contexts]
+    run_rows(rows, deadline, lambda row: _cache_row(args, db, row))
+    cols = [("model", "model", ""), ("dtype", "dtype", ""), ("format", "pages", ""),
+            ("B", "B", "d"), ("ctx", "ctx", "d"), ("layers", "layers", "d"),
+            ("step_ms", "step ms (begin to last kernel)", ".3f"), ("host_ms", "host ms", ".3f"),
+            ("host_begin_ms", "begin", ".3f"), ("host_append_ms", "appends", ".3f"),
+            ("host_attend_ms", "attends", ".3f"), ("host_end_ms", "end", ".3f"),
+            ("begin_alone_ms", "begin alone ms", ".3f"),
+            ("append_ms", "append kernels ms", ".3f"), ("attend_ms", "attend kernels ms", ".3f"),
+            ("append_vs_attend", "append/attend", ".2%"),
+            ("tables_bytes", "tables B/step", ".0f"),
+            ("qkv_bytes", "q/k/v B/step if from the host", "d"), ("max_err", "max abs err", ".1e")]
+    title = ("PagedKVCache decode step (medians; host: enqueue time of the calls, nothing "
+             "waits; begin alone: begin + cancel back to back, device idle)")
+    if args.rope:
+        title += ", in-kernel RoPE (rope='attend')"
+    return {"sections": [(title, rows, cols)], "ceilings": None, "header": db.header()}
+
+
 # -- main --------------------------------------------------------------------------------
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog="\n".join(__doc__.split("\n")[1:]))
-    ap.add_argument("--suite", choices=("fallback", "decode", "split"), required=True)
+    ap.add_argument("--suite", choices=tuple(SUITES), required=True)
     ap.add_argument("--device", default="pocl",
                     help="OpenCL device: 'pocl' (default), 'intel', a name fragment or P:D")
     ap.add_argument("--profile", default=None, help="force a clattn profile (e.g. adreno-7xx)")
@@ -656,10 +1130,21 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--batches", type=lambda s: csv(s, int), default=None)
     ap.add_argument("--contexts", type=lambda s: csv(s, int), default=None)
     ap.add_argument("--dtypes", type=lambda s: csv(s), default=None, help="float16,float32")
+    ap.add_argument("--formats", type=lambda s: csv(s), default=None,
+                    help=f"page formats of --suite decode/cache, from {','.join(KV_FORMATS)} "
+                         "(default: the dtype's own); include float16 for the ratio column")
+    ap.add_argument("--chunks", type=lambda s: csv(s, chunk), default=None,
+                    help="prefill rows as new:cached tokens per sequence (default: "
+                         + ",".join(f"{n}:{c}" for n, c in PREFILL_CHUNKS) + ")")
+    ap.add_argument("--layers", type=int, default=0,
+                    help="layers of --suite cache (default: the model's)")
+    ap.add_argument("--rope", action="store_true",
+                    help="--suite cache: in-kernel RoPE (rope='attend')")
     ap.add_argument("--split-sizes", type=lambda s: csv(s, int), default=None,
                     help="forced partition sizes tried by --suite split")
-    ap.add_argument("--max-pool-gib", type=float, default=2.0,
-                    help="decode rows whose KV is larger are skipped")
+    ap.add_argument("--max-pool-gib", type=float, default=4.0,
+                    help="decode rows whose KV is larger are skipped (so are rows whose pool "
+                         "exceeds the device's largest allocation or the host memory)")
     ap.add_argument("--bw-mib", type=float, default=None,
                     help="bandwidth working set (MiB; default: 4x the largest cache reported)")
     ap.add_argument("--cold-mib", type=float, default=None,
@@ -672,6 +1157,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     for m in args.models or []:
         if m not in MODELS:
             ap.error(f"--models: unknown {m!r}; known: {', '.join(MODELS)}")
+    for f in args.formats or []:
+        if f not in KV_FORMATS:
+            ap.error(f"--formats: unknown {f!r}; known: {', '.join(KV_FORMATS)}")
     if args.smoke:
         args.bw_mib = min(args.bw_mib or 32, 32)
         args.bw_target_s = min(args.bw_target_s, 0.02)
@@ -708,6 +1196,11 @@ def _print_markdown(argv: list[str] | None, res: dict, version: str, elapsed: fl
     print()
 
 
+SUITES: dict[str, Callable[[argparse.Namespace, Deadline], dict]] = {
+    "fallback": suite_fallback, "decode": suite_decode, "split": suite_split,
+    "prefill": suite_prefill, "cache": suite_cache}
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run one suite; 1 if any configuration disagreed with the CPU backend."""
     args = parse(argv)
@@ -715,8 +1208,7 @@ def main(argv: list[str] | None = None) -> int:
     deadline = Deadline(args.budget_s)
     version = source_version()
     t0 = time.perf_counter()
-    res = {"fallback": suite_fallback, "decode": suite_decode, "split": suite_split}[args.suite](
-        args, deadline)
+    res = SUITES[args.suite](args, deadline)
     elapsed = time.perf_counter() - t0
     if args.markdown:
         _print_markdown(argv, res, version, elapsed)

@@ -6,6 +6,8 @@ from typing import Any, Mapping
 
 STRATEGIES = ("rows", "tiled")
 REDUCTIONS = ("local", "subgroup")
+#: the fields that may be null (None): "the kernel's own choice" / "none required"
+NULLABLE = ("subgroup_size", "prefill_qb", "prefill_kb", "prefill_tc", "prefill_rm")
 
 
 @dataclass(frozen=True)
@@ -39,6 +41,16 @@ class Profile:
         pays for the extra merge pass.
     merge_threads
         Work-group size of the merge kernels.
+    prefill_qb, prefill_kb
+        Prefill (:func:`clattn.fit.prefill_geometry`): queries per work unit (rows: per
+        work-item; tiled: per work-group) and keys per block. None: derived (rows:
+        queries whose q and accumulators fill about 4096 floats, keys per block from
+        ``tile_rows``; tiled: as many queries as the row groups hold, ``2 * prefill_tc``
+        keys).
+    prefill_tc, prefill_rm
+        Tiled prefill: the row-group shape, ``prefill_tc`` threads per row group (keys in
+        the score phase, head_dim in the value phase) x ``prefill_rm`` (query, head) rows
+        per thread. None: 16 x 4.
     """
 
     name: str = "generic"
@@ -56,6 +68,10 @@ class Profile:
     max_partitions: int = 64
     split_min_rows: int = 0
     merge_threads: int = 64
+    prefill_qb: int | None = None
+    prefill_kb: int | None = None
+    prefill_tc: int | None = None
+    prefill_rm: int | None = None
 
     def __post_init__(self) -> None:
         problems = []
@@ -71,9 +87,10 @@ class Profile:
             low = 0 if k == "split_min_rows" else 1
             if not isinstance(v, int) or isinstance(v, bool) or v < low:
                 problems.append(f"{k}={v!r} (an integer >= {low})")
-        if self.subgroup_size is not None and (not isinstance(self.subgroup_size, int)
-                                               or self.subgroup_size < 1):
-            problems.append(f"subgroup_size={self.subgroup_size!r} (a positive integer or null)")
+        for k in NULLABLE:
+            v = getattr(self, k)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+                problems.append(f"{k}={v!r} (a positive integer or null)")
         if problems:
             raise ValueError(f"profile {self.name!r}: invalid " + "; ".join(problems))
 

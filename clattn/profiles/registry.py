@@ -30,7 +30,7 @@ from typing import Any, Iterable, Mapping
 
 from ..fileio import write_atomic
 from .device_info import architecture, device_type, fp16_support, subgroup_support
-from .record import Profile
+from .record import NULLABLE, Profile
 
 BUILTIN_PATH = Path(__file__).with_name("builtin.json")
 LEVELS = ("device", "architecture", "vendor", "type", "default")
@@ -76,11 +76,11 @@ def _check_params(params: Any, where: str) -> dict[str, Any]:
         raise ValueError(f"{where}: unknown key(s) {unknown}; allowed keys: {allowed}")
     defaults = Profile()
     for k, v in params.items():
-        want = int if k == "subgroup_size" else type(getattr(defaults, k))
-        ok = (v is None and k == "subgroup_size") or (
+        want = int if k in NULLABLE else type(getattr(defaults, k))
+        ok = (v is None and k in NULLABLE) or (
             isinstance(v, want) and (want is bool or not isinstance(v, bool)))
         if not ok:
-            kind = "int or null" if k == "subgroup_size" else want.__name__
+            kind = "int or null" if k in NULLABLE else want.__name__
             raise ValueError(f"{where}: key {k!r} must be {kind}, got {v!r}")
     return dict(params)
 
@@ -452,10 +452,20 @@ def _clip(text: str, n: int) -> str:
     return text if len(text) <= n else text[: n - 3] + "..."
 
 
+def prefill_text(p: Profile) -> str:
+    """The prefill wishes that apply to the profile's strategy: ``kb 8, qb auto`` (rows),
+    ``16x4, kb 32, qb auto`` (tiled: threads x rows of a row group)."""
+    def v(x: int | None) -> str:
+        return "auto" if x is None else str(x)
+    if p.strategy == "rows":
+        return f"kb {p.prefill_kb or p.tile_rows}, qb {v(p.prefill_qb)}"
+    return f"{v(p.prefill_tc)}x{v(p.prefill_rm)}, kb {v(p.prefill_kb)}, qb {v(p.prefill_qb)}"
+
+
 def _table(user: bool = True) -> str:
     r = _Resolver(_user_entries() if user else [])
     cols = ("name", "base", "level", "family", "strategy", "threads", "rows", "vec",
-            "local_kv", "reduction", "fp16", "source")
+            "local_kv", "reduction", "fp16", "prefill", "source")
     rows = []
     for name in r.names():
         e, p = r.entry(name), r.profile(name)
@@ -465,7 +475,7 @@ def _table(user: bool = True) -> str:
         rows.append((("*" if e.user else "") + name, base, _levels_text(e), _clip(e.label, 26),
                      p.strategy, str(p.thread_limit), str(p.tile_rows), str(p.vec),
                      "yes" if p.use_local_kv else "no", red, "yes" if p.native_fp16 else "no",
-                     _clip(p.source, 48)))
+                     prefill_text(p), _clip(p.source, 48)))
     widths = [max(len(c), *(len(row[i]) for row in rows)) for i, c in enumerate(cols)]
     lines = ["  ".join(c.ljust(w) for c, w in zip(cols, widths)).rstrip()]
     lines += ["  ".join(v.ljust(w) for v, w in zip(row, widths)).rstrip() for row in rows]

@@ -5,9 +5,10 @@ The tool around the core, never imported by it. Modules, in import order:
 * :mod:`~clattn.tune.timing`: the one timing helper (event times, warm-up kept out) and
   the one table printer, shared with ``tools/bench.py``;
 * :mod:`~clattn.tune.ceilings`: read/copy bandwidth past every cache, launch latency,
-  transfers;
+  transfers, the f32 multiply-add peak;
 * :mod:`~clattn.tune.workloads`: model shapes, page pools and rotating page sets;
-* :mod:`~clattn.tune.checks`: the correctness set against the CPU backend;
+* :mod:`~clattn.tune.checks`: the correctness set against the CPU backend (decode, f16
+  and quantized pages, prefill, merges);
 * :mod:`~clattn.tune.search`: the search space and the tuner;
 * :mod:`~clattn.tune.report`: the report as typed data, its text, JSON and plot;
 * :mod:`~clattn.tune.session`: one run, step by step;

@@ -1,4 +1,5 @@
-"""Device ceilings: streaming read/copy bandwidth, launch latency, transfers (was clattn.bandwidth).
+"""Device ceilings: streaming read/copy bandwidth, launch latency, transfers and the f32
+multiply-add peak (was clattn.bandwidth).
 
 Measured the way clpeak does it, so that a kernel's "fraction of bandwidth" means something:
 
@@ -19,6 +20,15 @@ Measured the way clpeak does it, so that a kernel's "fraction of bandwidth" mean
 
 Each :class:`Measurement` carries the best and the median repetition: compare a kernel's
 median with ``median_gbps`` and its best with ``gbps``.
+
+The arithmetic ceiling (:func:`fma_peak`) is clpeak's too: every work-item runs
+:data:`FMA_CHAINS` independent chains of float8 ``x = x * y + y``, unrolled
+:data:`FMA_UNROLL` times in a loop of :data:`FMA_ITERS`, so that neither latency nor
+memory limits it; GFLOP/s counts 2 per lane per multiply-add. The program is built with
+``-cl-mad-enable`` (the compiler may fuse); an explicit ``mad()`` or ``fma()`` is a library
+call on PoCL and ran at a tenth of the speed (2-core AMD EPYC: 15 vs 186 GFLOP/s).
+:func:`fma_launcher` gives the bare launch for callers that time it beside their own
+kernels (``tools/bench.py``).
 
 >>> from clattn.tune import ceilings                          # doctest: +SKIP
 >>> print(ceilings.read_bandwidth("pocl").summary())          # doctest: +SKIP
@@ -112,6 +122,38 @@ __kernel void copy_blocked_%(t)s(const __global %(t)s* restrict in, __global %(t
     for (int i = 0; i < FETCH; ++i) out[base + i * ls] = in[base + i * ls];
 }
 """
+
+
+#: independent float8 chains per work-item, multiply-adds per chain per loop trip, loop trips
+FMA_CHAINS, FMA_UNROLL, FMA_ITERS = 12, 16, 128
+#: work-items per compute unit of one multiply-add launch
+FMA_ITEMS_PER_CU = 4096
+#: build options of the multiply-add kernel
+FMA_OPTIONS = ("-cl-mad-enable",)
+
+_FMA = r"""
+__kernel void clattn_fma(__global float* out, const float a)
+{
+    const float8 y = (float8)(a);
+%(decl)s
+    for (int i = 0; i < %(iters)d; ++i) {
+%(body)s
+    }
+    const float8 s = %(total)s;
+    out[get_global_id(0)] = dot(s.lo, (float4)(1.0f)) + dot(s.hi, (float4)(1.0f));
+}
+"""
+
+
+def fma_source() -> str:
+    """The OpenCL C of the multiply-add peak kernel ``clattn_fma(out, a)``: every lane of
+    every chain reaches ``out`` (nothing is dead code)."""
+    chains = range(FMA_CHAINS)
+    decl = "\n".join(f"    float8 x{c} = (float8)(get_global_id(0) * 1e-9f + {c}.0f);"
+                     for c in chains)
+    body = "\n".join(f"        x{c} = x{c} * y + y;" for _ in range(FMA_UNROLL) for c in chains)
+    return _FMA % {"decl": decl, "iters": FMA_ITERS, "body": body,
+                   "total": " + ".join(f"x{c}" for c in chains)}
 
 
 def _tname(w: int) -> str:
@@ -298,6 +340,32 @@ class Latency:
 
 
 @dataclass(frozen=True)
+class FmaPeak:
+    """The f32 multiply-add peak (1 GFLOP = 1e9 FLOPs; a multiply-add counts 2).
+
+    ``gflops``: ``flops`` / the median repetition; ``best_gflops``: / the best one.
+    ``samples``: seconds of every timed launch (the warm-up launch excluded).
+    """
+
+    device: str
+    gflops: float
+    best_gflops: float
+    samples: tuple[float, ...]
+    flops: int  # FLOPs of one launch
+
+    @property
+    def repetitions(self) -> int:
+        """Timed launches."""
+        return len(self.samples)
+
+    def summary(self) -> str:
+        """One line: device, GFLOP/s median and best, the method."""
+        return (f"f32 multiply-add peak on {self.device}: {self.gflops:.1f} GFLOP/s median "
+                f"(best {self.best_gflops:.1f} of {self.repetitions}; {FMA_CHAINS} independent "
+                f"chains of float8 a * b + c per work-item)")
+
+
+@dataclass(frozen=True)
 class Transfer:
     """Host -> device and device -> host copies (``enqueue_copy`` from/to pageable numpy)."""
 
@@ -319,12 +387,12 @@ class Ceilings:
     copy: Measurement
     latency: Latency
     transfer: Transfer | None = field(default=None)
+    fma: FmaPeak | None = field(default=None)
 
     def summary(self) -> str:
         """One line per ceiling."""
         parts = [self.read.summary(), self.copy.summary(), self.latency.summary()]
-        if self.transfer is not None:
-            parts.append(self.transfer.summary())
+        parts += [x.summary() for x in (self.transfer, self.fma) if x is not None]
         return "\n".join(parts)
 
 
@@ -544,19 +612,74 @@ def transfer_bandwidth(runtime_or_device: Any = None, size_bytes: int = 64 * MiB
     return Transfer(*out)
 
 
+def fma_launcher(rt: Any) -> tuple[Callable[[], Any], float]:
+    """The multiply-add peak kernel, built once, as a bare launch.
+
+    Parameters
+    ----------
+    rt : Runtime, device, name, context or queue
+        As ``runtime_or_device`` elsewhere in this module; the kernel is built through the
+        runtime's program cache and enqueued on its (profiling-enabled) queue.
+
+    Returns
+    -------
+    (launch, flops)
+        ``launch()`` enqueues one call and returns its event (not waited for);
+        ``flops`` is what that call computes, so the device's f32 peak is
+        ``flops / seconds`` with :func:`~clattn.tune.timing.event_seconds` of the event.
+    """
+    r = as_runtime(rt)
+    cl = runtime.cl()
+    knl = cl.Kernel(r.program(fma_source(), FMA_OPTIONS), "clattn_fma")
+    n = FMA_ITEMS_PER_CU * max(1, int(r.device.max_compute_units or 1))
+    out = cl.Buffer(r.context, cl.mem_flags.WRITE_ONLY, 4 * n)
+    knl.set_arg(1, np.float32(0.999))  # x -> 0.999 / 0.001: stays finite
+
+    def launch() -> Any:
+        knl.set_arg(0, out)  # the launch holds the buffer
+        return cl.enqueue_nd_range_kernel(r.queue, knl, (n,), None)
+
+    return launch, float(n) * FMA_ITERS * FMA_UNROLL * FMA_CHAINS * 8 * 2
+
+
+def fma_peak(runtime_or_device: Any = None, target_s: float = 0.25) -> FmaPeak:
+    """The device's f32 multiply-add peak, clpeak's way (see the module's text).
+
+    Parameters
+    ----------
+    runtime_or_device : Runtime, device, name, context or queue
+    target_s : float
+        About this long of timed launches (at least 3), after one warm-up launch that is
+        not counted.
+
+    Returns
+    -------
+    FmaPeak
+        GFLOP/s of the median and of the best launch, and every timed launch's seconds.
+    """
+    rt = as_runtime(runtime_or_device)
+    launch, flops = fma_launcher(rt)
+    times = _timed(launch, target_s)
+    return FmaPeak(device=rt.device.name.strip(), gflops=flops / statistics.median(times) * 1e-9,
+                   best_gflops=flops / min(times) * 1e-9, samples=tuple(times), flops=int(flops))
+
+
 def measure_all(runtime_or_device: Any = None, *, target_s: float = 0.25,
                 transfers: bool = True) -> Ceilings:
-    """Read and copy bandwidth (working sets from :func:`sizing`), launch latency and
-    (optionally) transfers of one device."""
+    """Read and copy bandwidth (working sets from :func:`sizing`), launch latency,
+    (optionally) transfers and the f32 multiply-add peak of one device."""
     rt = as_runtime(runtime_or_device)
     transfer_bytes = max(sizing(rt.device).working_set_bytes // 4, MiB)
     return Ceilings(read=read_bandwidth(rt, None, target_s),
                     copy=copy_bandwidth(rt, None, target_s),
                     latency=launch_latency(rt, target_s),
                     transfer=transfer_bandwidth(rt, transfer_bytes, target_s)
-                    if transfers else None)
+                    if transfers else None,
+                    fma=fma_peak(rt, target_s))
 
 
-__all__ = ["COLD_FACTOR", "Cache", "Ceilings", "Latency", "Measurement", "Sizing", "Transfer",
-           "as_runtime", "copy_bandwidth", "fill_random", "host_caches", "launch_latency",
-           "measure_all", "parse_size", "read_bandwidth", "size_text", "sizing", "source", "transfer_bandwidth"]
+__all__ = ["COLD_FACTOR", "Cache", "Ceilings", "FMA_CHAINS", "FMA_ITERS", "FMA_UNROLL", "FmaPeak",
+           "Latency", "Measurement", "Sizing", "Transfer", "as_runtime", "copy_bandwidth",
+           "fill_random", "fma_launcher", "fma_peak", "fma_source", "host_caches",
+           "launch_latency", "measure_all", "parse_size", "read_bandwidth", "size_text", "sizing",
+           "source", "transfer_bandwidth"]

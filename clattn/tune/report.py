@@ -10,8 +10,8 @@ import numpy as np
 
 from ..profiles import device_info
 from ..profiles.record import Profile
-from .ceilings import Latency, Measurement, Transfer
-from .checks import Check
+from .ceilings import FMA_CHAINS, FmaPeak, Latency, Measurement, Transfer
+from .checks import Check, KvBytes
 from .search import ShapeResult, TuningResult, params_text
 from .timing import cell, table
 
@@ -67,6 +67,7 @@ class CeilingsResult:
     copy: Measurement | None = None
     launch: Latency | None = None
     transfer: Transfer | None = None
+    fma: FmaPeak | None = None
     errors: dict[str, str] = field(default_factory=dict)
 
 
@@ -75,7 +76,8 @@ class Report:
     """Everything one ``clattn tune`` run measured.
 
     ``correctness``: the registry profile's checks; ``winner_checks``: the chosen
-    profile's, or None when it is the profile already checked.
+    profile's, or None when it is the profile already checked. ``kv_bytes``: pool bytes
+    per token of each page format for the shape of the quantized checks.
     """
 
     date: str
@@ -90,6 +92,7 @@ class Report:
     winner_checks: list[Check] | None = None
     step_seconds: dict[str, float] = field(default_factory=dict)
     elapsed_s: float = 0.0
+    kv_bytes: KvBytes | None = None
 
     @property
     def correctness_passed(self) -> bool:
@@ -171,6 +174,10 @@ def _ceiling_lines(c: CeilingsResult) -> list[str]:
     if c.transfer:
         lines.append(f"  transfers            host->device {c.transfer.h2d.gbps:.2f} GB/s, "
                      f"device->host {c.transfer.d2h.gbps:.2f} GB/s")
+    if c.fma:
+        lines.append(f"  f32 multiply-add     {c.fma.gflops:.1f} GFLOP/s median (best "
+                     f"{c.fma.best_gflops:.1f} of {c.fma.repetitions}; {FMA_CHAINS} chains of "
+                     f"float8 a * b + c)")
     for k, e in c.errors.items():
         lines.append(f"  {k:<20} NOT MEASURED: {e}")
     return lines
@@ -237,6 +244,8 @@ def format_report(rep: Report) -> str:
     lines += [f"  fitted               {n}" for n in p.fit_notes]
     lines += _ceiling_lines(rep.ceilings)
     lines += _checks_lines(f"Correctness vs the CPU backend (profile {p.name})", rep.correctness)
+    if rep.kv_bytes:
+        lines.append(f"  KV bytes per token per layer, {rep.kv_bytes.summary()}")
     if not rep.correctness_passed:
         bad = [c for c in rep.correctness if not c.passed]
         worst = max(c.max_abs_err for c in bad)

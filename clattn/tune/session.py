@@ -2,8 +2,9 @@
 
 1. **Device**: the properties that matter and the profile the registry gives it, with the rule.
 2. **Ceilings** (:mod:`clattn.tune.ceilings`): streaming read and copy bandwidth past every
-   cache, launch latency, host<->device transfers.
-3. **Correctness** (:mod:`clattn.tune.checks`) of the device's current profile.
+   cache, launch latency, host<->device transfers, the f32 multiply-add peak.
+3. **Correctness** (:mod:`clattn.tune.checks`) of the device's current profile: decode (f16,
+   f32, quantized pages), prefill, merges; and the pool bytes per token of each page format.
 4. **Tuning** (:mod:`clattn.tune.search`), only when every check passed.
 5. **The winner's correctness**: the full set again with the tuned profile, unless it is
    the profile already checked.
@@ -17,14 +18,15 @@ from typing import Any, Callable
 from .. import runtime
 from ..profiles import device_info, fit, match
 from . import ceilings
-from .checks import correctness
+from .checks import correctness, kv_bytes
 from .report import CeilingsResult, ProfileChoice, Report
 from .search import Progress, Settings, Tuner
 from .timing import first_line
 
 
 def measure_ceilings(rt: Any, settings: Settings) -> CeilingsResult:
-    """Read, copy, launch latency and transfers; one that fails is reported, not raised."""
+    """Read, copy, launch latency, transfers and the multiply-add peak; one that fails is
+    reported, not raised."""
     res = CeilingsResult()
     target, widths = settings.ceiling_target_s, settings.ceiling_widths
     jobs: list[tuple[str, Callable[[], Any]]] = [
@@ -33,6 +35,7 @@ def measure_ceilings(rt: Any, settings: Settings) -> CeilingsResult:
         ("launch", lambda: ceilings.launch_latency(rt, max(target, 0.05))),
         ("transfer", lambda: ceilings.transfer_bandwidth(
             rt, max(ceilings.sizing(rt.device).working_set_bytes // 4, 1 << 20), target)),
+        ("fma", lambda: ceilings.fma_peak(rt, target)),
     ]
     for name, job in jobs:
         try:
@@ -75,7 +78,7 @@ def tune_device(device: Any, settings: Settings, *, progress: bool = True,
         f"{current.name} [{current.level}]")
     steps: dict[str, float] = {}
 
-    say("measuring ceilings (read, copy, launch latency, transfers)...")
+    say("measuring ceilings (read, copy, launch latency, transfers, multiply-add peak)...")
     t = time.perf_counter()
     ceil = measure_ceilings(rt, settings)
     steps["ceilings"] = time.perf_counter() - t
@@ -85,7 +88,7 @@ def tune_device(device: Any, settings: Settings, *, progress: bool = True,
     checks = correctness(device, profile=current.profile)
     steps["correctness"] = time.perf_counter() - t
     rep = Report(_dt.datetime.now().astimezone().isoformat(timespec="seconds"), settings.mode,
-                 info, current, builtin, ceil, checks, step_seconds=steps)
+                 info, current, builtin, ceil, checks, step_seconds=steps, kv_bytes=kv_bytes())
     if not rep.correctness_passed:
         rep.tuning_note = "skipped: correctness failed"
     else:
