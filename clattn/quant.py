@@ -6,8 +6,10 @@ row along head_dim:
 * ``q8_0``: ``d = f16(amax / 127)``, ``q = clamp(rint(x / d), -127, 127)`` as int8;
   the value is ``q * d``. 1.0625 bytes per value.
 * ``q4_0``: ``m`` is the value of largest magnitude (its sign kept), ``d = f16(m / -8)``,
-  ``q = clamp(rint(x / d) + 8, 0, 15)``; byte ``j`` of a block holds values ``2j`` (low
-  nibble) and ``2j + 1`` (high nibble); the value is ``(q - 8) * d``. 0.5625 bytes per value.
+  ``q = clamp(rint(x / d) + 8, 0, 15)``; byte ``j`` of a block holds values ``j`` (low
+  nibble) and ``j + 16`` (high nibble), as llama.cpp's q4_0, so a load of up to 16 bytes
+  and one shift give consecutive values; the value is ``(q - 8) * d``. 0.5625 bytes per
+  value.
 
 ``rint`` rounds half to even on the exact quotient; an all-zero block has ``d = 0`` and
 decodes to zeros; a block with inf or NaN cannot be quantized (ValueError, nothing written).
@@ -128,7 +130,7 @@ def quantize(x: np.ndarray, fmt: str, what: str = "values") -> tuple[np.ndarray,
         data = np.clip(q, -127, 127).astype(np.int8).view(np.uint8)
     else:
         u = np.clip(q + 8, 0, 15).astype(np.uint8)
-        data = (u[..., 0::2] | (u[..., 1::2] << 4)).astype(np.uint8)
+        data = (u[..., :BLOCK // 2] | (u[..., BLOCK // 2:] << 4)).astype(np.uint8)
     return data.reshape(x.shape[:-1] + (-1,)), d
 
 
@@ -140,8 +142,8 @@ def dequantize(data: np.ndarray, scales: np.ndarray, fmt: str) -> np.ndarray:
     else:
         b = data.reshape(data.shape[:-1] + (nb, BLOCK // 2))
         q = np.empty(b.shape[:-1] + (BLOCK,), np.float32)
-        q[..., 0::2] = (b & 15).astype(np.float32) - 8
-        q[..., 1::2] = (b >> 4).astype(np.float32) - 8
+        q[..., :BLOCK // 2] = (b & 15).astype(np.float32) - 8
+        q[..., BLOCK // 2:] = (b >> 4).astype(np.float32) - 8
     out = q * scales.astype(np.float32)[..., None]
     return out.reshape(out.shape[:-2] + (nb * BLOCK,))
 

@@ -25,8 +25,9 @@ def test_q4_layout_nibbles_and_sign_of_largest():
     data, d = quant.quantize(x, "q4_0")
     assert d[0] == 2
     u = np.empty(32, np.int64)
-    u[0::2], u[1::2] = data & 15, data >> 4
+    u[:16], u[16:] = data & 15, data >> 4  # byte j: value j (low), value j + 16 (high)
     assert list(u[:4]) == [0, 0, 1, 2]  # -16/2 = -8 -> 0; -15/2 = -7.5 -> -8 (even) -> 0
+    assert list(u[16:20]) == [8, 8, 9, 10]  # 0 -> 8; 1/2 -> 0 (even) -> 8; 2/2 = 1 -> 9
     back = quant.dequantize(data, d, "q4_0")
     assert np.array_equal(back, (np.clip(np.rint(x / 2) + 8, 0, 15) - 8) * 2)
 

@@ -242,8 +242,8 @@ MUTANTS = [
         "the planner rounds partition counts down (the kernel's last partition hides it)"),
     # ---- quantized pages, non-finite states, prepared steps ---------------------------
     Mutant("q4-nibbles-swapped", DECODE, [
-        ('return (float${v})(${", ".join("lo.s%x, hi.s%x" % (i, i) for i in range(nb))}) * d;',
-         'return (float${v})(${", ".join("hi.s%x, lo.s%x" % (i, i) for i in range(nb))}) * d;')],
+        ('codes = "(%s & (%s)15)" % (b, u) if lane % 32 < 16 else "(%s >> (%s)4)" % (b, u)',
+         'codes = "(%s & (%s)15)" % (b, u) if lane % 32 >= 16 else "(%s >> (%s)4)" % (b, u)')],
         ["tests/test_quant.py", "-k", "decode and q4_0"],
         "q4 lanes read from the wrong nibble", "kernel"),
     Mutant("q8-scale-ignored", DECODE, [
@@ -257,6 +257,18 @@ MUTANTS = [
          "np.copysign(0.5, blocks))")],
         ["tests/test_quant.py", "-k", "half_to_even"],
         "quantizer rounds half away from zero instead of to even"),
+    Mutant("append-ties-rounded-up", "clattn/kernels/append_bytes.clh.mako", [
+        ("if (t > hi || (t == hi && odd))", "if (t >= hi)")],
+        ["tests/test_cache_quant.py", "-k", "bit_for_bit"],
+        "the append kernel rounds exact ties of the code grid up instead of to even"),
+    Mutant("append-check-ignored", "clattn/kernels/append_bytes.clh.mako", [
+        ("    if (flags[0] == epoch)\n        return;", "")],
+        ["tests/test_cache_quant.py", "-k", "device_arrays"],
+        "the append writes a block the check pass refused"),
+    Mutant("q-values-scale-dropped", DECODE, [
+        ("const float p = s${g}[j] * vsc[j];", "const float p = s${g}[j];")],
+        ["tests/test_quant.py", "-k", "decode"],
+        "the rows kernel's quantized values lose their block scale"),
     Mutant("broken-state-labelled-empty", COMMON, [
         ("return l > 0.0f ? m + log2(l) : (l == 0.0f ? -INFINITY : NAN);",
          "return l > 0.0f ? m + log2(l) : -INFINITY;")],

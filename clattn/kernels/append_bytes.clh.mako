@@ -104,9 +104,9 @@ inline float clattn_block_max(const float* x, int* finite)
                 const float d = vload_half(0, (const __global half*)sc);
                 __global uchar* dst = pages + reg + (ulong)r * ${rowb} + b * ${16 if q4 else 32};
 %   if q4:
-                for (int j = 0; j < 16; ++j) {
-                    const int lo = d == 0.0f ? 8 : clamp(clattn_rint_div(x[2 * j], d) + 8, 0, 15);
-                    const int hi = d == 0.0f ? 8 : clamp(clattn_rint_div(x[2 * j + 1], d) + 8, 0, 15);
+                for (int j = 0; j < 16; ++j) {   /* values j and j + 16 share byte j */
+                    const int lo = d == 0.0f ? 8 : clamp(clattn_rint_div(x[j], d) + 8, 0, 15);
+                    const int hi = d == 0.0f ? 8 : clamp(clattn_rint_div(x[j + 16], d) + 8, 0, 15);
                     dst[j] = (uchar)(lo | (hi << 4));
                 }
 %   else:

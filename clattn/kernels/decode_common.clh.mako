@@ -98,12 +98,13 @@ def _fv(n):
     return "float" if n == 1 else "float%d" % n
 
 
-def lanes(kind, vec, name, lane, fmt_k, fmt_v, byte_pool, raw, loadv, sname=None):
+def lanes(kind, vec, name, lane, fmt_k, fmt_v, byte_pool, raw, loadv, sname=None, scale=None):
     """float<vec> of lanes [lane, lane + vec) of the row at pointer `name` (row_ptr).
 
     raw: CPU-style loads (typedefs, exact inline f16 conversion, no library calls);
     loadv: the common loader for a storage-typed element pointer (float pools);
-    sname: the row's scale pointer (default name + "_s")."""
+    sname: the row's scale pointer (default name + "_s"); scale: a quantized block's
+    scale expression instead of the row's own ("1.0f": the codes, q4_0's minus 8)."""
     fmt = fmt_k if kind == 0 else fmt_v
     if not byte_pool:
         return loadv(vec, "%s + %s" % (name, lane))
@@ -117,35 +118,23 @@ def lanes(kind, vec, name, lane, fmt_k, fmt_v, byte_pool, raw, loadv, sname=None
             return "clattn_h2f(*(const __global %s*)(%s + (%s) * 2))" % (u, name, lane)
         return ("vload_half(0, (const __global half*)(%s) + %s)" % (name, lane)) if vec == 1 else \
             ("vload_half%d(0, (const __global half*)(%s) + %s)" % (vec, name, lane))
-    scale = "clattn_h2f_1(%s[(%s) / 32])" % (sname or name + "_s", lane)
+    scale = scale or "clattn_h2f_1(%s[(%s) / 32])" % (sname or name + "_s", lane)
     if fmt == "q8_0":
         c = "char" if vec == 1 else "char%d" % vec
         return "(convert_%s(*(const __global %s*)(%s + (%s))) * %s)" % (fv, c, name, lane, scale)
-    # q4_0: byte j holds lanes 2j (low nibble) and 2j + 1 (high nibble)
-    if vec == 1:
-        return ("((float)((((%s)[(%s) / 2] >> (((%s) & 1) * 4)) & 15) - 8) * %s)"
-                % (name, lane, lane, scale))
-    nb = vec // 2
-    u = "uchar" if nb == 1 else "uchar%d" % nb
-    b = "(*(const __global %s*)(%s + (%s) / 2))" % (u, name, lane)
-    if nb == 1:
-        return ("(((float2)((float)(%s & (uchar)15), (float)(%s >> (uchar)4)) - 8.0f) * %s)"
-                % (b, b, scale))
-    return "clattn_q4_%d(%s, %s)" % (vec, b, scale)
+    # q4_0: byte j of a block holds value j (low nibble) and value j + 16 (high nibble),
+    # so vec <= 16 lanes are one load of vec bytes and one shift, no shuffle
+    u = "uchar" if vec == 1 else "uchar%d" % vec
+    if isinstance(lane, int):
+        b = "(*(const __global %s*)(%s + %d))" % (u, name, lane // 32 * 16 + lane % 16)
+        codes = "(%s & (%s)15)" % (b, u) if lane % 32 < 16 else "(%s >> (%s)4)" % (b, u)
+    else:
+        b = "(*(const __global %s*)(%s + ((%s) >> 5) * 16 + ((%s) & 15)))" % (u, name, lane, lane)
+        codes = "((%s >> (%s)((%s) & 16 ? 4 : 0)) & (%s)15)" % (b, u, lane, u)
+    return "((convert_%s(%s) - 8.0f) * %s)" % (fv, codes, scale)
 %>
-## inline helpers the q4 lane expression calls (one per vector width)
+## inline helpers the quantized lane expressions call
 <%def name="q4_helpers()">
-% if BYTE_POOL and "q4_0" in (KFMT, VFMT):
-% for v in (4, 8, 16):
-<% nb = v // 2; u = "uchar%d" % nb; fn = "float%d" % nb %>\
-inline float${v} clattn_q4_${v}(const ${u} b, const float d)
-{
-    const ${fn} lo = convert_${fn}(b & (${u})15) - 8.0f;
-    const ${fn} hi = convert_${fn}(b >> (${u})4) - 8.0f;
-    return (float${v})(${", ".join("lo.s%x, hi.s%x" % (i, i) for i in range(nb))}) * d;
-}
-% endfor
-% endif
 % if BYTE_POOL and ("q4_0" in (KFMT, VFMT) or "q8_0" in (KFMT, VFMT)):
 /* exact f16 -> f32 of one scale (normals, subnormals, zero) without library calls */
 inline float clattn_h2f_1(const ushort u)

@@ -68,10 +68,16 @@ HALF = ROT // 2
 NRV = (HALF // V if not INTERLEAVED else ROT // V) if VEC_ROPE else 0  # rotated vectors
 SWAP = "" if V == 1 else ".s" + "".join("%x" % (i ^ 1) for i in range(V))
 SIGN = "(%s)(%s)" % (FV, ", ".join("-1.0f" if i % 2 == 0 else "1.0f" for i in range(V))) if V > 1 else "1.0f"
-def lane(kind, i, name, sname=None):
+def lane(kind, i, name, sname=None, scale=None):
     """float<V> of head_dim chunk i of the K (0) / V (1) row at `name`, any format."""
     return d.attr.lanes(kind, V, name, i * V, KFMT, VFMT, BYTE_POOL, True,
-                        lambda vec, ptr: ld(ptr), sname)
+                        lambda vec, ptr: ld(ptr), sname, scale)
+# quantized kinds: a block's scale multiplies its partial dot product (K) or the weight
+# (V) once, not every value: CPB chunks of V values per block of 32
+KQ = KFMT in ("q8_0", "q4_0")
+VQ = VFMT in ("q8_0", "q4_0")
+CPB = max(32 // V, 1)
+NB = D // 32
 def ld(ptr):
     if DTYPE == "float":
         return "*(const __global ld_t*)(%s)" % ptr
@@ -207,6 +213,32 @@ ${rotate_row("f", "q_pos[b]")}
         }
         for (int j = 0; j < n; ++j) {
             ${d.row_ptr(0, "kp", "r0 + j")}
+% if KQ:
+            if (!rotary_mode) {   /* scores from the codes, one scale per block */
+%   for bb in range(NB):
+                const float ks${bb} = clattn_h2f_1(kp_s[${bb}]);
+%   endfor
+%   for i in range(NV):
+                const ${FV} c${i} = ${lane(0, i, "kp", scale="1.0f")};
+%   endfor
+%   for g in range(G):
+                {
+                    ${FV} t;
+%     for bb in range(NB):
+                    {
+                        ${FV} tb = q${g}_${bb * CPB} * c${bb * CPB};
+%       for i in range(bb * CPB + 1, (bb + 1) * CPB):
+                        tb += q${g}_${i} * c${i};
+%       endfor
+                        ${"t = tb * ks0;" if bb == 0 else "t += tb * ks%d;" % bb}
+                    }
+%     endfor
+                    s${g}[j] = ${score(hsum("t"))};
+                }
+%   endfor
+                continue;
+            }
+% endif
 % for i in range(NV):
             ${FV} k${i} = ${lane(0, i, "kp")};
 % endfor
@@ -276,6 +308,33 @@ ${rotate_row("f")}
             vrow_s[j] = vp_s;
 % endif
         }
+% if VQ:
+        /* quantized values: per block, the weight times the block's scale, then the codes
+           (V_CHUNKS chunks of the block at a time, as below) */
+<% VCH = min(V_CHUNKS, CPB) %>
+%   for bb in range(NB):
+        {
+            float vsc[${TILE}];
+            for (int j = 0; j < n; ++j)
+                vsc[j] = clattn_h2f_1(vrow_s[j][${bb}]);
+%     for i0 in range(bb * CPB, (bb + 1) * CPB, VCH):
+            for (int j = 0; j < n; ++j) {
+%       for i in range(i0, i0 + VCH):
+                const ${FV} v${i - i0} = ${lane(1, i, "vrow[j]", scale="1.0f")};
+%       endfor
+%       for g in range(G):
+                {
+                    const float p = s${g}[j] * vsc[j];
+%         for i in range(i0, i0 + VCH):
+                    a${g}_${i} += p * v${i - i0};
+%         endfor
+                }
+%       endfor
+            }
+%     endfor
+        }
+%   endfor
+% else:
 % for i0 in range(0, NV, V_CHUNKS):
         for (int j = 0; j < n; ++j) {
 %   for i in range(i0, i0 + V_CHUNKS):
@@ -291,6 +350,7 @@ ${rotate_row("f")}
 %   endfor
         }
 % endfor
+% endif
     }
 
 % for g in range(G):
