@@ -515,7 +515,11 @@ class _DeviceSteps:
             if self.quantized else None
         self.copy_k = rt.launcher(key, signatures.PAGE_COPY, source).bind(
             pages=None, num_pages=cache.num_pages, copies=None, n_copies=0)
-        self.ring = [[None, 0, []], [None, 0, []]]  # [buffer, capacity (ints), its step's events]
+        # [buffer, capacity (ints), its step's events, the upload into it]: pyopencl's event
+        # of a copy from host memory waits for the copy when it is dropped, so the upload's
+        # event is held here until the slot is reused two steps later (dropping it at the
+        # first launch made every step wait for the previous one's kernels)
+        self.ring = [[None, 0, [], None], [None, 0, [], None]]
         self.ring_at = 0
         self.stage = {"k": [None, 0, []], "v": [None, 0, []]}  # host k/v staging buffers
         self.ws = (0, None, None)
@@ -537,6 +541,7 @@ class _DeviceSteps:
                                  wait_for=slot[2] or None)
         self.cache.bytes_uploaded += packed.nbytes
         slot[2] = self.events = [upload]  # the step's launches (the last one, in order)
+        slot[3] = upload
         self.waits = [] if self.in_order else [upload]
         tab = {name: (slot[0], a) for name, (a, _) in views.items()}
         plan = self._plan(t)

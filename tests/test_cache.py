@@ -533,3 +533,47 @@ def test_append_renders_for_every_profile(dtype):
         src = render_append(spec, append_geometry(64, dtype, prof, Limits()))
         for table in (signatures.APPEND, signatures.PAGE_COPY):
             assert _parsed(src, table.kernel) == _expected(table, "st_t"), name
+
+
+def test_a_step_never_waits_for_the_device(device_target):
+    """begin, every layer's append and attend, and end only enqueue (device arrays): with
+    the queue held back by a user event they all return. (pyopencl's event of a copy from
+    host memory waits for the copy when dropped; the table upload's was dropped at the
+    first launch, which made each step wait for the previous step's kernels.)"""
+    import faulthandler
+    import threading
+    # a call that waits holds the GIL inside pyopencl, so this thread could not release
+    # the gate: end the run with a traceback rather than hang it
+    faulthandler.dump_traceback_later(120, exit=True)
+    spec = clattn.AttentionSpec(4, 2, 16, page_size=4, dtype="float32")
+    cache = make_cache(spec, device_target, layers=3, num_pages=12)
+    cl = runtime.cl()
+    queue = cache._rt.queue
+    rng = np.random.default_rng(0)
+    dev = lambda shape: cl.array.to_device(queue, rng.standard_normal(shape).astype(  # noqa: E731
+        np.float32))
+    k, q = dev((2, 2, 16)), dev((2, 4, 16))
+    out, lse = cl.array.empty(queue, (2, 4, 16), np.float32), cl.array.empty(queue, (2, 4),
+                                                                             np.float32)
+    cache.add("a")
+    cache.add("b")
+    queue.finish()
+    for _ in range(3):  # every ring slot of table buffers, reused
+        gate = cl.UserEvent(queue.context)
+        cl.enqueue_marker(queue, wait_for=[gate])
+
+        def step():
+            cache.begin(["a", "b"])
+            for layer in range(3):
+                cache.append(layer, k, k)
+                cache.attend(layer, q, out=out, lse=lse)
+            cache.end()
+        th = threading.Thread(target=step, daemon=True)
+        th.start()
+        th.join(timeout=30)
+        returned = not th.is_alive()
+        gate.set_status(cl.command_execution_status.COMPLETE)
+        th.join()
+        queue.finish()
+        assert returned, "a step call waited for the device"
+    faulthandler.cancel_dump_traceback_later()
