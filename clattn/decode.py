@@ -17,9 +17,9 @@ from .plan import Plan, make_plan
 from .profiles.record import Profile
 from .result import DecodeResult
 from .rope import kernel_turns, parse_rope_scaling, rope_tables
-from .spec import LSE_DTYPE, AttentionSpec, default_sm_scale
-from .staging import Call
-from .validate import check_decode, check_tables, chunk_lengths, is_host
+from .spec import INDEX_DTYPE, LSE_DTYPE, AttentionSpec, default_sm_scale
+from .staging import Call, note_allocation
+from .validate import check_array, check_decode, check_tables, chunk_lengths, is_host
 
 _CACHE_PLANS = 8  # plan tables kept on the device per BatchDecode
 _CACHE_ROPE = 16  # RoPE tables kept per BatchDecode (a caller varying rope_scale stays bounded)
@@ -142,6 +142,7 @@ class BatchDecode:
             Immutable; ``str(plan)`` says what was decided and why.
         """
         spec = self.spec
+        _check_split(split)
         chunk = chunk_lengths(spec, page_indptr, last_page_len, length_info=length_info,
                               window_offset=window_offset, sink_size=sink_size)
         if not self.setup:
@@ -149,6 +150,9 @@ class BatchDecode:
         return self._make_plan(chunk, split)
 
     def _make_plan(self, chunk: np.ndarray, split: bool | int | None) -> Plan:
+        _check_split(split)
+        if not len(chunk):  # an empty batch: nothing to split
+            split = False
         wg = len(chunk) * self.spec.num_kv_heads * self.geometry.gdz
         cus = int(self.setup.info.get("max_compute_units") or 1)
         return make_plan(chunk, wg, cus, self.setup.profile, self.spec.page_size, split=split)
@@ -159,8 +163,13 @@ class BatchDecode:
         if self._ws is None or self._ws[0] < n_ws:
             ctx = self.setup.runtime.context
             n = max(n_ws, 1)
-            self._ws = (n, cl.Buffer(ctx, cl.mem_flags.READ_WRITE, n * H * D * 4),
-                        cl.Buffer(ctx, cl.mem_flags.READ_WRITE, n * H * 4))
+            try:
+                self._ws = (n, cl.Buffer(ctx, cl.mem_flags.READ_WRITE, n * H * D * 4),
+                            cl.Buffer(ctx, cl.mem_flags.READ_WRITE, n * H * 4))
+            except cl.Error as exc:
+                note_allocation(exc, "the split-KV workspace", n * H * (D + 1) * 4,
+                                self.setup.runtime)
+                raise
         return self._ws[1], self._ws[2]
 
     # -- running -------------------------------------------------------------------
@@ -228,10 +237,8 @@ class BatchDecode:
                   q_pos=q_pos, k_pos_offset=k_pos_offset, rotary_mode=rotary_mode,
                   rope_scale=rope_scale, rope_theta=rope_theta, sm_scale=sm_scale)
         if not self.setup:
-            o, s = cpu_backend.batch_decode(spec, *_host_all(q, pages, page_indptr, page_indices,
-                                                              last_page_len), **_host_kw(kw),
-                                            out=out, lse=lse)
-            return DecodeResult(o, s)
+            return DecodeResult(*run_on_host(cpu_backend.batch_decode, spec, (
+                q, pages, page_indptr, page_indices, last_page_len), kw, out, lse))
         args = check_decode(spec, q, pages, page_indptr, page_indices, last_page_len,
                             out=out, lse=lse, **kw)
         B, H, D = args.B, spec.num_qo_heads, spec.head_dim
@@ -293,7 +300,8 @@ class BatchDecode:
         if not isinstance(num_pages, (int, np.integer)) or num_pages < 0:
             raise ValueError(f"num_pages={num_pages!r}: the pool size, an int >= 0")
         spec = self.spec
-        B = int(getattr(page_indptr, "shape", (1,))[0]) - 1
+        check_array("page_indptr", page_indptr, ndim=1, dtypes=(INDEX_DTYPE,))
+        B = int(page_indptr.shape[0]) - 1
         args = check_tables(spec, B, int(num_pages), page_indptr, page_indices, last_page_len,
                             length_info=length_info, window_offset=window_offset,
                             sink_size=sink_size, q_pos=q_pos, k_pos_offset=k_pos_offset,
@@ -320,9 +328,13 @@ class BatchDecode:
     def _checked_plan(self, plan: Plan | None, args: Any, split: bool | int | None) -> Plan:
         """The caller's plan, checked against this call, or a new one."""
         B = args.B
+        _check_split(split)
         if plan is None:
             chunk = args.chunk if args.chunk is not None else np.zeros(B, np.int64)
             return self._make_plan(chunk, split if args.chunk is not None else False)
+        if not isinstance(plan, Plan):
+            raise TypeError(f"plan: expected a Plan from BatchDecode.plan(), got "
+                            f"{type(plan).__name__}")
         if len(plan.part_indptr) != B + 1:
             raise ValueError(f"plan: made for {len(plan.part_indptr) - 1} sequences, the call "
                              f"has {B}; plan again for this batch")
@@ -336,7 +348,12 @@ class BatchDecode:
         with self._lock:
             hit = self._plan_tables.get(id(plan))
             if hit is None or hit[0] is not plan:
-                hit = (plan, runtime.cl().array.to_device(queue, plan.part_indptr))
+                try:
+                    hit = (plan, runtime.cl().array.to_device(queue, plan.part_indptr))
+                except runtime.cl().Error as exc:
+                    note_allocation(exc, "the plan's partition table", plan.part_indptr.nbytes,
+                                    self.setup.runtime)
+                    raise
                 self._plan_tables[id(plan)] = hit
                 while len(self._plan_tables) > _CACHE_PLANS:
                     self._plan_tables.pop(next(iter(self._plan_tables)))
@@ -357,21 +374,42 @@ class BatchDecode:
                 scaling = parse_rope_scaling(spec.rope_scaling, spec.max_position_embeddings)
                 inv, att, long_from = rope_tables(spec.rotary_dim, float(theta), scaling,
                                                   spec.max_position_embeddings)
-                buf = cl.Buffer(self.setup.runtime.context,
-                                cl.mem_flags.READ_ONLY | cl.mem_flags.COPY_HOST_PTR,
-                                hostbuf=kernel_turns(inv, scale))
+                turns = kernel_turns(inv, scale)
+                try:
+                    buf = cl.Buffer(self.setup.runtime.context,
+                                    cl.mem_flags.READ_ONLY | cl.mem_flags.COPY_HOST_PTR,
+                                    hostbuf=turns)
+                except cl.Error as exc:
+                    note_allocation(exc, "the RoPE frequency table", turns.nbytes,
+                                    self.setup.runtime)
+                    raise
                 hit = self._turns[key] = (buf, int(long_from), float(att))
             return hit
 
 
+def _check_split(split: Any) -> None:
+    """``split``: None, a bool, or rows per partition (an int >= 1)."""
+    if split is None or isinstance(split, (bool, np.bool_)):
+        return
+    if not isinstance(split, (int, np.integer)):
+        raise TypeError(f"split={split!r}: None, False, True or rows per partition (an int)")
+    if split < 1:
+        raise ValueError(f"split={split!r}: rows per partition must be >= 1")
+
+
 def _host(a: Any) -> Any:
-    """A device array fetched to the host; anything else as given (validation judges it)."""
-    return a.get() if hasattr(a, "base_data") else a
+    """A device array fetched to the host; anything else, and a non-contiguous device
+    array, as given (validation judges it)."""
+    return a.get() if hasattr(a, "base_data") and a.flags.c_contiguous else a
 
 
-def _host_all(*arrays: Any) -> list:
-    return [_host(a) for a in arrays]
-
-
-def _host_kw(kw: dict) -> dict:
-    return {k: (_host(v) if hasattr(v, "shape") else v) for k, v in kw.items()}
+def run_on_host(fn: Any, spec: AttentionSpec, arrays: tuple, kw: dict, out: Any,
+                lse: Any) -> tuple:
+    """The CPU backend's ``fn(spec, *arrays, **kw, out=, lse=)`` with device arrays fetched
+    to the host; device ``out``/``lse`` are written back once the call succeeded."""
+    host_kw = {k: (_host(v) if hasattr(v, "shape") else v) for k, v in kw.items()}
+    o, s = fn(spec, *[_host(a) for a in arrays], **host_kw, out=_host(out), lse=_host(lse))
+    for given, res in ((out, o), (lse, s)):
+        if given is not None and not is_host(given):
+            given.set(res)
+    return o, s

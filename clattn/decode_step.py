@@ -15,7 +15,7 @@ from . import runtime
 from .plan import Plan
 from .result import DecodeResult
 from .spec import LSE_DTYPE
-from .staging import Call
+from .staging import Call, events_list
 from .validate import DecodeArgs, check_operands, is_host
 
 if TYPE_CHECKING:
@@ -123,7 +123,7 @@ class DecodeStep:
     def _run_fast(self, q: Any, pages: Any, out: Any, lse: Any,
                   wait_for: list | None) -> DecodeResult:
         """The per-layer path: device operands already checked, outputs given, no split."""
-        waits = list(wait_for or ())
+        waits = events_list(wait_for)
         for a in (q, pages, out, lse):
             if a.events:
                 waits.extend(a.events)

@@ -20,7 +20,7 @@ from .profiles.record import Profile
 from .device import device_setup, warn_cpu_fallback
 from .spec import LSE_DTYPE
 from .staging import Call
-from .validate import check_merge_k, check_merge_pair, is_host
+from .validate import check_array, check_merge_k, check_merge_pair, is_host
 
 _lock = threading.Lock()
 _setups: dict = {}
@@ -44,12 +44,15 @@ def _cached_setup(rt: Any, profile: Any):
     return hit[1]
 
 
-def _setup_for(arrays: list, device: Any, profile: Any):
-    """The device setup to run on, or None for the CPU fallback."""
-    dev_arrays = [a for a in arrays if a is not None and not is_host(a)]
+def _setup_for(arrays: dict, device: Any, profile: Any):
+    """The device setup to run on, or None for the CPU fallback (``arrays`` by name)."""
+    dev_arrays = [a for a in arrays.values() if a is not None and not is_host(a)]
     if dev_arrays:
-        if any(is_host(a) for a in arrays if a is not None):
-            raise TypeError("merge: mix of numpy and pyopencl arrays; pass all of one kind")
+        host = [n for n, a in arrays.items() if a is not None and is_host(a)]
+        if host:
+            on_dev = [n for n, a in arrays.items() if a is not None and not is_host(a)]
+            raise TypeError(f"{', '.join(host)}: numpy array(s) among pyopencl arrays "
+                            f"({', '.join(on_dev)}); pass all of one kind")
         rt = runtime.Runtime.for_device(dev_arrays[0].context)
         return _cached_setup(rt, profile), dev_arrays[0].queue or rt.queue
     if device is None or device == "cpu":
@@ -99,7 +102,8 @@ def merge_state_(v: Any, s: Any, v_other: Any, s_other: Any, *, device: Any = No
     >>> merge_state_(v, s, v2, s2)   # doctest: +SKIP
     """
     check_merge_pair(v, s, v_other, s_other)
-    setup, q0 = _setup_for([v, s, v_other, s_other], device, profile)
+    setup, q0 = _setup_for(dict(v=v, s=s, v_other=v_other, s_other=s_other), device,
+                           profile)
     if setup is None:
         cpu_backend.merge_state_(*[a if is_host(a) else a.get() for a in (v, s, v_other, s_other)])
         return None
@@ -108,12 +112,12 @@ def merge_state_(v: Any, s: Any, v_other: Any, s_other: Any, *, device: Any = No
     host = is_host(v)
     dv = call.output("v", v, v.shape, v.dtype) if not host else call.input("v", v)
     ds = call.output("s", s, s.shape, s.dtype) if not host else call.input("s", s)
+    dvo, dso = call.input("v_other", v_other), call.input("s_other", s_other)  # contexts too
     knl, geom = _launcher(setup, D, str(np.dtype(v.dtype)), signatures.MERGE_PAIR)
     events = []
     if N * H:
         gsz, lsz = geom.sizes(N * H, D)
-        events.append(knl(call.queue, gsz, lsz, call.wait_list(), v=dv, s=ds,
-                          vo=call.input("v_other", v_other), so=call.input("s_other", s_other),
+        events.append(knl(call.queue, gsz, lsz, call.wait_list(), v=dv, s=ds, vo=dvo, so=dso,
                           NH=N * H))
     res = call.finish([dv, ds], events, host=host)
     if host and events:
@@ -123,6 +127,8 @@ def merge_state_(v: Any, s: Any, v_other: Any, s_other: Any, *, device: Any = No
 
 def merge_state(v: Any, s: Any, v_other: Any, s_other: Any, **kw: Any) -> tuple[Any, Any]:
     """Out-of-place :func:`merge_state_`: returns new ``(v, s)``; keywords as there."""
+    check_array("v", v)  # what is copied must be an array (the rest: merge_state_)
+    check_array("s", s)
     v2, s2 = v.copy(), s.copy()
     merge_state_(v2, s2, v_other, s_other, **kw)
     return v2, s2
@@ -155,7 +161,7 @@ def merge_states(v: Any, s: Any, *, out: Any = None, lse: Any = None, device: An
     >>> out, lse = merge_states(v, s)   # doctest: +SKIP
     """
     check_merge_k(v, s, out, lse)
-    setup, q0 = _setup_for([v, s, out, lse], device, profile)
+    setup, q0 = _setup_for(dict(v=v, s=s, out=out, lse=lse), device, profile)
     if setup is None:
         return cpu_backend.merge_states(*[a if a is None or is_host(a) else a.get()
                                           for a in (v, s, out, lse)])

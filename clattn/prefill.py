@@ -17,14 +17,14 @@ import numpy as np
 
 from . import cpu_backend, runtime, signatures
 from .codegen import render_prefill
-from .decode import BatchDecode, _host, _host_kw
+from .decode import BatchDecode, run_on_host
 from .decode_step import upload_tables
 from .device import DeviceSetup, build_fitted, open_backend
 from .fit import PrefillGeometry, prefill_geometry
 from .launch import Launcher
 from .result import DecodeResult
 from .spec import INDEX_DTYPE, LSE_DTYPE, AttentionSpec
-from .staging import Call
+from .staging import Call, note_allocation
 from .validate import PrefillArgs, check_array, check_prefill, chunk_lengths, is_host
 
 
@@ -174,6 +174,7 @@ class BatchPrefill:
             raise ValueError("qo_indptr: must start at 0 and never decrease")
         chunk = None
         if page_indptr is not None:
+            check_array("page_indptr", page_indptr, ndim=1, dtypes=(INDEX_DTYPE,))
             if len(page_indptr) != len(qo_indptr):
                 raise ValueError(f"page_indptr: {len(page_indptr) - 1} sequences, qo_indptr "
                                  f"has {len(qo_indptr) - 1}")
@@ -212,7 +213,12 @@ class BatchPrefill:
         (the last plan's is kept)."""
         with self._lock:
             if self._units is None or self._units[0] is not plan:
-                self._units = (plan, runtime.cl().array.to_device(queue, plan.units))
+                try:
+                    self._units = (plan, runtime.cl().array.to_device(queue, plan.units))
+                except runtime.cl().Error as exc:
+                    note_allocation(exc, "the plan's unit table", plan.units.nbytes,
+                                    self.setup.runtime)
+                    raise
             return self._units[1]
 
     # -- running -------------------------------------------------------------------
@@ -282,16 +288,16 @@ class BatchPrefill:
                   causal=causal, rope_scale=rope_scale, rope_theta=rope_theta,
                   sm_scale=sm_scale)
         if not self.setup:
-            o, s = cpu_backend.batch_prefill(
-                spec, *[_host(a) for a in (q, pages, qo_indptr, page_indptr, page_indices,
-                                           last_page_len)], **_host_kw(kw), out=out, lse=lse)
-            return DecodeResult(o, s)
+            return DecodeResult(*run_on_host(cpu_backend.batch_prefill, spec, (
+                q, pages, qo_indptr, page_indptr, page_indices, last_page_len), kw, out, lse))
         args = check_prefill(spec, q, pages, qo_indptr, page_indptr, page_indices,
                              last_page_len, out=out, lse=lse, **kw)
         t = args.tables
         T, H, D = args.total_q, spec.num_qo_heads, spec.head_dim
         plan = self._checked_plan(plan, args)
         call = Call(self.setup.runtime, queue, wait_for)
+        if not is_host(qo_indptr):  # not read by the kernel (the plan splits q): its context
+            call.input("qo_indptr", qo_indptr)  # is checked all the same
         named = upload_tables(call, spec, t, page_indptr, page_indices, length_info,
                               window_offset, sink_size, q_pos, k_pos_offset, rotary_mode)
         dout = call.output("out", out, (T, H, D), spec.np_dtype)

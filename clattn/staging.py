@@ -20,11 +20,14 @@ class Call:
 
     def __init__(self, rt: Any, queue: Any = None, wait_for: Sequence | None = None) -> None:
         self.rt = rt
+        if queue is not None and not isinstance(queue, runtime.cl().CommandQueue):
+            raise TypeError(f"queue: expected a pyopencl.CommandQueue or None, got "
+                            f"{type(queue).__name__}")
         if queue is not None and queue.context != rt.context:
             raise ValueError(f"queue: belongs to another OpenCL context than this call's device "
                              f"({rt.device.name!r}); pass a queue of that context")
         self.queue = queue or rt.queue
-        self._waits = list(wait_for or [])
+        self._waits = events_list(wait_for)
         self._used: list = []
         self._host_outs: list = []  # (device array, numpy target)
 
@@ -33,7 +36,11 @@ class Call:
         if a is None:
             return None
         if is_host(a):
-            d = runtime.cl().array.to_device(self.queue, np.ascontiguousarray(a))
+            try:
+                d = runtime.cl().array.to_device(self.queue, np.ascontiguousarray(a))
+            except runtime.cl().Error as exc:
+                note_allocation(exc, name, a.nbytes, self.rt)
+                raise
         else:
             if a.context != self.rt.context:
                 raise ValueError(f"{name}: lives in another OpenCL context than this call's "
@@ -48,7 +55,11 @@ class Call:
         back into ``given`` by :meth:`finish` when that is a numpy array)."""
         if given is not None and not is_host(given):
             return self.input(name, given)
-        d = runtime.cl().array.empty(self.queue, shape, dtype)
+        try:
+            d = runtime.cl().array.empty(self.queue, shape, dtype)
+        except runtime.cl().Error as exc:
+            note_allocation(exc, name, int(np.prod(shape)) * np.dtype(dtype).itemsize, self.rt)
+            raise
         self._used.append(d)
         if given is not None:
             self._host_outs.append((d, given))
@@ -75,12 +86,37 @@ class Call:
         targets = {id(d): t for d, t in self._host_outs}
         if not (host or targets):
             return list(outputs)
+        # every result copied back before any numpy target is written: a failed copy
+        # leaves the caller's out=/lse= as they were, never half delivered
+        fetched = [d.get(queue=self.queue) if last is not None else np.zeros(d.shape, d.dtype)
+                   for d in outputs]
         res = []
-        for d in outputs:
-            h = d.get(queue=self.queue) if last is not None else np.zeros(d.shape, d.dtype)
+        for d, h in zip(outputs, fetched):
             t = targets.get(id(d))
             if t is not None:
                 t[...] = h
                 h = t
             res.append(h)
         return res
+
+
+def events_list(wait_for: Any) -> list:
+    """``wait_for`` (None or an iterable of pyopencl events) as a list; a ``TypeError``
+    naming it otherwise, before anything is enqueued."""
+    if wait_for is None:
+        return []
+    cl = runtime.cl()
+    try:
+        waits = list(wait_for)
+    except TypeError:
+        raise TypeError(f"wait_for: expected a list of pyopencl events, got "
+                        f"{type(wait_for).__name__}") from None
+    for e in waits:
+        if not isinstance(e, cl.Event):
+            raise TypeError(f"wait_for: expected pyopencl events, got {type(e).__name__} {e!r}")
+    return waits
+
+
+def note_allocation(exc: BaseException, what: str, nbytes: int, rt: Any) -> None:
+    """Add to a driver's error (kept as it is) what clattn was putting on the device."""
+    exc.add_note(f"clattn: allocating {what} ({nbytes} bytes) on {rt.device.name!r} failed")

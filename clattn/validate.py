@@ -140,8 +140,10 @@ def check_tables(spec: AttentionSpec, B: int, P: int, page_indptr: Any, page_ind
                  last_page_len: Any = None, *, length_info: Any = None,
                  window_offset: Any = None, sink_size: Any = None, q_pos: Any = None,
                  k_pos_offset: Any = None, rotary_mode: int = 0, sm_scale: float | None = None,
-                 rope_scale: float = 1.0, rope_theta: float = 1e4) -> DecodeArgs:
-    """Check the page tables and scalars of ``B`` sequences over a pool of ``P`` pages."""
+                 rope_scale: float = 1.0, rope_theta: float = 1e4,
+                 q_pos_optional: bool = False) -> DecodeArgs:
+    """Check the page tables and scalars of ``B`` sequences over a pool of ``P`` pages
+    (``q_pos_optional``: prefill, where the queries' positions default to their rows')."""
     _ints("page_indptr", page_indptr, B + 1)
     check_array("page_indices", page_indices, ndim=1, dtypes=(INDEX_DTYPE,))
     nnz = _shape(page_indices)[0]
@@ -174,10 +176,16 @@ def check_tables(spec: AttentionSpec, B: int, P: int, page_indptr: Any, page_ind
         raise ValueError(f"rotary_mode={rotary_mode!r}: must be 0 (no RoPE) or 1 (RoPE in kernel)")
     if rotary_mode == 1:
         for nm, arr in (("q_pos", q_pos), ("k_pos_offset", k_pos_offset)):
+            if arr is None and nm == "q_pos" and q_pos_optional:
+                continue
             if arr is None:
                 raise ValueError(f"{nm}: required when rotary_mode=1")
             _ints(nm, arr, B)
-        if not (np.isfinite(rope_theta) and rope_theta > 0):
+        try:
+            theta = float(rope_theta)
+        except (TypeError, ValueError):
+            raise TypeError(f"rope_theta={rope_theta!r}: must be a number") from None
+        if not (math.isfinite(theta) and theta > 0):
             raise ValueError(f"rope_theta={rope_theta!r}: must be a positive finite number")
         _f32_finite("rope_scale", rope_scale)
     if sm_scale is not None:
@@ -285,6 +293,12 @@ def chunk_lengths(spec: AttentionSpec, page_indptr: Any, last_page_len: Any = No
                   sink_size: Any = None) -> np.ndarray:
     """Attended rows per sequence from host tables (what planning needs), checked."""
     check_array("page_indptr", page_indptr, ndim=1, dtypes=(INDEX_DTYPE,))
+    for nm, arr in (("page_indptr", page_indptr), ("length_info", length_info),
+                    ("last_page_len", last_page_len), ("window_offset", window_offset),
+                    ("sink_size", sink_size)):
+        if arr is not None and not is_host(arr):
+            raise TypeError(f"{nm}: planning reads host tables; pass a numpy array "
+                            f"(device tables can run without a plan)")
     B = _shape(page_indptr)[0] - 1
     if B < 0:
         raise ValueError("page_indptr: needs B + 1 entries (at least one)")
@@ -356,7 +370,7 @@ def check_prefill(spec: AttentionSpec, q: Any, pages: Any, qo_indptr: Any, page_
                          "sits at position k_pos_offset[b] + r, its queries included)")
     tables = check_tables(spec, B, P, page_indptr, page_indices, last_page_len,
                           length_info=length_info, window_offset=window_offset,
-                          sink_size=sink_size, q_pos=k_pos_offset if q_pos is None else q_pos,
+                          sink_size=sink_size, q_pos=q_pos, q_pos_optional=True,
                           k_pos_offset=k_pos_offset, rotary_mode=rotary_mode,
                           sm_scale=sm_scale, rope_scale=rope_scale, rope_theta=rope_theta)
     n_q = None

@@ -15,8 +15,10 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import json
+import os
 import re
 import sys
+import tempfile
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -112,11 +114,23 @@ def _save(rep: Report, name: str | None, out: Outputs) -> None:
 
 
 def _plot(rep: Report, path: str, out: Outputs) -> None:
+    """Draw into a temporary file beside ``path``, moved there once whole (a failure or a
+    Ctrl-C while drawing leaves no half-written picture)."""
+    target = os.path.abspath(path)
+    tmp = None
     try:
-        why = plot_report(rep, path)
+        fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(target)}.", suffix=".tmp",
+                                   dir=os.path.dirname(target))
+        os.close(fd)
+        why = plot_report(rep, tmp)
+        if not why:
+            os.replace(tmp, target)
     except (OSError, ValueError) as exc:
         out.errors.append(f"the plot (--plot) {path}: {first_line(exc)}")
         return
+    finally:
+        if tmp is not None and os.path.exists(tmp):
+            os.unlink(tmp)
     if why:
         out.plot_error = why
     else:
