@@ -500,8 +500,7 @@ class _DeviceSteps:
                                                  cache.rope_scale)
         # byte pools: one flag per layer, set by the check pass to the epoch of an append
         # it refuses (the append then writes nothing); read back by end()
-        self.quantized = QUANTIZED if spec.k_format in QUANTIZED or \
-            spec.v_format in QUANTIZED else ()
+        self.quantized = spec.k_format in QUANTIZED or spec.v_format in QUANTIZED
         self.flags = None
         self.epoch = 0
         if spec.byte_pool:
@@ -646,7 +645,7 @@ class _DeviceSteps:
         """Write k, v into layer's pool; a byte pool's device check is recorded in
         ``checks`` (layer -> epoch) for :meth:`refused`."""
         spec = self.cache.spec
-        verified = bool(self.quantized) and is_host(k) and is_host(v) and \
+        verified = self.quantized and is_host(k) and is_host(v) and \
             self.cache.rope != "append"
         if verified:  # refused here, before anything is uploaded or written
             check_quantizable(k, spec.k_format, "k")
