@@ -9,7 +9,7 @@ a few microseconds plus the driver's enqueue.
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from . import runtime
 from .plan import Plan
@@ -17,9 +17,6 @@ from .result import DecodeResult
 from .spec import LSE_DTYPE
 from .staging import Call, events_list
 from .validate import DecodeArgs, check_operands, is_host
-
-if TYPE_CHECKING:
-    from .decode import BatchDecode
 
 
 class DecodeStep:
@@ -30,7 +27,7 @@ class DecodeStep:
     own workspace.
     """
 
-    def __init__(self, dec: "BatchDecode", args: DecodeArgs, plan: Plan, tables: dict,
+    def __init__(self, dec: Any, args: DecodeArgs, plan: Plan, tables: dict,
                  events: list, num_pages: int) -> None:
         self.decoder = dec
         self.plan = plan

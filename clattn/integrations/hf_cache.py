@@ -29,6 +29,10 @@ from clattn.spec import LSE_DTYPE, AttentionSpec
 __all__ = ["ClattnCache", "ClattnLayer", "UnsupportedFeatureError", "layer_windows"]
 
 NAME = "clattn"  # the attn_implementation a ClattnCache works with
+#: the default device and options of the caches made for generate (what
+#: clattn.integrations.transformers.register set last)
+DEFAULTS: dict = {"device": None, "prefill": True, "backend": "auto", "profile": None,
+                  "page_size": 16, "k_format": None, "v_format": None}
 #: torch dtypes clattn stores (pages, q and out), by the name clattn gives them
 DTYPES = {torch.float16: "float16", torch.float32: "float32"}
 #: tokens per sequence a cache is sized for when neither generate nor the caller says
@@ -180,8 +184,6 @@ class ClattnCache(Cache):
                  prefill: bool | None = None, backend: str | None = None,
                  profile: Any = None, k_format: str | None = None,
                  v_format: str | None = None) -> None:
-        from . import transformers as _tf  # the defaults given to register()
-
         if model is None and config is None:
             raise TypeError("ClattnCache: pass the model (or config=)")
         cfg = model.config if model is not None else config
@@ -192,7 +194,7 @@ class ClattnCache(Cache):
         self.config = cfg
         self.windows = layer_windows(cfg)
         super().__init__(layers=[ClattnLayer(self, i, w) for i, w in enumerate(self.windows)])
-        d = _tf.DEFAULTS
+        d = DEFAULTS
         self.device = d["device"] if device is None else device
         self.page_size = int(d["page_size"] if page_size is None else page_size)
         self.max_cache_len = max_cache_len

@@ -32,15 +32,12 @@ from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
 from clattn import CacheFullError, runtime
 
-from .hf_cache import (NAME, PENDING, ClattnCache, UnsupportedFeatureError, _Step,
+from .hf_cache import (DEFAULTS, NAME, PENDING, ClattnCache, UnsupportedFeatureError, _Step,
                        prefill_tables)
 
 __all__ = ["ClattnCache", "ClattnMask", "UnsupportedFeatureError", "attention",
            "mask", "register"]
 
-#: what :func:`register` set: the default device and options of the caches made for generate
-DEFAULTS: dict = {"device": None, "prefill": True, "backend": "auto", "profile": None,
-                  "page_size": 16, "k_format": None, "v_format": None}
 
 
 def register(device: Any = None, *, prefill: bool = True, page_size: int = 16,
