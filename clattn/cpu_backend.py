@@ -24,6 +24,23 @@ def chunk_offsets(stored: int, window_offset: int, sink_size: int) -> np.ndarray
                            np.arange(window_offset, stored, dtype=np.int64)])
 
 
+def exp_base(m: np.ndarray) -> np.ndarray:
+    """The base subtracted from scores before exp2 under running maxima ``m``: ``m``, or 0
+    where it is still -inf, so that rows scoring -inf weigh 0 (not exp2(-inf - -inf) = NaN)
+    in a block that has seen nothing else; NaN and +inf are kept."""
+    return np.where(m == -np.inf, np.float32(0), m).astype(np.float32)
+
+
+def finish_state(m: np.ndarray, l: np.ndarray, acc: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(out, lse)`` of states ``(m, l, acc)`` that each saw at least one row: broken (NaN)
+    where every row scored -inf (``l == 0``), docs/contract.md "Non-finite values"."""
+    dead = l == 0
+    with np.errstate(divide="ignore", invalid="ignore"):
+        o = acc / np.where(dead, np.float32(np.nan), l)[..., None]
+        s = np.where(dead, np.float32(np.nan), m + np.log2(np.where(dead, 1, l)))
+    return o.astype(np.float32), s.astype(np.float32)
+
+
 def _apply_softcap(s: np.ndarray, softcap: float | None) -> np.ndarray:
     return s if softcap is None else softcap * np.tanh(s / softcap)
 
@@ -83,13 +100,15 @@ def batch_decode(spec: AttentionSpec, q: np.ndarray, pages: np.ndarray, page_ind
             s = np.einsum("hgd,rhd->hgr", qb, k, dtype=np.float32) * np.float32(scale)
             s = _apply_softcap(s, spec.softcap).astype(np.float32) * np.float32(LOG2E)
             m_new = np.maximum(m, s.max(axis=-1))
-            alpha = np.exp2(m - m_new)  # m=-inf -> 0
-            p = np.exp2(s - m_new[..., None])
+            base = exp_base(m_new)
+            alpha = np.exp2(m - base)  # m=-inf -> 0
+            p = np.exp2(s - base[..., None])
             l = l * alpha + p.sum(axis=-1)
             acc = acc * alpha[..., None] + np.einsum("hgr,rhd->hgd", p, v, dtype=np.float32)
             m = m_new
-        res_o[b] = (acc / l[..., None]).reshape(H, D)
-        res_s[b] = (m + np.log2(l)).reshape(H)
+        o, st = finish_state(m, l, acc)
+        res_o[b] = o.reshape(H, D)
+        res_s[b] = st.reshape(H)
     if out is None:
         out = np.empty((B, H, D), dtype=spec.np_dtype)
     if lse is None:
@@ -173,9 +192,9 @@ def batch_prefill(spec: AttentionSpec, q: np.ndarray, pages: np.ndarray, qo_indp
                 s = np.where(seen, s, -np.inf)
                 live = seen[:, 0]  # the block's first row is attended by the query
                 m_new = np.where(live, np.maximum(m, s.max(axis=-1)), m)
-                with np.errstate(invalid="ignore"):  # -inf - -inf in the branches not taken
-                    alpha = np.where(live, np.exp2(m - m_new), 1.0).astype(np.float32)
-                    p = np.where(seen, np.exp2(s - m_new[..., None]), 0.0).astype(np.float32)
+                base = exp_base(m_new)
+                alpha = np.where(live, np.exp2(m - base), 1.0).astype(np.float32)
+                p = np.where(seen, np.exp2(s - base[..., None]), 0.0).astype(np.float32)
                 l = l * alpha + p.sum(axis=-1)
                 pv = np.einsum("hgqr,rhd->hgqd", p, v, dtype=np.float32)
                 if not np.isfinite(v).all():  # a masked row's value must not reach (0 * inf)
@@ -184,9 +203,10 @@ def batch_prefill(spec: AttentionSpec, q: np.ndarray, pages: np.ndarray, qo_indp
                                                 dtype=np.float32)
                 acc = acc * alpha[..., None] + pv
                 m = m_new
-            res_o[qs + i0:qs + i0 + len(rows_q)] = (acc / l[..., None]).transpose(2, 0, 1, 3) \
+            o, st = finish_state(m, l, acc)  # every query here attends a row
+            res_o[qs + i0:qs + i0 + len(rows_q)] = o.transpose(2, 0, 1, 3) \
                 .reshape(len(rows_q), H, D)
-            res_s[qs + i0:qs + i0 + len(rows_q)] = (m + np.log2(l)).transpose(2, 0, 1) \
+            res_s[qs + i0:qs + i0 + len(rows_q)] = st.transpose(2, 0, 1) \
                 .reshape(len(rows_q), H)
     if out is None:
         out = np.empty((T, H, D), dtype=spec.np_dtype)

@@ -31,7 +31,9 @@ MERGE_PAIR = ArgTable("clattn_merge_pair", [
     Buffer("vo", "st_t"), Buffer("so", "float"), Scalar("NH", "int"),
 ])
 
-#: K-way merge of the states [lo, hi) of each output row (indptr, or fixed_k per row)
+#: K-way merge of the states [lo, hi) of each output row (indptr, or fixed_k per row);
+#: skip_single (split-KV) leaves rows of fewer than two states alone and breaks (NaN) a row
+#: whose states are all empty when one of them is marked dead (its v NaN)
 MERGE_VARLEN = ArgTable("clattn_merge_varlen", [
     Buffer("vin", "in_t"), Buffer("sv", "float"), Buffer("indptr", "int"),
     Scalar("fixed_k", "int"), Scalar("skip_single", "int"), Scalar("n_states", "int"),

@@ -30,6 +30,7 @@ from __future__ import annotations
 import os
 import re
 import traceback
+import types
 import warnings
 
 import numpy as np
@@ -42,7 +43,7 @@ from clattn import cpu_backend, runtime
 from cases import compare, lse_bound, make_case, out_bound
 from conftest import DEVICES, cl_queue, get_decoder
 from naive import ScoredLse, naive_decode
-from prefill_cases import prefill_case
+from prefill_cases import naive_prefill, prefill_case
 from test_prefill import get_prefill
 
 #: examples per test and target (CLATTN_FUZZ_EXAMPLES raises it for a deeper local run)
@@ -1061,20 +1062,14 @@ def test_fuzz_merge_states(target, data):
 @pytest.mark.parametrize("split", [False, 8], ids=["unsplit", "split8"])
 @pytest.mark.parametrize("n,dead", [(20, range(0, 16)), (9, range(8, 9)), (40, range(8, 16))],
                          ids=["first-rows", "last-row", "middle-rows"])
-def test_rows_scoring_minus_inf_weigh_zero_in_every_part(target, split, n, dead, request,
-                                                         monkeypatch):
+def test_rows_scoring_minus_inf_weigh_zero_in_every_part(target, split, n, dead, monkeypatch):
     """Rows whose score is -inf weigh 0 (contract section 11: broken only when every row
     of the chunk scores -inf), also when they fill a whole part of the chunk: the rows
     kernel's first tile, a row slice of the tiled kernel, a split-KV partition, a block of
     the CPU backend (8 rows here). Known defect, found by test_fuzz_decode with
-    CLATTN_FUZZ_EXAMPLES=600: such a part's state is exp2(-inf - -inf) = NaN while the
-    running maximum is still -inf, and merging the parts spreads the NaN."""
+    CLATTN_FUZZ_EXAMPLES=600 (such a part's state was exp2(-inf - -inf) = NaN while the
+    running maximum was still -inf, and merging the parts spread the NaN)."""
     monkeypatch.setattr(cpu_backend, "BLOCK_ROWS", 8)
-    tiled = target.profile is not None
-    if n == 20 or tiled or (split and not target.is_cpu):
-        request.applymarker(pytest.mark.xfail(strict=True, reason=(
-            "a part of the chunk (first tile or block, tiled row slice, split-KV partition) "
-            "whose rows all score -inf becomes NaN and the merge spreads it")))
     spec = SPECS[0]
     case = make_case(spec, [n], seed=1)
     q, pages, indptr, indices, last = (case[k] for k in ("q", "pages", "page_indptr",
@@ -1086,4 +1081,28 @@ def test_rows_scoring_minus_inf_weigh_zero_in_every_part(target, split, n, dead,
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         got = get_decoder(spec, target).run(q, pages, indptr, indices, last, split=split)
+    compare(got.out, got.lse, *ref, spec.dtype)
+
+
+@pytest.mark.parametrize("dead", [range(0, 16), range(8, 16), range(0, 40)],
+                         ids=["first-rows", "middle-rows", "all-rows"])
+def test_prefill_rows_scoring_minus_inf_weigh_zero(target, dead, monkeypatch):
+    """Prefill's key blocks: rows scoring -inf weigh 0 also when they fill the first
+    blocks a query sees; a query whose attended rows all score -inf is broken (NaN)."""
+    monkeypatch.setattr(cpu_backend, "BLOCK_ROWS", 8)
+    spec = SPECS[0]
+    case = prefill_case(spec, [24], [16], seed=3)
+    q, pages, indptr, indices = (case[k] for k in ("q", "pages", "page_indptr",
+                                                   "page_indices"))
+    q = np.abs(q) + np.float32(0.1)
+    for r in dead:
+        pages[indices[indptr[0] + r // spec.page_size], 0, :, r % spec.page_size, :] = -np.inf
+    got = get_prefill(spec, target).run(q, pages, case["qo_indptr"], indptr, indices,
+                                        case["last_page_len"])
+    if len(dead) == 40:  # every query's rows all score -inf
+        assert np.isnan(np.asarray(got.lse)).all()
+        assert np.isnan(np.asarray(got.out, np.float32)).all()
+        return
+    case["q"] = q
+    ref = naive_prefill(types.SimpleNamespace(spec=spec, oracle={}, name="minus-inf"), case)
     compare(got.out, got.lse, *ref, spec.dtype)

@@ -48,16 +48,18 @@ def test_decode_nonfinite_inputs_give_nan_not_empty(where, prof, dtype):
 
 
 @pytest.mark.parametrize("where,prof", BACKENDS)
-def test_all_scores_minus_inf_is_broken_not_empty(where, prof):
+@pytest.mark.parametrize("split", [False, 4], ids=["unsplit", "split4"])
+def test_all_scores_minus_inf_is_broken_not_empty(where, prof, split):
     """A chunk that has rows but whose every score is -inf (keys of -inf against a
-    positive query) is undefined: NaN, as softmax over all -inf logits, never -inf."""
+    positive query) is undefined: NaN, as softmax over all -inf logits, never -inf; also
+    when split-KV cuts it into partitions that are each empty to the merge."""
     spec = clattn.AttentionSpec(4, 1, 64, page_size=16, dtype="float32")
-    case = make_case(spec, [9, 9], seed=2)
+    case = make_case(spec, [40, 40], seed=2)
     args, kw = decode_args(case)
     q, pages = np.abs(args[0]) + 0.5, args[1].copy()
-    for r in range(9):
+    for r in range(40):
         pages[args[3][args[2][0] + r // 16], 0, 0, r % 16, :] = -np.inf
-    out, lse, _ = _run(where, prof, spec, (q, pages) + tuple(args[2:]), kw)
+    out, lse, _ = _run(where, prof, spec, (q, pages) + tuple(args[2:]), dict(kw, split=split))
     assert np.isnan(lse[0]).all() and np.isnan(np.asarray(out[0], np.float32)).all()
     assert np.isfinite(lse[1]).all()
 

@@ -289,6 +289,15 @@ MUTANTS = [
          "if v is not None and refs.get(name) is not None:")],
         ["tests/test_decode_step.py", "-k", "equals_run"],
         "a prepared step keeps the first layer's q and pages", "python"),
+    Mutant("minus-inf-part-nan", COMMON, [
+        ("return mx == -INFINITY ? 0.0f : mx;", "return mx;")],
+        ["tests/test_fuzz.py", "-k", "minus_inf and not cpu"],
+        "a part of the chunk whose rows all score -inf turns the state NaN", "kernel"),
+    Mutant("split-dead-partitions-read-as-empty", MERGE, [
+        ("const int dead = skip_single && mx == -INFINITY && clattn_split_dead(vin, lo, hi, H, h);",
+         "const int dead = 0;")],
+        ["tests/test_nonfinite.py", "-k", "all_scores_minus_inf"],
+        "split-KV: a sequence whose rows all score -inf reads as empty", "kernel", count=2),
 ]
 
 

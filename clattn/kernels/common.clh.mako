@@ -27,6 +27,28 @@ inline float clattn_state_inv(const float l)
     return l == 0.0f ? 0.0f : 1.0f / l;
 }
 
+/* the base subtracted from the scores before exp2 under a running max mx: mx, or 0 while
+   mx is still -inf, so that rows scoring -inf weigh exp2(-inf) = 0 instead of
+   exp2(-inf - -inf) = NaN wherever a part of the chunk has seen nothing else yet (NaN and
+   +inf are kept: a broken state stays broken) */
+inline float clattn_exp_base(const float mx)
+{
+    return mx == -INFINITY ? 0.0f : mx;
+}
+
+/* lse and 1 / l of a part of the chunk that saw `rows` rows: one whose rows all scored
+   -inf (l == 0 after rows) is broken, NaN; with no rows it is empty (docs/contract.md,
+   "Non-finite values") */
+inline float clattn_part_lse(const float m, const float l, const int rows)
+{
+    return (rows && l == 0.0f) ? NAN : clattn_state_lse(m, l);
+}
+
+inline float clattn_part_inv(const float l, const int rows)
+{
+    return (rows && l == 0.0f) ? NAN : clattn_state_inv(l);
+}
+
 /* max that keeps NaN (fmax and max() drop it, which would hide a broken state) */
 inline float clattn_max_nan(const float a, const float b)
 {

@@ -283,8 +283,9 @@ ${rotate_row("f")}
             const ${FT} sv = *(${FT}*)s${g};
             const float bm = ${hred("sv", "max", TILE)};
             const float mx = bm > m${g} ? bm : m${g};
-            const float alpha = clattn_exp2_1(m${g} - mx);
-            const ${FT} pv = clattn_exp2_${TILE}(sv - mx);
+            const float base = clattn_exp_base(mx);
+            const float alpha = clattn_exp2_1(m${g} - base);
+            const ${FT} pv = clattn_exp2_${TILE}(sv - base);
             *(${FT}*)s${g} = pv;
             const float sum = l${g} * alpha + ${hred("pv", "+", TILE)};
             m${g} = mx;
@@ -356,8 +357,12 @@ ${rotate_row("f")}
 % for g in range(G):
     {
         const int h = kvh * ${G} + ${g};
-        const float inv = clattn_state_inv(l${g});
-        const float st = clattn_state_lse(m${g}, l${g});
+        /* a split-KV partition whose rows all scored -inf is empty to the merge (lse
+           -inf, weight 0) and marks its output NaN: the merge breaks the sequence when
+           every partition is empty and one is so marked */
+        const float inv = clattn_part_inv(l${g}, r_hi > r_lo);
+        const float st = direct ? clattn_part_lse(m${g}, l${g}, r_hi > r_lo)
+                                : clattn_state_lse(m${g}, l${g});
         if (direct) {
             __global st_t* op = out + ((ulong)b * ${HQO} + h) * ${D};
 %   for i in range(NV):

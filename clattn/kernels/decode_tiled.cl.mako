@@ -168,14 +168,15 @@ void clattn_decode(${SIGNATURE})
             s[j] = row < r_hi ? ${score("s[j]")} : -INFINITY;
             mx = fmax(mx, s[j]);
         }
-        /* a slice with no row in this step keeps its state; one whose rows all score
-           -inf gets exp2(-inf - -inf) = NaN: softmax over only -inf is undefined */
+        /* a slice with no row in this step keeps its state; rows scoring -inf weigh 0,
+           also while the slice has seen nothing else (clattn_exp_base) */
         const int has_rows = t0 + tz * ${SLICE} < r_hi;
-        const float alpha = has_rows ? exp2(m - mx) : 1.0f;
+        const float base = clattn_exp_base(mx);
+        const float alpha = has_rows ? exp2(m - base) : 1.0f;
         float sum = l * alpha;
         acc *= alpha;
         for (int j = 0; j < ${SLICE}; ++j) {
-            const float pj = t0 + tz * ${SLICE} + j < r_hi ? exp2(s[j] - mx) : 0.0f;
+            const float pj = t0 + tz * ${SLICE} + j < r_hi ? exp2(s[j] - base) : 0.0f;
             sum += pj;
             const int rs = tz * ${SLICE} + j;
 % if USE_LOCAL:
@@ -221,8 +222,10 @@ void clattn_decode(${SIGNATURE})
             ot += vload${VEC}(0, &o_red[z][ty][tx * ${VEC}]) * w;
 % endif
         }
-        const float inv = clattn_state_inv(lt);
-        const float st = clattn_state_lse(mt, lt);
+        /* rows that all scored -inf: broken, or for a split-KV partition empty with its
+           output marked NaN (decode_rows.cl.mako) */
+        const float inv = clattn_part_inv(lt, r_hi > r_lo);
+        const float st = direct ? clattn_part_lse(mt, lt, r_hi > r_lo) : clattn_state_lse(mt, lt);
         ot *= inv;
         if (direct) {
             __global st_t* op = out + ((ulong)b * ${HQO} + h) * ${D} + tx * ${VEC};

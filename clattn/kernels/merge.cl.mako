@@ -40,6 +40,17 @@ inline float4 clattn_pair(const float s, const float so)
     return (float4)(a * inv, bb * inv, clattn_state_lse(mx, t), 0.0f);
 }
 
+/* split-KV (skip_single), every partition of a sequence empty: true when one of them saw
+   rows that all scored -inf (it marks its output NaN, decode_rows.cl.mako), which breaks
+   the sequence; false when none saw rows */
+inline int clattn_split_dead(const __global in_t* vin, const int lo, const int hi, const int H,
+                             const int h)
+{
+    for (int k = lo; k < hi; ++k)
+        if (isnan(${loadin(1, "vin + ((ulong)k * H + h) * %d" % D)})) return 1;
+    return 0;
+}
+
 % if STRATEGY == "rows":
 ${c.raw_loads(VEC)}
 % if NATIVE_HALF:
@@ -99,6 +110,7 @@ __kernel void clattn_merge_varlen(${VARLEN_SIGNATURE})
         if (skip_single && hi - lo < 2) continue;
         float mx = -INFINITY;
         for (int k = lo; k < hi; ++k) mx = clattn_max_nan(mx, sv[(ulong)k * H + h]);
+        const int dead = skip_single && mx == -INFINITY && clattn_split_dead(vin, lo, hi, H, h);
 % for i in range(NV):
         ${FV} acc${i} = 0.0f;
 % endfor
@@ -113,12 +125,12 @@ __kernel void clattn_merge_varlen(${VARLEN_SIGNATURE})
             acc${i} += w * ${rload("ip + %d" % (i * VEC), VIN)};
 % endfor
         }
-        const float inv = clattn_state_inv(tot);
+        const float inv = clattn_part_inv(tot, dead);
         __global st_t* op = out + ((ulong)n * H + h) * ${D};
 % for i in range(NV):
         ${rstore("acc%d * inv" % i, "op + %d" % (i * VEC))}
 % endfor
-        lse[(ulong)n * H + h] = clattn_state_lse(mx, tot);
+        lse[(ulong)n * H + h] = clattn_part_lse(mx, tot, dead);
     }
 }
 % else:
@@ -156,6 +168,7 @@ void clattn_merge_varlen(${VARLEN_SIGNATURE})
     if (skip_single && hi - lo < 2) return;
     float mx = -INFINITY;
     for (int k = lo; k < hi; ++k) mx = clattn_max_nan(mx, sv[(ulong)k * H + h]);
+    const int dead = skip_single && mx == -INFINITY && clattn_split_dead(vin, lo, hi, H, h);
     float tot = 0.0f;
     ${c.fv(VEC)} acc = 0.0f;
     for (int k = lo; k < hi; ++k) {
@@ -165,7 +178,7 @@ void clattn_merge_varlen(${VARLEN_SIGNATURE})
         tot += w;
         acc += w * ${loadin(VEC, "vin + ((ulong)k * H + h) * %d + tx * %d" % (D, VEC))};
     }
-    ${c.storev(VEC, "acc * clattn_state_inv(tot)", "out + ((ulong)n * H + h) * %d + tx * %d" % (D, VEC))}
-    if (tx == 0) lse[(ulong)n * H + h] = clattn_state_lse(mx, tot);
+    ${c.storev(VEC, "acc * clattn_part_inv(tot, dead)", "out + ((ulong)n * H + h) * %d + tx * %d" % (D, VEC))}
+    if (tx == 0) lse[(ulong)n * H + h] = clattn_part_lse(mx, tot, dead);
 }
 % endif

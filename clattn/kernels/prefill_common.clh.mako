@@ -84,4 +84,10 @@ inline ${T} clattn_exp2v(${T} x)
     const ${I} n1 = n >> 1;
     return p * as_${T}((n1 + 127) << 23) * as_${T}((n - n1 + 127) << 23);
 }
+
+/* clattn_exp_base of every lane: the running max, or 0 where it is still -inf */
+inline ${T} clattn_basev(const ${T} mx)
+{
+    return select(mx, (${T})(0.0f), mx == (${T})(-INFINITY));
+}
 </%def>

@@ -182,10 +182,11 @@ __kernel void clattn_prefill(${SIGNATURE})
         for (int v = 0; v < ${NRV}; ++v) {
             const ${IV} live = ${valid("r0", "v")};
             const ${FV} mx = live ? ${vmax("mr[v]", "bm[v]")} : mr[v];
-            const ${FV} al = live ? clattn_exp2v(mr[v] - mx) : (${FV})1.0f;
+            const ${FV} base = clattn_basev(mx);
+            const ${FV} al = live ? clattn_exp2v(mr[v] - base) : (${FV})1.0f;
             ${FV} sum = 0.0f;
             for (int j = 0; j < ${KB}; ++j) {
-                const ${FV} p = ${valid("r0 + j", "v")} ? clattn_exp2v(${vld("pt[j] + v * %d" % V)} - mx) : (${FV})0.0f;
+                const ${FV} p = ${valid("r0 + j", "v")} ? clattn_exp2v(${vld("pt[j] + v * %d" % V)} - base) : (${FV})0.0f;
                 sum += p;
                 ${vst("p", "pt[j] + v * %d" % V)}
             }
@@ -241,12 +242,13 @@ __kernel void clattn_prefill(${SIGNATURE})
         const int i = r / ${G};
         const ulong at = (ulong)(qs + i) * ${HQO} + kvh * ${G} + r % ${G};
         const float l = ((float*)lr)[r];
-        const float inv = clattn_state_inv(l);
+        const int seen = ((int*)lim)[r] >= 0;   /* rows attended: all scoring -inf breaks it */
+        const float inv = clattn_part_inv(l, seen);
         __global st_t* op = out + at * ${D};
         for (int e = 0; e < ${NV}; ++e) {
             const ${FV} o = acc[r][e] * inv;
             ${c.storev(V, "o", "op + e * %d" % V)}
         }
-        lse[at] = clattn_state_lse(((float*)mr)[r], l);
+        lse[at] = clattn_part_lse(((float*)mr)[r], l, seen);
     }
 }

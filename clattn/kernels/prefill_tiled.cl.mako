@@ -145,10 +145,11 @@ void clattn_prefill(${SIGNATURE})
             float mx = m[a];
             for (int t = 0; t < ${TC}; ++t) mx = clattn_max_nan(mx, red_m[row][t]);
             const int live = r0 <= lim[a];
-            alpha[a] = live ? exp2(m[a] - mx) : 1.0f;
+            const float base = clattn_exp_base(mx);
+            alpha[a] = live ? exp2(m[a] - base) : 1.0f;
             float sum = 0.0f;
             for (int k = 0; k < ${RK}; ++k) {
-                const float p = r0 + tc + ${TC} * k <= lim[a] ? exp2(s[a][k] - mx) : 0.0f;
+                const float p = r0 + tc + ${TC} * k <= lim[a] ? exp2(s[a][k] - base) : 0.0f;
                 p_tile[row][tc + ${TC} * k] = p;
                 sum += p;
             }
@@ -185,12 +186,13 @@ void clattn_prefill(${SIGNATURE})
         const int i = row / ${G};
         if (i >= nq) break;
         const ulong at = (ulong)(qs + i) * ${HQO} + kvh * ${G} + row % ${G};
-        const float inv = clattn_state_inv(l[a]);
+        const int seen = lim[a] >= 0;   /* rows attended: all scoring -inf breaks it */
+        const float inv = clattn_part_inv(l[a], seen);
         __global st_t* op = out + at * ${D};
         for (int cc = 0; cc < ${RD}; ++cc) {
             const float o = acc[a][cc] * inv;
             ${c.storev(1, "o", "op + tc + %d * cc" % TC)}
         }
-        if (tc == 0) lse[at] = clattn_state_lse(m[a], l[a]);
+        if (tc == 0) lse[at] = clattn_part_lse(m[a], l[a], seen);
     }
 }
