@@ -246,6 +246,10 @@ def _load_bench():
 def _decode_ok(data, rows):
     d = [r for r in rows if "page_sets" in r]
     assert d and all(r["page_sets"] >= 4 and r["hot_ms"] > 0 and r["kernel_ms"] > 0 for r in d)
+    assert data["ceilings"]["fma"]["gflops"] > 0
+    for r in d:  # the roofline of the row's shape, and the achieved fraction of it
+        assert r["roof_bound"] in ("memory", "compute") and r["roof_ms"] > 0
+        assert r["roof_frac"] == pytest.approx(r["roof_ms"] / r["kernel_ms"])
     assert data["ceilings"]["cold_bytes"] >= 4 * max(c["size_bytes"]
                                                      for c in data["ceilings"]["caches"])
     if data["args"]["formats"]:  # every format on the row, each timed against float16 pages

@@ -19,7 +19,7 @@ from clattn.profiles import device_info, match, save_user_profile
 from clattn.profiles.record import Profile
 from clattn.spec import AttentionSpec
 from clattn.tune import checks, command, search, session
-from clattn.tune.ceilings import Cache, Measurement, Sizing
+from clattn.tune.ceilings import Cache, FmaPeak, Measurement, Sizing
 from clattn.tune.checks import Check
 from clattn.tune.report import CeilingsResult, ProfileChoice, Report, format_report, plot_report
 from clattn.tune.search import Candidate, Parameter, Settings, ShapeResult, Tuner, TuningResult
@@ -142,6 +142,9 @@ def test_quick_run_tuning(quick):
         assert r["page_sets"] >= 2  # timed calls rotate over page sets
         # medians against the median read ceiling, past every cache: below the ceiling
         assert 0 < r["fraction_of_read_bw"] < 1.1
+        roof = r["roofline"]  # the bound of the shape on the measured ceilings
+        assert roof["bound"] in ("memory", "compute") and 0 < roof["fraction"] < 1.1
+        assert roof["bound_s"] == max(roof["memory_s"], roof["compute_s"])
 
 
 def test_quick_run_saved_profile_round_trips_through_registry(quick, monkeypatch):
@@ -179,8 +182,9 @@ def _fake_report(passed: bool = True, winner_passed: bool | None = None) -> Repo
                        sizing=Sizing(1 << 27, (Cache("host L3", 1 << 25),)))
     checks_ = [Check("decode f16 plain", passed, 1e-5 if passed else 0.5, 2e-3,
                      "" if passed else "1 value(s) outside")]
+    fma = FmaPeak("Fake", 100.0, 120.0, (0.01, 0.01, 0.01), 10**9)
     rep = Report("today", "quick", {"device_name": "Fake", "platform_name": "P"}, choice, choice,
-                 CeilingsResult(read=read), checks_, tuning=tuning if passed else None,
+                 CeilingsResult(read=read, fma=fma), checks_, tuning=tuning if passed else None,
                  tuning_note="" if passed else "skipped: correctness failed")
     if winner_passed is not None:
         rep.winner_checks = [Check("decode f32 RoPE", winner_passed, 0.0 if winner_passed else 1.0,
@@ -192,6 +196,7 @@ def test_text_report_renders():
     text = format_report(_fake_report())
     for head in ("Device", "Ceilings", "working set 128 MiB = 4x the largest cache, host L3 32 MiB",
                  "Correctness", "Tuning", "speedup", "of read BW (medians)", "page sets",
+                 "roofline ms", "of roofline",
                  "The tuned profile is the profile checked above"):
         assert head in text, head
     assert "FAIL" not in text
@@ -207,6 +212,15 @@ def test_report_json_is_typed_data_with_derived_figures():
     row = j["tuning"]["per_shape"][0]
     assert row["speedup"] == 2.0 and row["shape"]["key"] == "m B=1 ctx=1024"
     assert math.isclose(row["fraction_of_read_bw"], row["tuned_gbps"] / 9.0)  # median / median
+    # the roofline of m B=1 ctx=1024 (8 query heads, head_dim 64, f16): 2 * 8 * 64 multiply-
+    # adds per row = 1,048,576 in all, 2 FLOPs each at 100 GFLOP/s: 21.0 us; its bytes
+    # (K and V of 2 KV heads x 64 x 2 B per row, q and out 2 x 8 x 64 x 2 B) at 9 GB/s: 58.5 us
+    flops, nbytes = 2 * (2 * 1024 * 8 * 64), 1024 * 2 * 2 * 64 * 2 + 2 * 8 * 64 * 2
+    roof = row["roofline"]
+    assert math.isclose(roof["compute_s"], flops / 100e9)
+    assert math.isclose(roof["memory_s"], nbytes / 9e9)
+    assert roof["bound"] == "memory" and math.isclose(roof["bound_s"], nbytes / 9e9)
+    assert math.isclose(roof["fraction"], nbytes / 9e9 / 1e-3)  # tuned: 1 ms
     assert "kernel_key" not in j["tuning"]["candidates"][0]
     assert j["correctness_passed"] is True and j["winner_passed"] is True
 
@@ -581,3 +595,18 @@ def test_profile_entry_is_accepted_by_the_registry(tmp_path, monkeypatch):
     m = match({"device_name": "Some Device", "device_type": "CPU"})
     assert path.exists() and m.level == "user"
     assert (m.profile.vec, m.profile.tile_rows, m.profile.wgs_per_cu) == (16, 2, 4)
+
+
+def test_roofline_bound_and_errors():
+    from clattn.tune.roofline import decode_roofline
+    # Gemma-2-2B's shape, B=8, 4096 rows, f16: 8 query heads x 256 dims, 4 KV heads;
+    # 1 GFLOP/s makes it compute-bound, without a peak it is memory-bound
+    kw = dict(batch=8, context=4096, num_qo_heads=8, head_dim=256,
+              bytes_moved=8 * 4096 * 2 * 4 * 256 * 2)
+    slow = decode_roofline(read_gbps=20.0, fma_gflops=1.0, **kw)
+    assert slow.bound == "compute" and math.isclose(slow.bound_s, 2 * 2 * 8 * 4096 * 8 * 256 / 1e9)
+    nopeak = decode_roofline(read_gbps=20.0, fma_gflops=None, **kw)
+    assert nopeak.bound == "memory" and nopeak.compute_s is None
+    assert math.isclose(nopeak.fraction(2 * nopeak.bound_s), 0.5)
+    with pytest.raises(ValueError, match="read_gbps"):
+        decode_roofline(read_gbps=0.0, fma_gflops=1.0, **kw)

@@ -84,6 +84,7 @@ from clattn.quant import KV_FORMATS, bytes_per_value, pack_pool, row_bytes  # no
 from clattn.spec import AttentionSpec, default_sm_scale  # noqa: E402
 from clattn.tune import ceilings as ceil  # noqa: E402
 from clattn.tune.checks import TOL, compare, decoder  # noqa: E402
+from clattn.tune.roofline import decode_roofline  # noqa: E402
 from clattn.tune.timing import cell, event_seconds, sample, table  # noqa: E402
 from clattn.tune.workloads import PagePool, Workload, pool_pages, rotating_tables  # noqa: E402
 
@@ -390,7 +391,7 @@ class DeviceBench:
         self.sizing = ceil.sizing(self.dev)
         self.cold_bytes = int(args.cold_mib * 2**20) if args.cold_mib else \
             self.sizing.working_set_bytes
-        self.read = self.copy = self.latency = None
+        self.read = self.copy = self.latency = self.fma = None
         if ceilings:
             self._measure()
 
@@ -404,12 +405,15 @@ class DeviceBench:
         log(self.copy.summary())
         self.latency = ceil.launch_latency(self.rt, args.bw_target_s)
         log(self.latency.summary())
+        self.fma = ceil.fma_peak(self.rt, args.bw_target_s)
+        log(self.fma.summary())
         log(f"(ceilings measured in {time.perf_counter() - t:.1f} s)")
 
     def ceilings(self) -> dict:
         """The ceilings as JSON-able dicts (those measured)."""
         out = {k: asdict(m) for k, m in (("read", self.read), ("copy", self.copy),
-                                         ("latency", self.latency)) if m is not None}
+                                         ("latency", self.latency), ("fma", self.fma))
+               if m is not None}
         return dict(out, cold_bytes=self.cold_bytes,
                     caches=[asdict(c) for c in self.sizing.caches])
 
@@ -422,7 +426,7 @@ class DeviceBench:
             return lines
         caches = ", ".join(f"{c.where} {ceil.size_text(c.size_bytes)}" for c in self.sizing.caches)
         return lines + [f"- {self.read.summary()}", f"- {self.copy.summary()}",
-                        f"- {self.latency.summary()}",
+                        f"- {self.latency.summary()}", f"- {self.fma.summary()}",
                         f"- caches reported: {caches or 'none'}; cold rows rotate over page "
                         f"sets spanning at least {ceil.size_text(self.cold_bytes)}"]
 
@@ -537,6 +541,12 @@ def _decode_row(args: argparse.Namespace, db: DeviceBench, row: dict, dec: Any,
                cold_vs_hot=r["kernel"] / h["kernel"], wall_ms=r["wall"] * 1e3, gbps=gbps,
                frac=gbps / db.read.median_gbps, wall_gbps=nbytes / r["wall"] * 1e-9,
                runs=r["runs"], mib=nbytes / 2**20)
+    roof = decode_roofline(batch=B, context=ctx, num_qo_heads=spec.num_qo_heads,
+                           head_dim=spec.head_dim, bytes_moved=nbytes,
+                           read_gbps=db.read.median_gbps,
+                           fma_gflops=db.fma.gflops if db.fma else None)
+    row.update(roof_ms=roof.bound_s * 1e3, roof_bound=roof.bound,
+               roof_frac=roof.fraction(r["kernel"]))
     row["fallback_ratio"] = row["fallback_ms"] / row["wall_ms"]
     log(f"{what}: kernel {row['kernel_ms']:.3f} ms cold, {row['hot_ms']:.3f} hot "
         f"({row['frac']:.0%} of read bw), wall {row['wall_ms']:.3f} ms; {row['plan']}")
@@ -619,7 +629,9 @@ def suite_decode(args: argparse.Namespace, deadline: Deadline) -> dict:
             ("decode_ms", "decode ms", ".3f"), ("merge_ms", "merge ms", ".3f"),
             ("kernel_ms", "cold ms", ".3f"), ("hot_ms", "hot ms", ".3f"),
             ("cold_vs_hot", "cold/hot", ".2f"), ("wall_ms", "wall ms", ".3f"),
-            ("gbps", "GB/s (cold)", ".2f"), ("frac", "of read bw (medians)", ".1%")]
+            ("gbps", "GB/s (cold)", ".2f"), ("frac", "of read bw (medians)", ".1%"),
+            ("roof_ms", "roofline ms", ".3f"), ("roof_bound", "bound", ""),
+            ("roof_frac", "of roofline (cold)", ".1%")]
     if args.formats:
         cols.append(("vs_f16", "cold ms / float16 pages'", ".2f"))
     cols += [("fallback_ms", "CPU backend ms", ".2f"), ("fallback_ratio", "backend/wall", ".1f"),
@@ -627,7 +639,9 @@ def suite_decode(args: argparse.Namespace, deadline: Deadline) -> dict:
     sections = [("Decode (median kernel event times, cold: page sets rotating over at least "
                  f"{db.cold_bytes / 2**20:.0f} MiB; hot: the same pages; GB/s = KV bytes read "
                  "(data + block scales of the page format) + q/out/lse bytes / cold kernel "
-                 "time)", rows, cols)]
+                 "time; roofline: the larger of those bytes / the median read bandwidth and "
+                 "2 x heads x head_dim multiply-adds per row / the median multiply-add peak)",
+                 rows, cols)]
     if args.formats:
         sections.append(format_costs(models, args.formats))
     sections += merge_sections(args, db, deadline)

@@ -6,6 +6,7 @@ The tool around the core, never imported by it. Modules, in import order:
   the one table printer, shared with ``tools/bench.py``;
 * :mod:`~clattn.tune.ceilings`: read/copy bandwidth past every cache, launch latency,
   transfers, the f32 multiply-add peak;
+* :mod:`~clattn.tune.roofline`: the roofline bound of a decode call from the ceilings;
 * :mod:`~clattn.tune.workloads`: model shapes, page pools and rotating page sets;
 * :mod:`~clattn.tune.checks`: the correctness set against the CPU backend (decode, f16
   and quantized pages, prefill, merges);
@@ -14,12 +15,12 @@ The tool around the core, never imported by it. Modules, in import order:
 * :mod:`~clattn.tune.session`: one run, step by step;
 * :mod:`~clattn.tune.command`: the ``clattn tune`` command line (alias ``clattn profile``).
 """
-from . import ceilings, checks, command, report, search, session, timing, workloads
+from . import ceilings, checks, command, report, roofline, search, session, timing, workloads
 from .checks import Check, correctness
 from .report import Report, format_report, plot_report
 from .search import Settings, Tuner
 from .session import tune_device
 
 __all__ = ["Check", "Report", "Settings", "Tuner", "ceilings", "checks", "command",
-           "correctness", "format_report", "plot_report", "report", "search", "session",
+           "correctness", "format_report", "plot_report", "report", "roofline", "search", "session",
            "timing", "tune_device", "workloads"]

@@ -12,6 +12,7 @@ from ..profiles import device_info
 from ..profiles.record import Profile
 from .ceilings import FMA_CHAINS, FmaPeak, Latency, Measurement, Transfer
 from .checks import Check, KvBytes
+from .roofline import Roofline, decode_roofline
 from .search import ShapeResult, TuningResult, params_text
 from .timing import cell, table
 
@@ -121,12 +122,28 @@ class Report:
         gbps = row.tuned_gbps
         return gbps / read.median_gbps if gbps and read and read.median_gbps else None
 
+    def roofline(self, row: ShapeResult) -> Roofline | None:
+        """The shape's roofline bound on the measured median read bandwidth and multiply-add
+        peak (None without a read ceiling)."""
+        read, fma = self.ceilings.read, self.ceilings.fma
+        if not (read and read.median_gbps):
+            return None
+        sh = row.shape
+        return decode_roofline(batch=sh.batch, context=sh.context,
+                               num_qo_heads=sh.num_qo_heads, head_dim=sh.head_dim,
+                               bytes_moved=sh.bytes_moved, read_gbps=read.median_gbps,
+                               fma_gflops=fma.gflops if fma else None)
+
     def to_json(self) -> dict[str, Any]:
         """A JSON-able dict: every field, and the derived figures."""
         out = jsonable(self)
         if self.tuning:
             for row, j in zip(self.tuning.per_shape, out["tuning"]["per_shape"]):
                 j["fraction_of_read_bw"] = self.fraction_of_read(row)
+                roof = self.roofline(row)
+                j["roofline"] = None if roof is None else dict(
+                    bound=roof.bound, bound_s=roof.bound_s, memory_s=roof.memory_s,
+                    compute_s=roof.compute_s, fraction=roof.fraction(row.tuned_s))
         return out
 
 
@@ -216,12 +233,18 @@ def _per_shape_lines(rep: Report, t: TuningResult) -> list[str]:
     rows = []
     for r in t.per_shape:
         frac = rep.fraction_of_read(r)
+        roof = rep.roofline(r)
+        rfrac = roof.fraction(r.tuned_s) if roof else None
         rows.append([r.shape.key, cell(r.default_s and r.default_s * 1e3, ".3f"),
                      cell(r.tuned_s and r.tuned_s * 1e3, ".3f"), cell(r.speedup, ".2f") + "x",
                      cell(r.tuned_gbps, ".2f"), cell(frac and 100 * frac, ".0f") + "%",
-                     str(r.page_sets)])
+                     cell(roof and roof.bound_s * 1e3, ".3f"), roof.bound if roof else "-",
+                     cell(rfrac and 100 * rfrac, ".0f") + "%", str(r.page_sets)])
     lines += table(["shape", "default ms", "tuned ms", "speedup", "tuned GB/s",
-                    "of read BW (medians)", "page sets"], rows, right={1, 2, 3, 4, 5, 6})
+                    "of read BW (medians)", "roofline ms", "bound", "of roofline",
+                    "page sets"], rows, right={1, 2, 3, 4, 5, 6, 8, 9})
+    lines.append("  (roofline: the larger of bytes moved / median read bandwidth and "
+                 "2 x heads x head_dim multiply-adds per row / the median multiply-add peak)")
     conf = t.confirmation
     again = ", ".join(f"#{k} {v:.2f}" for k, v in conf.scores.items()) if conf else ""
     lines.append(f"  tuned: {params_text(chosen.profile)} (search score {cell(chosen.score, '.2f')} "
