@@ -150,7 +150,7 @@ def _buffer_and_offset(arg: Buffer, v: Any, dummy: Any) -> tuple[Any, int]:
     if hasattr(v, "base_data"):  # a pyopencl array (views included)
         if v.base_data is None:  # zero-size: no buffer, nothing read
             return dummy, 0
-        item = np.dtype(v.dtype).itemsize
+        item = v.dtype.itemsize
         if v.offset % item:
             raise ValueError(f"{arg.name}: the array view starts {v.offset} bytes into its "
                              f"buffer, not a whole number of {item}-byte elements")
@@ -215,24 +215,37 @@ class BoundKernel:
         self.kernel = cl.Kernel(launcher.program, self.table.kernel)
         self.kernel.set_scalar_arg_dtypes(self.table.scalar_dtypes())
         self.kernel.set_args(*self.table.values(named, self._dummy))
-        # a kernel object does not keep its buffers alive: hold them while they are set
-        self._refs = {k: v for k, v in named.items() if not isinstance(self.table.by_name[k], Scalar)}
+        # what each argument was last set from: the caller's object (a kernel object does
+        # not keep its buffers alive: they are held here while set), and for buffers the
+        # (buffer, offset) it resolved to, so that a launch sets only what changed
+        self._refs = dict(named)
+        self._set = {k: _buffer_and_offset(self.table.by_name[k], v, self._dummy)
+                     for k, v in named.items() if self.table.by_name[k].__class__ is Buffer}
         self.lock = threading.Lock()
 
     def set(self, **named: Any) -> None:
-        """Set some arguments by name (buffers as in :meth:`ArgTable.values`)."""
+        """Set some arguments by name (buffers as in :meth:`ArgTable.values`); an argument
+        equal to what it holds already (the same array object, the same buffer and offset,
+        an equal scalar) is not set again."""
         pos, by_name, k = self.table.positions, self.table.by_name, self.kernel
-        refs = self._refs
+        refs, done = self._refs, self._set
         for name, v in named.items():
             if v is not None and refs.get(name) is v:
-                continue  # the same array object: its buffer and offset are set already
+                continue  # the same object: its buffer and offset (or value) are set already
             a = by_name[name]
             i = pos[name]
-            if isinstance(a, Scalar):
+            if a.__class__ is Scalar:
+                if refs.get(name) == v:
+                    continue
                 _set_scalar(k, i, a.ctype, v)
+                refs[name] = v
                 continue
+            refs[name] = v
             buf, off = _buffer_and_offset(a, v, self._dummy)
-            self._refs[name] = v
+            last = done[name]
+            if last[0] is buf and last[1] == off:
+                continue
+            done[name] = (buf, off)
             k.set_arg(i, buf)
             if a.offset:
                 _set_scalar(k, i + 1, a.offset, off)
