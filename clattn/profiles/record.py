@@ -32,7 +32,8 @@ class Profile:
         Stage K/V tiles in local memory. The tiled decode kernel no longer does (each
         work-item keeps a K/V row in registers for all its query heads, so the row is
         loaded once per work-group; the fit notes the wish as cut), and the tiled prefill
-        always does (noted when off): kept for profile files and the tuner.
+        always does (noted when off): kept so that profile files stay valid; the tuner no
+        longer searches it.
     reduction / subgroup_size
         How a tiled work-group sums partial dot products: ``"local"`` memory, or
         ``"subgroup"`` reductions with the given required sub-group size (falls back
