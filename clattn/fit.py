@@ -76,12 +76,14 @@ class Limits:
 class DecodeGeometry:
     """Everything the decode template and its launch need besides the spec.
 
-    ``vec`` floats per load; ``tile`` rows per block (rows) or per (ty, tz) per step
+    ``vec`` floats per load; ``tile`` rows per block (rows) or per row slice per step
     (tiled). rows only: ``vec_rope`` (keys rotated a vector at a time) and ``v_chunks``
     (head_dim chunks of V accumulated per pass). tiled only: the work-group shape
-    ``bdx x bdy x bdz`` (head_dim lanes x query heads x row slices), ``gdz`` head slices
-    per KV head, ``use_local`` (K/V staged in local memory), ``reduction`` and the
-    required ``subgroup_size`` with the ``subgroup_attr`` and ``pragmas`` that request it.
+    ``bdx x bdy x bdz`` (head_dim lanes x 1 x row slices; each work-item serves the
+    ``ceil(G / gdz)`` query heads of its head slice), ``gdz`` head slices per KV head,
+    ``use_local`` (K/V staged in local memory: never, the tiled kernel keeps them in
+    registers), ``reduction`` and the required ``subgroup_size`` with the
+    ``subgroup_attr`` and ``pragmas`` that request it.
     ``notes``: every wish of the profile that was cut, with its reason.
     """
 
@@ -125,15 +127,29 @@ def _vec_for(d: int, want: int) -> int:
     return v
 
 
-def _tiled_local_bytes(d: int, bdx: int, bdy: int, bdz: int, tile: int, use_local: bool,
+#: tiled decode: query heads a work-item serves at most (q, running state and accumulator
+#: of each in registers); a larger group is split over ``gdz`` work-groups per KV head
+TILED_MAX_HEADS = 8
+#: tiled decode: (row, head) scores a work-item keeps at most per step (``tile x heads``)
+TILED_MAX_SCORES = 32
+
+
+def tiled_heads(G: int, gdz: int) -> int:
+    """Query heads per work-item of the tiled decode kernel (``ceil(G / gdz)``)."""
+    return -(-G // gdz)
+
+
+def _tiled_local_bytes(d: int, bdx: int, bdz: int, tile: int, heads: int,
                        reduction: str) -> int:
-    rows = bdy * bdz * tile
-    total = bdz * bdy * d + bdz * bdy * 2  # o_red, md_red
-    if use_local:
-        total += 2 * rows * d
-    if reduction != "subgroup":
-        total += bdz * bdy * (bdy * tile) * (bdx + 1)  # partials, then the row sums
-    return total * FLOAT
+    """Local memory of the tiled decode kernel: with the local-memory reduction, the row
+    loop's partial dot products and their sums (``bdz x tile`` rows x ``heads`` x
+    ``bdx + 1``) and the step's pages; reused after the loop by the merge of the row
+    slices' states (``bdz x heads x (d + 2)``)."""
+    rows = bdz * tile
+    local_red = reduction != "subgroup"
+    loop = rows * heads * (bdx + 1) if local_red else 0
+    merge = bdz * heads * (d + 2)
+    return FLOAT * (max(loop, merge) + (rows if local_red else 0))
 
 
 def _rows_geometry(spec: AttentionSpec, profile: Profile, limits: Limits,
@@ -215,29 +231,50 @@ def decode_geometry(spec: AttentionSpec, profile: Profile, limits: Limits) -> De
     if bdx > limit:
         raise ValueError(f"head_dim={D} needs {bdx} work-items at vec={vec}, more than the "
                          f"device's work-group limit {limit}")
-    bdy = max(1, min(G, limit // bdx, limits.max_work_item_sizes[1]))
-    gdz = math.ceil(G / bdy)
-    bdy = math.ceil(G / gdz)  # balance the head slices (G=7 over 2 slices: 4 + 3)
-    bdz = max(1, min(limit // (bdx * bdy), limits.max_work_item_sizes[2]))
-    tile = max(1, profile.tile_rows) if G == 1 else 1
-    use_local = profile.use_local_kv
+    # every work-item serves all the heads of its head slice: each K/V row is loaded once
+    # per work-group (gdz > 1 only for groups too large to keep in registers)
+    gdz = math.ceil(G / TILED_MAX_HEADS)
+    heads = tiled_heads(G, gdz)
+    bdz = max(1, min(limit // bdx, limits.max_work_item_sizes[2]))
+    if profile.use_local_kv:
+        notes.append(f"use_local_kv on -> off: the tiled kernel keeps each K/V row in registers "
+                     f"for the {heads} query head(s) of a work-item (loaded once per "
+                     f"work-group, nothing to share)")
+    cap = max(1, TILED_MAX_SCORES // heads)
+    tile = max(1, profile.tile_rows)
+    why = []
+    if tile > cap:
+        tile = cap
+        why.append(f"a work-item keeps at most {TILED_MAX_SCORES} scores per step "
+                   f"({heads} heads)")
 
     def need() -> int:
-        return _tiled_local_bytes(D, bdx, bdy, bdz, tile, use_local, reduction)
+        return _tiled_local_bytes(D, bdx, bdz, tile, heads, reduction)
 
-    while need() > limits.local_mem_size and (bdz > 1 or tile > 1 or use_local):
-        if tile > 1:
-            tile //= 2
-        elif bdz > 1:
+    # fewer rows per step (more barriers per row) until local memory fits; the merge of
+    # the row slices needs fewer slices, given as many more rows each
+    while need() > limits.local_mem_size and (bdz > 1 or tile > 1):
+        if _tiled_local_bytes(D, bdx, bdz, 1, heads, "subgroup") > limits.local_mem_size \
+                and bdz > 1:
             bdz //= 2
+            tile = min(tile * 2, cap)
+            reason = (f"half the row slices, twice the rows each: their merge must fit "
+                      f"{limits.local_mem_size} bytes of local memory")
         else:
-            use_local = False
-            notes.append("use_local_kv on -> off: K/V tiles do not fit local memory")
+            if tile > 1:
+                tile //= 2
+            else:
+                bdz //= 2
+            reason = f"the step's partial sums must fit {limits.local_mem_size} bytes of local memory"
+        if reason not in why:
+            why.append(reason)
     if need() > limits.local_mem_size:
         raise ValueError(f"decode kernel for head_dim={D}, group={G} needs {need()} bytes of "
                          f"local memory; the device has {limits.local_mem_size}")
-    return DecodeGeometry("tiled", vec, tile, bdx=bdx, bdy=bdy, bdz=bdz, gdz=gdz,
-                          use_local=use_local, reduction=reduction, subgroup_size=sgs,
+    if tile != max(1, profile.tile_rows):
+        notes.append(f"tile_rows {profile.tile_rows} -> {tile}: " + "; ".join(why))
+    return DecodeGeometry("tiled", vec, tile, bdx=bdx, bdy=1, bdz=bdz, gdz=gdz,
+                          use_local=False, reduction=reduction, subgroup_size=sgs,
                           subgroup_attr=attr, pragmas=pragmas, native_fp16=native,
                           local_mem_bytes=need(), notes=tuple(notes))
 

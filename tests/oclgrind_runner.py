@@ -196,14 +196,15 @@ VARIANTS = {
         {"strategy": "rows", "vec": 1}, dict(num_qo_heads=2, num_kv_heads=1, head_dim=16,
                                              page_size=4, dtype="float16"),
         [6, 11], splits=(False, 4)),
-    # GPU-style work-groups: K/V tiles in local memory, local-memory reduction
+    # GPU-style work-groups: local-memory reduction (use_local_kv is cut by the fit: the
+    # tiled kernel keeps K/V in registers for all the heads of a work-item)
     "tiled-local-f16-window-rope-split": lambda: decode_variant(
         "generic", dict(SMALL_WIN, dtype="float16"), [23, 0, 9], window=[5, 0, 8],
         sinks=[2, 0, 1], rope=True, splits=(False, 4)),
     "tiled-local-f32-g1-tile2": lambda: decode_variant(
         {"strategy": "tiled", "tile_rows": 2, "thread_limit": 64}, dict(num_qo_heads=2, num_kv_heads=2, head_dim=16, page_size=4,
                        dtype="float32"), [1, 19], splits=(False, 8)),
-    # no local K/V tiles (Mali), soft-cap, GPT-J partial RoPE
+    # the Mali profile (8 rows per slice and step), soft-cap, GPT-J partial RoPE
     "tiled-global-f32-softcap-gptj": lambda: decode_variant(
         "mali", dict(num_qo_heads=4, num_kv_heads=2, head_dim=32, page_size=8,
                      dtype="float32", softcap=20.0, rope_scaling={"rope_type": "gptj"},

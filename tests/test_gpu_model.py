@@ -1,9 +1,9 @@
 """tools/gpu_model.py: the Oclgrind report parser, the published device figures, the
 variants it counts, and issue 15's invariants on a small subset counted live (< 60 s).
 
-The invariants the kernels do not meet today are xfail(strict=True) with today's figure in
-the reason: they turn into failures (XPASS) once the tiled kernel is fixed, and the mark
-must then be removed.
+Issue 15's done-when holds on the subset: global loads at most 1.05 bytes per KV byte, and
+on adreno*/mali* 4x fewer local loads per KV byte and barriers per row than the baseline
+(tools/gpu_model.py prints the whole table).
 """
 from __future__ import annotations
 
@@ -224,35 +224,43 @@ def test_counts_positive_and_consistent(counted, profile, shape):
     assert c.f16_conv >= 2 * d - 1e-6               # every K and V element converted
     assert c.arith > 0 and c.other > 0 and r.wg_barriers > 0
     assert c.global_store == pytest.approx(0, abs=1e-6)   # outputs are per work-group
-    v = gm.variant(profile, shape)
-    if v.device_geometry.use_local:                 # K/V staged: stored to local once per row
-        assert c.local_store >= 2 * d * 4 - 1e-6 and c.local_load >= c.local_store
-    else:
-        assert c.local_load > 0                     # the reduction still goes through local
+    assert not gm.variant(profile, shape).device_geometry.use_local   # K/V in registers
+    assert c.local_load > 0                         # the reduction goes through local memory
 
 
 @live
-@pytest.mark.parametrize("profile,shape", [
-    pytest.param(p, s, marks=pytest.mark.xfail(strict=True, reason=(
-        f"issue 15: today's tiled kernel loads {gm.BASELINE[_key(p, s)][0]:.2f} global bytes "
-        f"per KV byte on {p}/{s} (page-table reads per work-item and row"
-        + (", K/V once per query head" if not gm.variant(p, s).device_geometry.use_local
-           else "") + ")")))
-    for p, s in SUBSET])
+@pytest.mark.parametrize("profile,shape", SUBSET)
 def test_global_loads_each_kv_byte_once(counted, profile, shape):
+    """Issue 15: K and V once per work-group (every query head of the group served by the
+    same load), each row's page-table entry once per work-group."""
     r = counted[_key(profile, shape)]
+    assert r.per_kv_byte("global_load_kv") == pytest.approx(1.0)
     assert r.per_kv_byte("global_load") <= gm.GLOBAL_LIMIT
 
 
 @live
-@pytest.mark.parametrize("profile,shape", [
-    pytest.param(p, s, marks=pytest.mark.xfail(strict=True, reason=(
-        f"issue 15: local loads {gm.BASELINE[_key(p, s)][1]:.3g} B/KV B and "
-        f"{gm.BASELINE[_key(p, s)][3]:.3g} barriers per row on {p}/{s} today; "
-        f"the done-when asks 4x fewer of each")))
-    for p, s in SUBSET if p.startswith(("adreno", "mali"))])
+@pytest.mark.parametrize("profile,shape", [(p, s) for p, s in SUBSET
+                                           if p.startswith(("adreno", "mali"))])
 def test_adreno_mali_local_and_barrier_cuts(counted, profile, shape):
+    """Issue 15: local loads per KV byte and barriers per row 4x below the baseline."""
     v = gm.verdict(counted[_key(profile, shape)])
+    assert v["local_cut"] >= gm.IMPROVE and v["barrier_cut"] >= gm.IMPROVE
+
+
+@live
+@pytest.mark.xfail(strict=True, reason=(
+    "issue 15: mali-bifrost's representative record (Mali-G71) reports no local memory "
+    "size, so the fit assumes 16 KiB; the local-memory reduction's partial sums of a step "
+    "(rows x 4 heads x 17 floats) then hold 32 rows, not the 64 that two barriers need "
+    "for 4x fewer barriers per row than the baseline's 0.125 (0.0625: 2x); the same on "
+    "Llama-3-8B and Qwen2.5-0.5B. On the 32 KiB of mali/mali-valhall's record it holds"))
+def test_mali_bifrost_barrier_cut(oclgrind_device):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        r = gm.count(gm.variant("mali-bifrost", "Llama-3.2-1B"), cache=False,
+                     base_rows=BASE_ROWS)
+    assert r.per_kv_byte("global_load") <= gm.GLOBAL_LIMIT
+    v = gm.verdict(r)
     assert v["local_cut"] >= gm.IMPROVE and v["barrier_cut"] >= gm.IMPROVE
 
 

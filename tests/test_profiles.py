@@ -121,7 +121,8 @@ def test_inheritance_keeps_one_fact_in_one_place():
     profs = builtin_profiles()
     assert "thread_limit" not in raw["adreno-7xx"]["params"]
     assert profs["adreno-7xx"].thread_limit == profs["adreno"].thread_limit == 256
-    assert profs["adreno-7xx"].tile_rows == 1 and profs["adreno-8xx"].subgroup_size == 64
+    assert profs["adreno-7xx"].tile_rows == profs["adreno"].tile_rows == 4   # from "adreno"
+    assert profs["adreno-8xx"].subgroup_size == 64
     assert profs["mali-valhall"].use_local_kv is False          # from "mali"
     assert profs["nvidia"].thread_limit == 512 and profs["nvidia"].tile_rows == 2
     assert profs["pocl-cpu"].min_partition_rows == profs["generic-cpu"].min_partition_rows

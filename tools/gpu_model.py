@@ -317,7 +317,7 @@ def variant(profile: str, shape: str) -> Variant:
     """Fit ``profile`` to its representative record for ``shape`` and derive what Oclgrind
     can run (local-memory reduction, vload_half, at most 32 KiB of local memory)."""
     from clattn import profiles as reg
-    from clattn.fit import Limits, _tiled_local_bytes, decode_geometry
+    from clattn.fit import Limits, _tiled_local_bytes, decode_geometry, tiled_heads
     rec = representative(profile)
     info = rec or {}
     prof, fit_notes = reg.fit(reg.get_profile(profile, user=False), info)
@@ -335,8 +335,8 @@ def variant(profile: str, shape: str) -> Variant:
                      "the device loads the same bytes natively)")
 
     def need(x):
-        return _tiled_local_bytes(spec.head_dim, x.bdx, x.bdy, x.bdz, x.tile, x.use_local,
-                                  x.reduction)
+        return _tiled_local_bytes(spec.head_dim, x.bdx, x.bdz, x.tile,
+                                  tiled_heads(spec.group_size, x.gdz), x.reduction)
     fitted = g
     while need(fitted) > OCLGRIND_LOCAL and (fitted.bdz > 1 or fitted.tile > 1):
         fitted = replace(fitted, bdz=fitted.bdz // 2) if fitted.bdz > 1 else \

@@ -59,6 +59,21 @@ inline ulong clattn_row_at(const __global int* page_indices, const int p0, const
     return ((((ulong)page * 2 + kv) * ${HKV} + kvh) * ${PS} + (off % ${PS})) * ${D};
 }
 
+/* the page holding chunk row `row` (clamped into the pool) and the row's slot in it:
+   clattn_row_at in two halves, so that one page-table read can serve several rows */
+inline int clattn_page_of(const __global int* page_indices, const int p0, const int row,
+                          const int sink, const int wo, const int num_pages)
+{
+    const int off = row < sink ? row : row - sink + wo;
+    const int pg = page_indices[p0 + off / ${PS}];
+    return pg < 0 ? 0 : (pg >= num_pages ? num_pages - 1 : pg);
+}
+
+inline int clattn_slot_of(const int row, const int sink, const int wo)
+{
+    return (row < sink ? row : row - sink + wo) % ${PS};
+}
+
 typedef ${"uchar" if BYTE_POOL else "st_t"} kv_t;   /* element of the pool */
 % if BYTE_POOL:
 
@@ -90,6 +105,21 @@ int ${name}_slot; const ulong ${name}_reg = clattn_region_at(page_indices, p0, $
 %   if fmt in ("q8_0", "q4_0"):
 
             const __global ushort* ${name}_s = (const __global ushort*)(pages + ${name}_reg + ${PS * rowb}) + ${name}_slot * ${D // 32};\
+%   endif
+% endif
+</%def>
+## Declare pointers to the K (kind 0) or V (kind 1) row in slot `slot` of the (clamped)
+## page `page`, with row_ptr's names.
+<%def name="page_ptr(kind, name, page, slot)">\
+% if not BYTE_POOL:
+const __global kv_t* ${name} = pages + ((((ulong)(${page}) * 2 + ${kind}) * ${HKV} + kvh) * ${PS} + (${slot})) * ${D};\
+% else:
+<% fmt = KFMT if kind == 0 else VFMT; rowb = K_ROWB if kind == 0 else V_ROWB %>\
+const ulong ${name}_reg = (ulong)(${page}) * ${PAGE_BYTES} + ${"kvh * %d" % K_REGION if kind == 0 else "%d + kvh * %d" % (HKV * K_REGION, V_REGION)};
+            const __global uchar* ${name} = pages + ${name}_reg + (ulong)(${slot}) * ${rowb};\
+%   if fmt in ("q8_0", "q4_0"):
+
+            const __global ushort* ${name}_s = (const __global ushort*)(pages + ${name}_reg + ${PS * rowb}) + (${slot}) * ${D // 32};\
 %   endif
 % endif
 </%def>

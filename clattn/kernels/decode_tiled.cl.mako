@@ -1,15 +1,21 @@
 <%doc>
-clattn paged-KV decode attention, "tiled" strategy (GPUs; the work-group decomposition of
-the seed, TVM's paged-KV decode kernel): one work-group per (sequence b, KV head x GDZ
-head slices, partition p); local (BDX, BDY, BDZ): tx across head_dim (VEC each), ty across
-query heads of the group, tz across row slices; TILE rows per (ty, tz) per step; a final
+clattn paged-KV decode attention, "tiled" strategy (GPUs): one work-group per (sequence b,
+KV head x GDZ head slices, partition p); local (BDX, 1, BDZ): tx across head_dim (VEC
+floats each), tz across row slices. Every work-item keeps q, the running state and the
+accumulator of all GI = ceil(G / GDZ) query heads of its head slice in registers, so each
+K and V row is loaded from global memory once per work-group and serves every head. A
+step is BDZ x TILE rows (slice tz scores TILE of them); the BDX partial dot products of a
+row are reduced through sub-groups (REDUCE == "subgroup": a sub-group is one slice, no
+barrier in the row loop) or through local memory (two barriers per step: one after the
+partials, one after their sums); the page-table entry of each row is read once per
+work-group (a lane's read shared by sub-group broadcast or through local memory). A final
 merge of the BDZ slices' states. The semantics are docs/contract.md's.
 
 Template parameters (clattn.codegen.render_decode, from clattn.fit.DecodeGeometry):
   D, HQO, HKV, G, PS, ROT, INTERLEAVED, SLIDING, SOFTCAP, DTYPE, NATIVE_HALF  as in rows
-  VEC, TILE            floats per work-item; rows per (ty, tz) per step
-  BDX, BDY, BDZ, GDZ   work-group shape (BDX = D / VEC); head slices per KV head
-  USE_LOCAL            stage K/V tiles in local memory
+  VEC, TILE            floats per work-item; rows per slice per step
+  BDX, BDY, BDZ, GDZ   work-group shape (BDX = D / VEC, BDY = 1); head slices per KV head
+  USE_LOCAL            unused (K/V live in registers; clattn.fit always sets it off)
   REDUCE, SGS          "local" or "subgroup" dot-product reduction; the required
                        sub-group size (None: the device's own)
   SG_ATTR              the attribute that requests SGS (vendor extension), or ""
@@ -22,7 +28,6 @@ write out of bounds.
 ${c.prelude()}
 ${d.setup()}
 ${d.q4_helpers()}
-<% NV = D // VEC %>\
 <%
 def hsum(v):
     return d.attr.hsum(v, VEC)
@@ -60,166 +65,169 @@ if (rotary_mode) {
 </%def>
 
 <%
-ROWS_IT = BDY * BDZ * TILE   # rows staged per step
-SLICE = BDY * TILE           # rows each tz slice scores per step
+GI = -(-G // GDZ)            # query heads per work-item
+ROWS = BDZ * TILE            # rows per step
+PAIRS = TILE * GI            # (row, head) scores per slice per step
+LOCAL_RED = REDUCE != "subgroup"
+# local floats: the loop's partials and their sums, then (reused) the merge's states
+LOOP_FLOATS = ROWS * GI * (BDX + 1) if LOCAL_RED else 0
+MERGE_FLOATS = BDZ * GI * (D + 2)
+SCRATCH = max(LOOP_FLOATS, MERGE_FLOATS)
 %>\
-__kernel __attribute__((reqd_work_group_size(${BDX}, ${BDY}, ${BDZ})))
+__kernel __attribute__((reqd_work_group_size(${BDX}, 1, ${BDZ})))
 ${SG_ATTR}
 void clattn_decode(${SIGNATURE})
 {
-    const int tx = get_local_id(0), ty = get_local_id(1), tz = get_local_id(2);
+    const int tx = get_local_id(0), tz = get_local_id(2);
     const int b = get_group_id(0);
     const int kvh = get_group_id(1) / ${GDZ};
-    const int gi = (get_group_id(1) % ${GDZ}) * ${BDY} + ty;   /* head within the group */
-    const int head_ok = gi < ${G};
-    const int h = kvh * ${G} + min(gi, ${G - 1});
+    const int g0 = (get_group_id(1) % ${GDZ}) * ${GI};   /* first head of the slice */
     const int part = get_group_id(2);
     SEQ_SETUP
     if (!valid_part) return;   /* uniform over the work-group */
 
-% if USE_LOCAL:
-    __local float k_tile[${ROWS_IT}][${D}];
-    __local float v_tile[${ROWS_IT}][${D}];
+    __local float scratch[${SCRATCH}];
+% if LOCAL_RED:
+    __local float* red = scratch;                       /* [BDZ][PAIRS][BDX] partials */
+    __local float* rsum = scratch + ${ROWS * GI * BDX};  /* [BDZ][PAIRS] their sums */
+    __local int pg_step[${ROWS}];                        /* pages of the step's rows */
+    const int lid = tz * ${BDX} + tx;
 % endif
-% if REDUCE != "subgroup":
-    __local float red[${BDZ}][${BDY}][${SLICE}][${BDX}];
-    __local float row_sum[${BDZ}][${BDY}][${SLICE}];
-% endif
-    __local float o_red[${BDZ}][${BDY}][${D}];
-    __local float md_red[${BDZ}][${BDY}][2];
 
-    /* this thread's VEC dims of q (rotated, pre-scaled) */
-    ${c.fv(VEC)} qv;
-    {
+    /* q of the slice's heads for this thread's VEC dims (rotated, pre-scaled) */
+    ${c.fv(VEC)} qv[${GI}];
+    for (int g = 0; g < ${GI}; ++g) {
+        const int h = kvh * ${G} + min(g0 + g, ${G - 1});
         const __global st_t* qp = q + ((ulong)b * ${HQO} + h) * ${D};
-        qv = ${c.loadv(VEC, "qp + tx * %d" % VEC)};
-        ${rope_vec("qv", "qp", "q_pos[b]")}
-        qv *= sm_scale${" * CLATTN_LOG2E" if SOFTCAP is None else ""};
+        qv[g] = ${c.loadv(VEC, "qp + tx * %d" % VEC)};
+        ${rope_vec("qv[g]", "qp", "q_pos[b]")}
+        qv[g] *= sm_scale${" * CLATTN_LOG2E" if SOFTCAP is None else ""};
     }
     const int kpos0 = rotary_mode ? k_pos_offset[b] : 0;
-    ${c.fv(VEC)} acc = 0.0f;
-    float m = -INFINITY, l = 0.0f;
+    ${c.fv(VEC)} acc[${GI}];
+    float m[${GI}], l[${GI}];
+    for (int g = 0; g < ${GI}; ++g) { acc[g] = 0.0f; m[g] = -INFINITY; l[g] = 0.0f; }
 
-    for (int t0 = r_lo; t0 < r_hi; t0 += ${ROWS_IT}) {
-% if USE_LOCAL:
-        /* stage ROWS_IT rows of K (rotated) and V in local memory */
-        for (int j = 0; j < ${TILE}; ++j) {
-            const int rs = (tz * ${BDY} + ty) * ${TILE} + j;
-            const int row = t0 + rs;
-            ${c.fv(VEC)} kx = 0.0f, vx = 0.0f;
-            if (row < r_hi) {
-                ${d.row_ptr(0, "kp", "row")}
-                ${d.v_ptr_from_k("vp", "kp")}
-                kx = ${kl(0, VEC, "kp", "tx * %d" % VEC)};
-                vx = ${kl(1, VEC, "vp", "tx * %d" % VEC)};
-                ${rope_vec("kx", "kp", "kpos0 + row", 0)}
-            }
-% if VEC == 1:
-            k_tile[rs][tx] = kx;
-            v_tile[rs][tx] = vx;
-% else:
-            vstore${VEC}(kx, 0, &k_tile[rs][tx * ${VEC}]);
-            vstore${VEC}(vx, 0, &v_tile[rs][tx * ${VEC}]);
+% if LOCAL_RED:
+    /* the first step's pages, one page-table read per row */
+    for (int i = lid; i < ${ROWS}; i += ${BDX * BDZ})
+        pg_step[i] = r_lo + i < r_hi ? clattn_page_of(page_indices, p0, r_lo + i, sink, wo, num_pages) : 0;
+    barrier(CLK_LOCAL_MEM_FENCE);
 % endif
+    for (int t0 = r_lo; t0 < r_hi; t0 += ${ROWS}) {
+        const int r0 = t0 + tz * ${TILE};   /* this slice's first row */
+        int pg[${TILE}];                     /* pages of its rows */
+        float s[${TILE}][${GI}];             /* their scores, then weights, per head */
+% if not LOCAL_RED:
+        /* lane j reads row j's page; a broadcast gives it to the slice */
+        for (int j0 = 0; j0 < ${TILE}; j0 += ${BDX}) {
+            const int own = r0 + j0 + tx;
+            const int mine = j0 + tx < ${TILE} && own < r_hi ?
+                clattn_page_of(page_indices, p0, own, sink, wo, num_pages) : 0;
+            for (int j = j0; j < min(j0 + ${BDX}, ${TILE}); ++j)
+                pg[j] = sub_group_broadcast(mine, (uint)(j - j0));
         }
-        barrier(CLK_LOCAL_MEM_FENCE);
 % endif
-        /* scores of this tz slice's rows for head ty */
-        float s[${SLICE}];
-        for (int j = 0; j < ${SLICE}; ++j) {
-            const int rs = tz * ${SLICE} + j;
-            const int row = t0 + rs;
-% if USE_LOCAL:
-% if VEC == 1:
-            const float kx = k_tile[rs][tx];
-% else:
-            const ${c.fv(VEC)} kx = vload${VEC}(0, &k_tile[rs][tx * ${VEC}]);
+        /* K: partial dot products of this thread's dims with every head's q */
+        for (int j = 0; j < ${TILE}; ++j) {
+            const int row = r0 + j;
+% if LOCAL_RED:
+            pg[j] = pg_step[tz * ${TILE} + j];
 % endif
-% else:
             ${c.fv(VEC)} kx = 0.0f;
             if (row < r_hi) {
-                ${d.row_ptr(0, "kp", "row")}
+                ${d.page_ptr(0, "kp", "pg[j]", "clattn_slot_of(row, sink, wo)")}
                 kx = ${kl(0, VEC, "kp", "tx * %d" % VEC)};
                 ${rope_vec("kx", "kp", "kpos0 + row", 0)}
             }
-% endif
-            const ${c.fv(VEC)} pr = qv * kx;
-% if REDUCE == "subgroup":
-            s[j] = sub_group_reduce_add(${hsum("pr")});
+            for (int g = 0; g < ${GI}; ++g) {
+                const ${c.fv(VEC)} pr = qv[g] * kx;
+% if LOCAL_RED:
+                red[((tz * ${TILE} + j) * ${GI} + g) * ${BDX} + tx] = ${hsum("pr")};
 % else:
-            red[tz][ty][j][tx] = ${hsum("pr")};
+                s[j][g] = sub_group_reduce_add(${hsum("pr")});
 % endif
-        }
-% if REDUCE != "subgroup":
-        barrier(CLK_LOCAL_MEM_FENCE);
-        /* two stages: lane tx sums row tx's BDX partials (once per row, not once per
-           lane), then every lane reads the SLICE sums */
-        for (int j = tx; j < ${SLICE}; j += ${BDX}) {
-            float t = 0.0f;
-            for (int x = 0; x < ${BDX}; ++x) t += red[tz][ty][j][x];
-            row_sum[tz][ty][j] = t;
-        }
-        barrier(CLK_LOCAL_MEM_FENCE);
-        for (int j = 0; j < ${SLICE}; ++j) s[j] = row_sum[tz][ty][j];
-% endif
-        float mx = m;
-        for (int j = 0; j < ${SLICE}; ++j) {
-            const int row = t0 + tz * ${SLICE} + j;
-            s[j] = row < r_hi ? ${score("s[j]")} : -INFINITY;
-            mx = fmax(mx, s[j]);
-        }
-        /* a slice with no row in this step keeps its state; rows scoring -inf weigh 0,
-           also while the slice has seen nothing else (clattn_exp_base) */
-        const int has_rows = t0 + tz * ${SLICE} < r_hi;
-        const float base = clattn_exp_base(mx);
-        const float alpha = has_rows ? exp2(m - base) : 1.0f;
-        float sum = l * alpha;
-        acc *= alpha;
-        for (int j = 0; j < ${SLICE}; ++j) {
-            const float pj = t0 + tz * ${SLICE} + j < r_hi ? exp2(s[j] - base) : 0.0f;
-            sum += pj;
-            const int rs = tz * ${SLICE} + j;
-% if USE_LOCAL:
-% if VEC == 1:
-            acc += pj * v_tile[rs][tx];
-% else:
-            acc += pj * vload${VEC}(0, &v_tile[rs][tx * ${VEC}]);
-% endif
-% else:
-            const int row = t0 + rs;
-            if (row < r_hi) {
-                ${d.row_ptr(1, "vp", "row")}
-                acc += pj * ${kl(1, VEC, "vp", "tx * %d" % VEC)};
             }
-% endif
         }
-        m = mx;
-        l = sum;
-% if USE_LOCAL or REDUCE != "subgroup":
-        barrier(CLK_LOCAL_MEM_FENCE);   /* tiles and partial sums are rewritten next step */
+% if LOCAL_RED:
+        barrier(CLK_LOCAL_MEM_FENCE);
+        /* lane tx sums the BDX partials of pairs tx, tx + BDX, ... of its slice (each
+           partial read once); meanwhile the next step's pages are read */
+        for (int i = tx; i < ${PAIRS}; i += ${BDX}) {
+            const __local float* pt = red + (tz * ${PAIRS} + i) * ${BDX};
+            float t = 0.0f;
+            for (int x = 0; x < ${BDX}; ++x) t += pt[x];
+            rsum[tz * ${PAIRS} + i] = t;
+        }
+        for (int i = lid; i < ${ROWS}; i += ${BDX * BDZ}) {
+            const int row = t0 + ${ROWS} + i;
+            pg_step[i] = row < r_hi ? clattn_page_of(page_indices, p0, row, sink, wo, num_pages) : 0;
+        }
+        barrier(CLK_LOCAL_MEM_FENCE);
+        for (int j = 0; j < ${TILE}; ++j)
+            for (int g = 0; g < ${GI}; ++g) s[j][g] = rsum[tz * ${PAIRS} + j * ${GI} + g];
 % endif
+        /* per head: scores -> weights against the new running max; a slice with no row
+           in this step keeps its state; rows scoring -inf weigh 0, also while the slice
+           has seen nothing else (clattn_exp_base) */
+        const int has_rows = r0 < r_hi;
+        for (int g = 0; g < ${GI}; ++g) {
+            float mx = m[g];
+            for (int j = 0; j < ${TILE}; ++j) {
+                s[j][g] = r0 + j < r_hi ? ${score("s[j][g]")} : -INFINITY;
+                mx = fmax(mx, s[j][g]);
+            }
+            const float base = clattn_exp_base(mx);
+            const float alpha = has_rows ? exp2(m[g] - base) : 1.0f;
+            float sum = l[g] * alpha;
+            for (int j = 0; j < ${TILE}; ++j) {
+                s[j][g] = r0 + j < r_hi ? exp2(s[j][g] - base) : 0.0f;
+                sum += s[j][g];
+            }
+            acc[g] *= alpha;
+            m[g] = mx;
+            l[g] = sum;
+        }
+        /* V: each row loaded once, accumulated into every head */
+        for (int j = 0; j < ${TILE}; ++j) {
+            const int row = r0 + j;
+            if (row < r_hi) {
+                ${d.page_ptr(1, "vp", "pg[j]", "clattn_slot_of(row, sink, wo)")}
+                const ${c.fv(VEC)} vx = ${kl(1, VEC, "vp", "tx * %d" % VEC)};
+                for (int g = 0; g < ${GI}; ++g) acc[g] += s[j][g] * vx;
+            }
+        }
     }
 
-    /* merge the BDZ row slices' states */
-% if VEC == 1:
-    o_red[tz][ty][tx] = acc;
-% else:
-    vstore${VEC}(acc, 0, &o_red[tz][ty][tx * ${VEC}]);
+    /* merge the BDZ row slices' states: o_red[BDZ][GI][D], md[BDZ][GI][2] */
+% if LOCAL_RED:
+    barrier(CLK_LOCAL_MEM_FENCE);   /* the loop's local arrays are reused */
 % endif
-    if (tx == 0) { md_red[tz][ty][0] = m; md_red[tz][ty][1] = l; }
+    __local float* o_red = scratch;
+    __local float* md = scratch + ${BDZ * GI * D};
+    for (int g = 0; g < ${GI}; ++g) {
+% if VEC == 1:
+        o_red[(tz * ${GI} + g) * ${D} + tx] = acc[g];
+% else:
+        vstore${VEC}(acc[g], 0, o_red + (tz * ${GI} + g) * ${D} + tx * ${VEC});
+% endif
+        if (tx == 0) { md[(tz * ${GI} + g) * 2] = m[g]; md[(tz * ${GI} + g) * 2 + 1] = l[g]; }
+    }
     barrier(CLK_LOCAL_MEM_FENCE);
-    if (tz == 0 && head_ok) {
+    for (int g = tz; g < ${GI} && g0 + g < ${G}; g += ${BDZ}) {   /* slice tz merges heads tz, tz + BDZ, ... */
+        const int h = kvh * ${G} + g0 + g;
         float mt = -INFINITY;
-        for (int z = 0; z < ${BDZ}; ++z) mt = clattn_max_nan(mt, md_red[z][ty][0]);
+        for (int z = 0; z < ${BDZ}; ++z) mt = clattn_max_nan(mt, md[(z * ${GI} + g) * 2]);
         float lt = 0.0f;
         ${c.fv(VEC)} ot = 0.0f;
         for (int z = 0; z < ${BDZ}; ++z) {
-            const float w = clattn_state_weight(md_red[z][ty][0], mt);   /* empty slice: 0 */
-            lt += md_red[z][ty][1] * w;
+            const int zi = z * ${GI} + g;
+            const float w = clattn_state_weight(md[zi * 2], mt);   /* empty slice: 0 */
+            lt += md[zi * 2 + 1] * w;
 % if VEC == 1:
-            ot += o_red[z][ty][tx] * w;
+            ot += o_red[zi * ${D} + tx] * w;
 % else:
-            ot += vload${VEC}(0, &o_red[z][ty][tx * ${VEC}]) * w;
+            ot += vload${VEC}(0, o_red + zi * ${D} + tx * ${VEC}) * w;
 % endif
         }
         /* rows that all scored -inf: broken, or for a split-KV partition empty with its

@@ -17,17 +17,23 @@ class Profile:
     strategy
         ``"rows"``: one work-item per (sequence, KV head, partition) walks the rows
         with private accumulators for its whole query-head group; no barriers
-        (CPU drivers). ``"tiled"``: the seed's work-group decomposition (threads
-        across head_dim x query heads x row slices, cross-thread dot products).
+        (CPU drivers). ``"tiled"``: work-groups of threads across head_dim x row
+        slices, each thread serving every query head of the group, cross-thread dot
+        products.
     thread_limit
         Upper bound on work-items per work-group (tiled).
     tile_rows
-        KV rows each row-slice handles per step (tiled; the seed's TILE_SIZE_PER_BDX).
+        KV rows each row-slice handles per step (tiled; the seed's TILE_SIZE_PER_BDX):
+        a step of row slices x tile_rows rows costs two barriers with the local-memory
+        reduction.
     vec
         Elements each work-item loads at once along head_dim (1, 2, 4, 8 or 16).
     use_local_kv
-        Stage K/V tiles in local memory (tiled). Off where local memory is global
-        memory (Mali).
+        Stage K/V tiles in local memory. The tiled decode kernel no longer does (each
+        work-item keeps a K/V row in registers for all its query heads, so the row is
+        loaded once per work-group; the fit notes the wish as cut), and the tiled prefill
+        always does (noted when off): kept so that profile files stay valid; the tuner no
+        longer searches it.
     reduction / subgroup_size
         How a tiled work-group sums partial dot products: ``"local"`` memory, or
         ``"subgroup"`` reductions with the given required sub-group size (falls back

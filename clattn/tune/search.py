@@ -68,7 +68,6 @@ SEARCH_SPACE: tuple[Parameter, ...] = (
     Parameter("min_partition_rows", (64, 128, 256, 512, 1024, 2048), kernel=False),
     Parameter("strategy", STRATEGIES),
     Parameter("thread_limit", (32, 64, 128, 256, 512, 1024), ("tiled",), allowed=_fits_work_group),
-    Parameter("use_local_kv", (True, False), ("tiled",)),
     Parameter("reduction", ("local", "subgroup"), ("tiled",), allowed=_has_subgroups,
               resets={"subgroup_size": None}),
 )
@@ -178,7 +177,7 @@ def params_text(p: Profile) -> str:
                 f"minpart={p.min_partition_rows}")
     red = p.reduction + (f"/{p.subgroup_size}" if p.subgroup_size else "")
     return (f"tiled vec={p.vec} tile={p.tile_rows} threads={p.thread_limit} "
-            f"local_kv={'y' if p.use_local_kv else 'n'} {red} wgs/cu={p.wgs_per_cu} "
+            f"{red} wgs/cu={p.wgs_per_cu} "
             f"minpart={p.min_partition_rows}")
 
 
