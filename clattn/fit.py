@@ -236,10 +236,7 @@ def decode_geometry(spec: AttentionSpec, profile: Profile, limits: Limits) -> De
     gdz = math.ceil(G / TILED_MAX_HEADS)
     heads = tiled_heads(G, gdz)
     bdz = max(1, min(limit // bdx, limits.max_work_item_sizes[2]))
-    if profile.use_local_kv:
-        notes.append(f"use_local_kv on -> off: the tiled kernel keeps each K/V row in registers "
-                     f"for the {heads} query head(s) of a work-item (loaded once per "
-                     f"work-group, nothing to share)")
+    # use_local_kv is not a decode knob: K/V rows stay in registers (see record.Profile)
     cap = max(1, TILED_MAX_SCORES // heads)
     tile = max(1, profile.tile_rows)
     why = []

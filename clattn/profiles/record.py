@@ -31,7 +31,7 @@ class Profile:
     use_local_kv
         Stage K/V tiles in local memory. The tiled decode kernel no longer does (each
         work-item keeps a K/V row in registers for all its query heads, so the row is
-        loaded once per work-group; the fit notes the wish as cut), and the tiled prefill
+        loaded once per work-group; the wish does not apply there), and the tiled prefill
         always does (noted when off): kept so that profile files stay valid; the tuner no
         longer searches it.
     reduction / subgroup_size
