@@ -278,8 +278,8 @@ SUITE_CHECKS = {"decode": _decode_ok, "prefill": _prefill_ok, "cache": _cache_ok
 @needs_pocl
 @pytest.mark.parametrize("suite,extra", [
     ("decode", ()), ("split", ()), ("fallback", ()), ("prefill", ()), ("cache", ()),
-    ("decode", ("--formats", "float16,q8_0,q4_0"))],
-    ids=["decode", "split", "fallback", "prefill", "cache", "decode-formats"])
+    ("decode", ("--formats", "float16,q8_0,q4_0")), ("cache", ("--formats", "float16,q8_0"))],
+    ids=["decode", "split", "fallback", "prefill", "cache", "decode-formats", "cache-formats"])
 def test_bench_smoke(suite, extra, tmp_path):
     out = tmp_path / "r.json"
     cmd = [sys.executable, os.path.join(ROOT, "tools", "bench.py"), "--suite", suite, "--smoke",

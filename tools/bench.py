@@ -988,9 +988,11 @@ def timed_step(cache: PagedKVCache, ids: list[str], x: StepInputs,
     first: host seconds of each call (enqueue only), device seconds of the append and
     attend kernels, wall seconds from begin to the last kernel, bytes uploaded.
 
-    ``held``: the queue waits on a user event until the step is enqueued, so the host
-    times are the calls' own cost, not shared with a CPU device's kernels running on the
-    same cores (or with waits); step wall time then counts from the release."""
+    ``held``: the queue waits on a user event until the layers are enqueued, so the host
+    times of begin, append and attend are the calls' own cost, not shared with a CPU
+    device's kernels running on the same cores (or with waits); the event is released
+    before ``end`` (which reads the device check's flags of quantized pages, waiting for
+    the queue), and step wall time counts from the release."""
     def call() -> dict:
         x.queue.finish()
         gate = None
@@ -1011,12 +1013,12 @@ def timed_step(cache: PagedKVCache, ids: list[str], x: StepInputs,
             attends += cache.attend(layer, x.dev["q"], out=x.out[layer], lse=x.lse[layer]).events
             host["append"] += t1 - t
             host["attend"] += time.perf_counter() - t1
+        if gate is not None:  # released before end(): with quantized pages end() reads the
+            t0 = time.perf_counter()  # device check's flags, which waits for the queue
+            gate.set_status(runtime.cl().command_execution_status.COMPLETE)
         t = time.perf_counter()
         cache.end()
         host["end"] = time.perf_counter() - t
-        if gate is not None:
-            t0 = time.perf_counter()
-            gate.set_status(runtime.cl().command_execution_status.COMPLETE)
         x.queue.finish()
         step = time.perf_counter() - t0
         return dict({f"host_{k}": s for k, s in host.items()}, host=sum(host.values()),
