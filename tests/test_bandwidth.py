@@ -269,7 +269,9 @@ def _prefill_ok(data, rows):
 
 def _cache_ok(data, rows):
     assert all(r["step_ms"] > 0 and r["append_ms"] > 0 and r["attend_ms"] > 0 and
-               r["begin_alone_ms"] > 0 and r["tables_bytes"] > 0 for r in rows)
+               r["begin_alone_ms"] > 0 and r["tables_bytes"] > 0 and
+               r["steady_host_ms"] >= r["steady_begin_ms"] + r["steady_layers_ms"] > 0
+               for r in rows)
 
 
 SUITE_CHECKS = {"decode": _decode_ok, "prefill": _prefill_ok, "cache": _cache_ok}

@@ -1027,6 +1027,42 @@ def timed_step(cache: PagedKVCache, ids: list[str], x: StepInputs,
     return call
 
 
+STEADY = 8  # steps of the steady host timing
+
+
+def steady_steps(cache: PagedKVCache, ids: list[str], x: StepInputs, n: int) -> dict:
+    """``n`` whole decode steps back to back with the queue held throughout, so that no
+    kernel runs between them (on a CPU device the kernels of a step run on the host's
+    cores and leave its caches cold for the next step's calls): medians of the host
+    seconds of begin, of the layers' appends and attends, and of the whole step."""
+    cl = runtime.cl()
+    x.queue.finish()
+    gate = cl.UserEvent(x.queue.context)
+    cl.enqueue_marker(x.queue, wait_for=[gate])
+    held = []  # the table uploads' events: pyopencl's event of a copy from host memory
+    times = []  # waits for the copy when dropped, which would wait for the held queue
+    try:
+        for _ in range(n):
+            t0 = time.perf_counter()
+            cache.begin(ids)
+            t1 = time.perf_counter()
+            held += [slot[3] for slot in cache._device.ring]
+            for layer in range(cache.num_layers):
+                cache.append(layer, x.dev["k"], x.dev["v"])
+                cache.attend(layer, x.dev["q"], out=x.out[layer], lse=x.lse[layer])
+            t2 = time.perf_counter()
+            if cache._device.quantized:  # end() reads the check's flags: it would wait
+                cache.cancel()
+            else:
+                cache.end()
+            times.append((t1 - t0, t2 - t1, time.perf_counter() - t0))
+    finally:
+        gate.set_status(cl.command_execution_status.COMPLETE)
+        x.queue.finish()
+    med = np.median(np.array(times), axis=0)
+    return dict(begin=med[0], layers=med[1], step=med[2])
+
+
 def timed_begin(cache: PagedKVCache, ids: list[str]) -> Callable[[], dict]:
     """``begin`` alone (then cancel), with the device idle and the caches warm."""
     def call() -> dict:
@@ -1058,8 +1094,11 @@ def check_step(row: dict, what: str, cache: PagedKVCache, twin: PagedKVCache, id
 def cache_pair(args: argparse.Namespace, db: DeviceBench, spec: AttentionSpec, B: int,
                ctx: int, layers: int) -> tuple[PagedKVCache, PagedKVCache, list[str]]:
     """The device cache of a row, its one-layer CPU-backend twin, and B sequence ids added
-    to both; pages for the fill, the check step, a warm-up and ``--repeat`` timed steps."""
-    kw = dict(num_pages=B * -(-(ctx + args.repeat + 4) // PAGE),
+    to both; pages for the fill, the check step and two passes of a warm-up and ``--repeat``
+    timed steps (free-running and held)."""
+    steps = 1 + 2 * (max(3, args.repeat) + 1) + STEADY  # the check, two timed passes with
+    #                                                      their warm-ups, the steady steps
+    kw = dict(num_pages=B * -(-(ctx + steps) // PAGE),
               rope="attend" if args.rope else None)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
@@ -1093,8 +1132,11 @@ def _cache_row(args: argparse.Namespace, db: DeviceBench, row: dict) -> None:
                    max_runs=25)["begin"]["s"].median
     held = sample_interleaved({"step": timed_step(cache, ids, x, held=True)}, args.repeat,
                               args.row_seconds)[0]["step"]
+    steady = steady_steps(cache, ids, x, STEADY)
     row.update(held_host_ms=held["host"] * 1e3, held_begin_ms=held["host_begin"] * 1e3,
-               held_layers_ms=(held["host_append"] + held["host_attend"]) * 1e3)
+               held_layers_ms=(held["host_append"] + held["host_attend"]) * 1e3,
+               steady_host_ms=steady["step"] * 1e3, steady_begin_ms=steady["begin"] * 1e3,
+               steady_layers_ms=steady["layers"] * 1e3)
     row.update({f"{k}_ms": r[k] * 1e3 for k in ("step", "host", "host_begin", "host_append",
                                                 "host_attend", "host_end", "append", "attend")},
                begin_alone_ms=alone * 1e3, append_vs_attend=r["append"] / r["attend"],
@@ -1127,6 +1169,8 @@ def suite_cache(args: argparse.Namespace, deadline: Deadline) -> dict:
             ("host_attend_ms", "attends", ".3f"), ("host_end_ms", "end", ".3f"),
             ("held_host_ms", "host ms, queue held", ".3f"),
             ("held_begin_ms", "begin", ".3f"), ("held_layers_ms", "appends + attends", ".3f"),
+            ("steady_host_ms", "host ms, steady", ".3f"), ("steady_begin_ms", "begin", ".3f"),
+            ("steady_layers_ms", "appends + attends", ".3f"),
             ("begin_alone_ms", "begin alone ms", ".3f"),
             ("append_ms", "append kernels ms", ".3f"), ("attend_ms", "attend kernels ms", ".3f"),
             ("append_vs_attend", "append/attend", ".2%"),
@@ -1135,7 +1179,10 @@ def suite_cache(args: argparse.Namespace, deadline: Deadline) -> dict:
     title = ("PagedKVCache decode step (medians; host: time in the calls while the kernels "
              "run (on a CPU device they share the cores); host, queue held: the same calls "
              "with the queue held back by a user event until the step is enqueued, i.e. "
-             "their own cost; begin alone: begin + cancel back to back, device idle)")
+             f"their own cost; host, steady: {STEADY} steps back to back with the queue held "
+             "throughout, so no kernel runs between them (a CPU device's kernels run on the "
+             "host's cores and leave its caches cold for the next step's calls; on a GPU "
+             "they do not); begin alone: begin + cancel back to back, device idle)")
     if args.rope:
         title += ", in-kernel RoPE (rope='attend')"
     return {"sections": [(title, rows, cols)], "ceilings": None, "header": db.header()}
