@@ -79,7 +79,7 @@ import numpy as np  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from clattn import BatchPrefill, PagedKVCache, cpu_backend, runtime  # noqa: E402
-from clattn.merge import merge_state_  # noqa: E402
+from clattn.merge import merge_state_, merge_states  # noqa: E402
 from clattn.quant import KV_FORMATS, bytes_per_value, pack_pool, row_bytes  # noqa: E402
 from clattn.spec import AttentionSpec, default_sm_scale  # noqa: E402
 from clattn.tune import ceilings as ceil  # noqa: E402
@@ -648,25 +648,49 @@ def suite_decode(args: argparse.Namespace, deadline: Deadline) -> dict:
     return {"sections": sections, "ceilings": db.ceilings(), "header": db.header()}
 
 
-def _merge_row(args: argparse.Namespace, db: DeviceBench, row: dict, small: bool) -> None:
+def _merge_arrays(db: DeviceBench, row: dict) -> list:
+    """The row's states on the device, random: pairwise (v, s, v_other, s_other) or K-way
+    (v [N, K, H, D], s [N, K, H], out, lse)."""
     cla = runtime.cl().array
-    N, H, D = row["N"], row["H"], row["D"]
-    arrs = [cla.empty(db.queue, (N, H, D), np.float16), cla.empty(db.queue, (N, H), np.float32),
-            cla.empty(db.queue, (N, H, D), np.float16), cla.empty(db.queue, (N, H), np.float32)]
+    N, H, D, K = row["N"], row["H"], row["D"], row.get("K", 2)
+    dt = np.dtype(row["dtype"])
+    if K == 2 and row.get("kind", "pair") == "pair":
+        shapes = [((N, H, D), dt), ((N, H), np.float32)] * 2
+    else:
+        shapes = [((N, K, H, D), dt), ((N, K, H), np.float32), ((N, H, D), dt),
+                  ((N, H), np.float32)]
+    arrs = [cla.empty(db.queue, shape, t) for shape, t in shapes]
     for i, a in enumerate(arrs):
         ceil.fill_random(db.rt, a, seed=100 + i, scale=1.0 if i % 2 == 0 else 8.0)
-    v, s, vo, so = arrs
+    return arrs
+
+
+def _merge_row(args: argparse.Namespace, db: DeviceBench, row: dict, small: bool) -> None:
+    N, H, D, K = row["N"], row["H"], row["D"], row.get("K", 2)
+    pair = row.get("kind", "pair") == "pair"
+    arrs = _merge_arrays(db, row)
     try:
         host = [a.get() for a in arrs]
-        rv, rs = cpu_backend.merge_state(*host)
-        merge_state_(v, s, vo, so, profile=args.profile)
-        ok, err, why = compare(v.get(), s.get(), rv, rs, "float16")
-        if not Mismatches.check(row, f"merge_state_ N={N}", ok, err, why):
+        if pair:
+            rv, rs = cpu_backend.merge_state(*host)
+            merge_state_(*arrs, profile=args.profile)
+            got = arrs[0].get(), arrs[1].get()
+        else:
+            rv, rs = cpu_backend.merge_states(host[0], host[1])
+            merge_states(arrs[0], arrs[1], out=arrs[2], lse=arrs[3], profile=args.profile)
+            got = arrs[2].get(), arrs[3].get()
+        ok, err, why = compare(*got, rv, rs, row["dtype"])
+        what = f"merge_state_ N={N}" if pair else f"merge_states N={N} K={K}"
+        if not Mismatches.check(row, f"{what} {row['dtype']}", ok, err, why):
             return
 
         def call() -> dict:
             t = time.perf_counter()
-            evt = merge_state_(v, s, vo, so, profile=args.profile)
+            if pair:
+                evt = merge_state_(*arrs, profile=args.profile)
+            else:
+                merge_states(arrs[0], arrs[1], out=arrs[2], lse=arrs[3], profile=args.profile)
+                evt = arrs[2].events[-1]
             evt.wait()
             return {"wall": time.perf_counter() - t, "kernel": event_seconds([evt])}
 
@@ -678,7 +702,8 @@ def _merge_row(args: argparse.Namespace, db: DeviceBench, row: dict, small: bool
         for a in arrs:
             a.finish()
             a.base_data.release()
-    nbytes = 3 * N * H * D * 2 + 3 * N * H * 4
+    item = np.dtype(row["dtype"]).itemsize
+    nbytes = (K + 1) * N * H * (D * item + 4)  # K states read, one written (v and lse)
     row.update(kernel_us=r["kernel"] * 1e6, wall_us=r["wall"] * 1e6, runs=r["runs"],
                kernel_min_us=r["min_kernel"] * 1e6, wall_min_us=r["min_wall"] * 1e6,
                gbps=nbytes / r["kernel"] * 1e-9, mib=nbytes / 2**20)
@@ -687,19 +712,23 @@ def _merge_row(args: argparse.Namespace, db: DeviceBench, row: dict, small: bool
     row["lat_ratio"] = r["kernel"] * 1e6 / db.latency.kernel_us
     row["trip_ratio"] = r["wall"] * 1e6 / db.latency.round_trip_us
     row["lat_min_ratio"] = r["min_kernel"] * 1e6 / max(db.latency.kernel_min_us, 1e-3)
-    log(f"merge N={N}: kernel {row['kernel_us']:.1f} us, wall {row['wall_us']:.1f} us, "
-        f"{row['gbps']:.2f} GB/s")
+    log(f"{what} {row['dtype']}: kernel {row['kernel_us']:.1f} us, wall {row['wall_us']:.1f} "
+        f"us, {row['gbps']:.2f} GB/s")
 
 
 def merge_sections(args: argparse.Namespace, db: DeviceBench, deadline: Deadline) -> list:
     """merge_state_ bandwidth at large N and latency at small N (checked first)."""
     H, D = 32, 128
-    big = [256] if args.smoke else [4096]
+    big = [256] if args.smoke else [4096, 32768]
     small = [1, 32] if args.smoke else [1, 2, 4, 8, 16, 32]
-    rows_bw = [dict(N=N, H=H, D=D, dtype="float16") for N in big]
+    dtypes = ["float16"] if args.smoke else args.dtypes or ["float16", "float32"]
+    rows_bw = [dict(kind=kind, K=K, N=N, H=H, D=D, dtype=dt) for dt in dtypes
+               for kind, K, Ns in (("pair", 2, big), ("k-way", 4, big[:1]))
+               for N in Ns]
     rows_lat = [dict(N=N, H=H, D=D, dtype="float16") for N in small]
     run_rows(rows_bw + rows_lat, deadline, lambda row: _merge_row(args, db, row, row["N"] in small))
-    c1 = [("N", "N", "d"), ("H", "H", "d"), ("D", "D", "d"), ("dtype", "dtype", ""),
+    c1 = [("kind", "merge", ""), ("K", "K", "d"), ("N", "N", "d"), ("H", "H", "d"),
+          ("D", "D", "d"), ("dtype", "dtype", ""),
           ("mib", "MiB moved", ".1f"), ("kernel_us", "kernel us", ".1f"),
           ("wall_us", "wall us", ".1f"), ("gbps", "GB/s", ".2f"),
           ("frac", "of read bw (medians)", ".1%"), ("frac_copy", "of copy bw (medians)", ".0%"),
@@ -712,8 +741,8 @@ def merge_sections(args: argparse.Namespace, db: DeviceBench, deadline: Deadline
           ("wall_us", "merge_state_ call+wait us", ".1f"),
           ("trip_ratio", f"/ empty round trip ({lat.round_trip_us:.1f} us)", ".2f"),
           ("max_err", "max abs err", ".1e")]
-    return [("merge_state_ bandwidth (GB/s = v, v_other read + v written, and the lse)",
-             rows_bw, c1),
+    return [("Merge bandwidth (pair: merge_state_ in place; k-way: merge_states of K states "
+             "per row; GB/s = the K states read + one written, v and lse)", rows_bw, c1),
             ("merge_state_ at small N (H=32, D=128, f16) vs the empty-kernel launch latency",
              rows_lat, c2)]
 
