@@ -27,6 +27,11 @@ SUBGROUP_REQUESTS = {
 QCOM_WAVES = {64: "half", 128: "full"}
 
 
+#: local memory assumed where a device record does not report it: the least OpenCL requires
+#: of a device that is not of type CL_DEVICE_TYPE_CUSTOM
+UNREPORTED_LOCAL_MEM = 32768
+
+
 @dataclass(frozen=True)
 class Limits:
     """The device facts the geometry must respect.
@@ -66,7 +71,9 @@ class Limits:
         return cls(
             max_work_group_size=int(info.get("max_work_group_size") or 256),
             max_work_item_sizes=tuple(int(x) for x in (info.get("max_work_item_sizes") or (256,) * 3)),
-            local_mem_size=int(info.get("local_mem_size_bytes") or 16384),
+            # not reported (an incomplete record): OpenCL's minimum for a device that is
+            # not of type CUSTOM, 32 KiB (CL_DEVICE_LOCAL_MEM_SIZE)
+            local_mem_size=int(info.get("local_mem_size_bytes") or UNREPORTED_LOCAL_MEM),
             has_fp16=bool(info.get("has_fp16")),
             subgroups=kind, subgroup_sizes=sizes, khr_subgroups="cl_khr_subgroups" in names,
         )
