@@ -336,3 +336,18 @@ def test_bench_skips_rows_that_do_not_fit():
     assert "--max-pool-gib" in db.no_room(f16, 32, 65536)    # 8 GiB of f16 pages
     db.args.max_pool_gib, db.dev = 1e6, _device(32 * MiB, max_alloc=1 << 50)
     assert "host memory" in db.no_room(f16, 1024, 65536)     # 256 GiB
+
+
+def test_bench_gpu_model_suite(oclgrind_device, tmp_path):
+    """``--suite gpu-model`` prints issue 15's counts, verdict and modelled times."""
+    out = tmp_path / "g.json"
+    cmd = [sys.executable, os.path.join(ROOT, "tools", "bench.py"), "--suite", "gpu-model",
+           "--smoke", "--json", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "| profile | shape |" in proc.stdout and "est. us/token/layer" in proc.stdout
+    counts, verdicts, model = json.loads(out.read_text())["sections"].values()
+    assert [(r["profile"], r["shape"]) for r in counts] == [("mali-valhall", "Qwen2.5-0.5B")]
+    assert 1.0 <= counts[0]["glob"] <= 1.05 and counts[0]["barriers"] > 0
+    assert verdicts[0]["ok"] == "yes"
+    assert model and all(r["est_us"] >= r["floor_us"] > 0 for r in model)

@@ -10,10 +10,13 @@ Suites
             as successive layers do) and hot (the same pages every call); wall time per
             call; GB/s of the KV bytes actually read (data + block scales of the page
             format) and its fraction of the streaming-read ceiling (medians with medians);
+            the roofline of the row's shape (bytes at the read bandwidth or multiply-adds at
+            the FMA peak, whichever is slower) and the achieved fraction of it;
             ``--formats float16,q8_0,q4_0`` runs every row with each page format
             (``k_format = v_format``), prints each time over the float16 pages' time on
-            the same row and a table of bytes per KV row per format; then merge_state_
-            bandwidth (N=4096) and small-N merge time vs the launch latency.
+            the same row and a table of bytes per KV row per format; then the merge
+            bandwidth (merge_state_ at N=4096 and 32768, merge_states K=4; f16 and f32)
+            and small-N merge time vs the launch latency.
   split     split-KV: unsplit vs the planner's choice vs the best forced partition size
             (cold, as above).
   prefill   BatchPrefill (a 512-token prompt on an empty cache, a 128-token chunk over
@@ -26,8 +29,12 @@ Suites
   cache     one decode step of a layer stack through clattn.PagedKVCache (begin, layers x
             (append + attend), end) for B sequences holding ``ctx`` tokens each: host time
             of each call, device time of the append and attend kernels, wall time from
-            begin to the last kernel, begin alone (begin + cancel back to back), bytes
+            begin to the last kernel, begin alone (begin + cancel back to back), the
+            calls' own cost with the queue held (one step; 8 steps back to back), bytes
             uploaded per step.
+  gpu-model the tiled (GPU) decode kernel's work per KV row counted under Oclgrind for
+            every GPU profile x model shape, issue 15's verdict and the modelled time per
+            device (tools/gpu_model.py; docs/gpu_model.md).
 
 Every timed configuration is first checked against the CPU backend on the same inputs
 (decode: clattn.cpu_backend.batch_decode on the row's page set, one sequence at a time;
@@ -41,6 +48,7 @@ Examples
   python tools/bench.py --suite split --device pocl --profile adreno-7xx
   python tools/bench.py --suite prefill --device intel
   python tools/bench.py --suite cache --device pocl --batches 1,8 --contexts 4096
+  python tools/bench.py --suite gpu-model --profile mali-valhall
 
 Data: pseudo-random f16/f32 (filled on the device before timing; quantized pools are a
 block of pages packed by clattn.quant.pack_pool on the host and repeated over the pool),
@@ -1309,9 +1317,63 @@ def _print_markdown(argv: list[str] | None, res: dict, version: str, elapsed: fl
     print()
 
 
+# -- gpu-model suite ---------------------------------------------------------------------
+def suite_gpu_model(args: argparse.Namespace, deadline: Deadline) -> dict:
+    """The tiled kernel's work per KV row counted under Oclgrind for every GPU profile x
+    model shape (or ``--profile`` / ``--models``), issue 15's verdict against the counts
+    before its rework, and the modelled time per device (tools/gpu_model.py,
+    docs/gpu_model.md); counts are cached per kernel source."""
+    import gpu_model as gm  # noqa: PLC0415 - a sibling tool, imported only for this suite
+    profiles = [args.profile] if args.profile else None
+    shapes = args.models or None
+    if args.smoke:
+        profiles, shapes = ["mali-valhall"], ["Qwen2.5-0.5B"]
+    rows = gm.count_all(profiles, shapes, jobs=2, base_rows=32 if args.smoke else gm.BASE_ROWS)
+    counts, verdicts, model = [], [], []
+    for r in rows:
+        c, v = r.counts, gm.verdict(r)
+        counts.append(dict(profile=r.profile, shape=r.shape, record=r.record or "(none)",
+                           geometry=r.geometry, glob=r.per_kv_byte("global_load"),
+                           local_ld=r.per_kv_byte("local_load"),
+                           local_st=r.per_kv_byte("local_store"), barriers=r.wg_barriers,
+                           arith=c.arith, other=c.other, f16=c.f16_conv))
+        verdicts.append(dict(profile=r.profile, shape=r.shape, local_cut=v["local_cut"],
+                             barrier_cut=v["barrier_cut"], ok="yes" if v["ok"] else "no"))
+    by = {(r.profile, r.shape): r for r in rows}
+    for dev in gm.load_devices():
+        prof = gm.device_profile(dev)
+        for shape in gm.SHAPES:
+            if (prof, shape) in by:
+                for L in gm.CONTEXTS:
+                    e = gm.estimate(by[(prof, shape)], dev, L)
+                    model.append(dict(device=dev["name"], profile=prof, shape=shape, L=L,
+                                      wgs=e.work_groups, bound=e.bound + ("*" if e.local_form
+                                                                          else ""),
+                                      est_us=e.time_us, floor_us=e.floor_us))
+    c1 = [("profile", "profile", ""), ("shape", "shape", ""), ("record", "device record", ""),
+          ("geometry", "geometry", ""), ("glob", "global B/KV B", ".3f"),
+          ("local_ld", "local ld B/KV B", ".2f"), ("local_st", "local st B/KV B", ".2f"),
+          ("barriers", "WG barriers/row", ".3f"), ("arith", "arith/row", ".0f"),
+          ("other", "other/row", ".0f"), ("f16", "f16 conv/row", ".0f")]
+    c2 = [("profile", "profile", ""), ("shape", "shape", ""),
+          ("local_cut", "local loads cut", ".1f"), ("barrier_cut", "barriers cut", ".1f"),
+          ("ok", f"global <= {gm.GLOBAL_LIMIT} B/KV B and (adreno/mali) cuts >= "
+                 f"{gm.IMPROVE:.0f}x", "")]
+    c3 = [("device", "device", ""), ("profile", "profile", ""), ("shape", "shape", ""),
+          ("L", "rows", "d"), ("wgs", "work-groups", "d"), ("bound", "bound", ""),
+          ("est_us", "est. us/token/layer", ".1f"), ("floor_us", "KV floor us", ".1f")]
+    return {"sections": [
+        ("Tiled decode: counted work per KV row (Oclgrind, f16, local-memory form)", counts, c1),
+        ("Issue 15's done-when against the counts before the rework (tools/gpu_model.py "
+         "BASELINE)", verdicts, c2),
+        ("Modelled time per token per layer (B=1; tools/gpu_devices.json; *: sub-group "
+         "device counted in the local form, an upper bound)", model, c3)],
+        "ceilings": None, "header": []}
+
+
 SUITES: dict[str, Callable[[argparse.Namespace, Deadline], dict]] = {
     "fallback": suite_fallback, "decode": suite_decode, "split": suite_split,
-    "prefill": suite_prefill, "cache": suite_cache}
+    "prefill": suite_prefill, "cache": suite_cache, "gpu-model": suite_gpu_model}
 
 
 def main(argv: list[str] | None = None) -> int:
