@@ -293,3 +293,21 @@ def test_tables_and_report(counted):
     assert isinstance(text, str)
     for part in ("Counted work per KV row", "Before", "Modelled time", "Immortalis-G715"):
         assert part in text
+
+
+@live
+def test_split_kv_on_the_model(counted):
+    """Issue 15, item 4: the model's split-KV gain for B=1 and the planner's choice, which
+    must be within FOLLOW_TOLERANCE of the model's best partition count."""
+    seen = 0
+    for dev, r, L in gm.device_rows(list(counted.values()), gm.load_devices()):
+        c = gm.split_choice(r, dev, L)
+        seen += 1
+        assert c.best_us <= min(c.planned_us, c.unsplit_us) + 1e-9
+        assert c.gain == pytest.approx(c.unsplit_us / c.planned_us)
+        assert c.planned_parts >= 1 and c.best_parts in gm.SPLIT_CANDIDATES
+        assert c.follows, c
+        if c.planned_parts == 1:
+            assert c.planned_us == c.unsplit_us
+    assert seen >= 8
+    assert "## Split-KV on the model" in gm.report(["mali-valhall"], ["Llama-3-8B"])

@@ -1339,17 +1339,13 @@ def suite_gpu_model(args: argparse.Namespace, deadline: Deadline) -> dict:
                            arith=c.arith, other=c.other, f16=c.f16_conv))
         verdicts.append(dict(profile=r.profile, shape=r.shape, local_cut=v["local_cut"],
                              barrier_cut=v["barrier_cut"], ok="yes" if v["ok"] else "no"))
-    by = {(r.profile, r.shape): r for r in rows}
-    for dev in gm.load_devices():
-        prof = gm.device_profile(dev)
-        for shape in gm.SHAPES:
-            if (prof, shape) in by:
-                for L in gm.CONTEXTS:
-                    e = gm.estimate(by[(prof, shape)], dev, L)
-                    model.append(dict(device=dev["name"], profile=prof, shape=shape, L=L,
-                                      wgs=e.work_groups, bound=e.bound + ("*" if e.local_form
-                                                                          else ""),
-                                      est_us=e.time_us, floor_us=e.floor_us))
+    for dev, r, L in gm.device_rows(rows, gm.load_devices()):
+        e, sp = gm.estimate(r, dev, L), gm.split_choice(r, dev, L)
+        model.append(dict(device=dev["name"], profile=r.profile, shape=r.shape, L=L,
+                          wgs=e.work_groups, bound=e.bound + ("*" if e.local_form else ""),
+                          est_us=e.time_us, floor_us=e.floor_us, parts=sp.planned_parts,
+                          gain=sp.gain, best_parts=sp.best_parts, best_gain=sp.best_gain,
+                          follows="yes" if sp.follows else "no"))
     c1 = [("profile", "profile", ""), ("shape", "shape", ""), ("record", "device record", ""),
           ("geometry", "geometry", ""), ("glob", "global B/KV B", ".3f"),
           ("local_ld", "local ld B/KV B", ".2f"), ("local_st", "local st B/KV B", ".2f"),
@@ -1361,7 +1357,10 @@ def suite_gpu_model(args: argparse.Namespace, deadline: Deadline) -> dict:
                  f"{gm.IMPROVE:.0f}x", "")]
     c3 = [("device", "device", ""), ("profile", "profile", ""), ("shape", "shape", ""),
           ("L", "rows", "d"), ("wgs", "work-groups", "d"), ("bound", "bound", ""),
-          ("est_us", "est. us/token/layer", ".1f"), ("floor_us", "KV floor us", ".1f")]
+          ("est_us", "est. us/token/layer", ".1f"), ("floor_us", "KV floor us", ".1f"),
+          ("parts", "planner's partitions", "d"), ("gain", "its split gain", ".2f"),
+          ("best_parts", "model's best partitions", "d"), ("best_gain", "its gain", ".2f"),
+          ("follows", "planner follows the model", "")]
     return {"sections": [
         ("Tiled decode: counted work per KV row (Oclgrind, f16, local-memory form)", counts, c1),
         ("Issue 15's done-when against the counts before the rework (tools/gpu_model.py "

@@ -45,7 +45,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, fields, replace
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Iterator, Mapping
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
@@ -617,6 +617,107 @@ def planned_work_groups(row: PerRow, dev: Mapping[str, Any], context: int) -> in
     return wg * (plan.num_parts if plan.split else 1)
 
 
+# ------------------------------------------------------------------ split-KV (item 4)
+#: microseconds one more kernel launch costs on a GPU driver (the merge pass of a split):
+#: an educated guess (dispatch overheads of 5-20 us are what mobile OpenCL drivers show in
+#: public measurements; no figure per device is published)
+LAUNCH_US = 10.0
+#: partition counts the model tries for one sequence
+SPLIT_CANDIDATES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+#: the planner follows the model when its plan is within this factor of the model's best
+FOLLOW_TOLERANCE = 1.10
+
+
+@dataclass(frozen=True)
+class SplitChoice:
+    """Split-KV for one sequence of ``context`` rows on a device, as the model sees it:
+    the unsplit launch, the planner's partitions and the model's best, each in modelled
+    microseconds per token per layer (decode + the merge pass when split)."""
+
+    device: str
+    profile: str
+    shape: str
+    context: int
+    unsplit_us: float
+    planned_parts: int
+    planned_us: float
+    best_parts: int
+    best_us: float
+
+    @property
+    def gain(self) -> float:
+        """What the planner's split gains over the unsplit launch (1.0: none)."""
+        return self.unsplit_us / self.planned_us
+
+    @property
+    def best_gain(self) -> float:
+        """What the model's best partition count gains."""
+        return self.unsplit_us / self.best_us
+
+    @property
+    def follows(self) -> bool:
+        """The planner's choice is within :data:`FOLLOW_TOLERANCE` of the model's best."""
+        return self.planned_us <= self.best_us * FOLLOW_TOLERANCE
+
+
+def merge_us(row: PerRow, dev: Mapping[str, Any], parts: int) -> float:
+    """The split merge pass: ``parts`` f32 states per query head read (v and lse), the f16
+    output written, at the DRAM bandwidth, plus one launch (:data:`LAUNCH_US`)."""
+    hq, _, d, _ = SHAPES[row.shape]
+    nbytes = parts * hq * (d + 1) * 4 + hq * (d * ITEM + 4)
+    return nbytes / (value(dev, "dram_gbs") * 1e9) * 1e6 + LAUNCH_US
+
+
+def split_choice(row: PerRow, dev: Mapping[str, Any], context: int) -> SplitChoice:
+    """The model's verdict on split-KV for one sequence (issue 15, item 4)."""
+    _, hkv, _, _ = SHAPES[row.shape]
+    wg = hkv * variant(row.profile, row.shape).device_geometry.gdz
+
+    def cost(parts: int) -> float:
+        t = estimate(row, dev, context, work_groups=wg * parts).time_us
+        return t + (merge_us(row, dev, parts) if parts > 1 else 0.0)
+
+    planned = planned_work_groups(row, dev, context) // wg
+    # the counts are per row, free of each work-group's fixed cost (q, the slice merge, the
+    # state writes), which decides short partitions: partitions shorter than the profile's
+    # min_partition_rows are left out, as the planner leaves them out
+    from clattn.profiles import get_profile
+    least = max(PAGE_SIZE, get_profile(row.profile, user=False).min_partition_rows)
+    fits = [p for p in SPLIT_CANDIDATES if p == 1 or context // p >= least]
+    best = min(fits, key=lambda p: (cost(p), p))
+    return SplitChoice(dev["name"], row.profile, row.shape, context, cost(1), planned,
+                       cost(planned), best, cost(best))
+
+
+def device_rows(rows: list[PerRow], devices: list[dict],
+                contexts: Iterable[int] = CONTEXTS) -> Iterator[tuple[dict, PerRow, int]]:
+    """``(device, counted row, context)`` for every device whose profile was counted on a
+    shape, shapes in :data:`SHAPES` order."""
+    by = {(r.profile, r.shape): r for r in rows}
+    for dev in devices:
+        prof = device_profile(dev)
+        for shape in SHAPES:
+            r = by.get((prof, shape))
+            if r is not None:
+                for L in contexts:
+                    yield dev, r, L
+
+
+def split_table(rows: list[PerRow], devices: list[dict],
+                contexts: Iterable[int] = CONTEXTS) -> str:
+    """Markdown table: split-KV's modelled gain per device, shape and length, the
+    planner's partitions against the model's best."""
+    lines = ["| device | profile | shape | L | unsplit us | planner: parts | us | gain | "
+             "model's best: parts | us | gain | planner follows |", "|" + "---|" * 12]
+    for dev, r, L in device_rows(rows, devices, contexts):
+        c = split_choice(r, dev, L)
+        lines.append(f"| {c.device} | {r.profile} | {r.shape} | {L} | {_f(c.unsplit_us, 1)} | "
+                     f"{c.planned_parts} | {_f(c.planned_us, 1)} | {c.gain:.2f}x | "
+                     f"{c.best_parts} | {_f(c.best_us, 1)} | {c.best_gain:.2f}x | "
+                     f"{'yes' if c.follows else 'no'} |")
+    return "\n".join(lines)
+
+
 # ------------------------------------------------------------------ before / after (item 3)
 #: the counts of the kernels before issue 15's rework (templates of commit dd74fba), per
 #: "profile/shape": (global B/KV B, local-memory loads B/KV B, local stores B/KV B,
@@ -780,24 +881,16 @@ def counts_table(rows: list[PerRow]) -> str:
 def model_table(rows: list[PerRow], devices: list[dict],
                 contexts: Iterable[int] = CONTEXTS) -> str:
     """Markdown table: the modelled time per token per layer and its bound per device."""
-    by = {(r.profile, r.shape): r for r in rows}
     lines = ["| device | profile | shape | L | WGs | global us | local us | alu us | barrier us | "
              "bound | est. us | KV floor us |", "|" + "---|" * 12]
-    for dev in devices:
-        prof = device_profile(dev)
-        for shape in SHAPES:
-            r = by.get((prof, shape))
-            if r is None:
-                continue
-            for L in contexts:
-                e = estimate(r, dev, L)
-                t = e.times_us
-                star = "*" if e.local_form else ""
-                lines.append(f"| {dev['name']} | {prof} | {shape} | {L} | {e.work_groups} | "
-                             f"{_f(t['global'], 1)} | {_f(t['local'], 1)}{star} | "
-                             f"{_f(t['alu'], 1)}{star} | {_f(t['barrier'], 1)}{star} | "
-                             f"{e.bound}{star} | {_f(e.time_us, 1)} | "
-                             f"{_f(e.floor_us, 1)} |")
+    for dev, r, L in device_rows(rows, devices, contexts):
+        e = estimate(r, dev, L)
+        t = e.times_us
+        star = "*" if e.local_form else ""
+        lines.append(f"| {dev['name']} | {r.profile} | {r.shape} | {L} | {e.work_groups} | "
+                     f"{_f(t['global'], 1)} | {_f(t['local'], 1)}{star} | "
+                     f"{_f(t['alu'], 1)}{star} | {_f(t['barrier'], 1)}{star} | "
+                     f"{e.bound}{star} | {_f(e.time_us, 1)} | {_f(e.floor_us, 1)} |")
     return "\n".join(lines)
 
 
@@ -843,6 +936,17 @@ def report(profiles: Iterable[str] | None = None, shapes: Iterable[str] | None =
         "bound. `*`: the device reduces through sub-groups, counted here in the local-memory "
         "form, so local, alu and barrier are upper bounds. KV floor: each KV byte read once "
         "at the DRAM bandwidth.",
+        "",
+        "## Split-KV on the model (B=1; decode + merge pass; the planner vs the model's best)",
+        "",
+        split_table(rows, devices, contexts),
+        "",
+        f"The merge pass: the partitions' f32 states read and the output written at the DRAM "
+        f"bandwidth, plus {LAUNCH_US:.0f} us for its launch (an educated guess). The planner "
+        f"follows the model where its plan is within {FOLLOW_TOLERANCE:.2f}x of the best "
+        f"partition count the model finds among {', '.join(map(str, SPLIT_CANDIDATES))} "
+        f"(partitions of at least the profile's min_partition_rows: the counts leave out "
+        f"each work-group's fixed cost, which decides shorter ones).",
         "",
         "## Notes on the counted kernels",
         "",
