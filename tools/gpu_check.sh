@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # One command for a machine with a GPU OpenCL driver: register the driver with the ICD
-# loader if nobody has, then run clattn's test suite on that device, the decode, merge
-# and split benchmarks and `clattn profile`, writing everything to one folder.
+# loader if nobody has, then run clattn's test suite on that device, the decode, merge,
+# split and cache-step benchmarks and `clattn profile`, writing everything to one folder.
 #
 #   tools/gpu_check.sh [OUTDIR]          (default: $OUT, else ./gpu-results)
 #
 # Without network (the lent GPU machine), carry .whl/ made by tools/gpu_wheels.sh.
-# About 8 minutes in all: it fits one device call (10 minutes) with time to spare.
+# About 9 minutes at most: it fits one device call (10 minutes).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${1:-${OUT:-gpu-results}}"
@@ -51,6 +51,10 @@ for suite in decode split; do
         --json "$out/bench-$suite.json" > "$out/bench-$suite.txt" 2>&1 || rc=1
     tail -n 20 "$out/bench-$suite.txt"
 done
+# the cache step's host time next to a GPU's kernels (on a CPU device they share the cores)
+timeout 45 $py tools/bench.py --suite cache --device "$dev" --batches 1 --contexts 4096 \
+    --repeat 5 --json "$out/bench-cache.json" > "$out/bench-cache.txt" 2>&1 || rc=1
+tail -n 6 "$out/bench-cache.txt"
 timeout 90 $py -m clattn.cli tune --quick --device "$dev" --out "$out/profile.json" \
     > "$out/profile.txt" 2>&1 || rc=1
 tail -n 30 "$out/profile.txt"
