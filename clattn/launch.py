@@ -240,8 +240,8 @@ class BoundKernel:
                 _set_scalar(k, i, a.ctype, v)
                 refs[name] = v
                 continue
+            buf, off = _buffer_and_offset(a, v, self._dummy)  # may refuse v: nothing set
             refs[name] = v
-            buf, off = _buffer_and_offset(a, v, self._dummy)
             last = done[name]
             if last[0] is buf and last[1] == off:
                 continue
