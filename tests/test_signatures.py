@@ -100,3 +100,30 @@ def test_compiled_arguments_match_the_tables(device, strategy):
             except cl.RuntimeError:  # Intel's CPU runtime keeps no argument info
                 got = _parsed(src, table.kernel)
             assert got == want, table.kernel
+
+
+def test_bound_kernel_sets_only_what_changed_and_never_records_a_refused_view(device):
+    """BoundKernel.set skips what the kernel holds already; a view it refuses (not a whole
+    number of elements into its buffer) is refused again the next time, never taken for
+    set: the merge then still reads the array it last accepted."""
+    cl = clattn.runtime.cl()
+    rt = clattn.runtime.Runtime.for_device(device)
+    geom = merge_geometry(64, "float32", builtin_profiles()["generic"],
+                          Limits.from_info(clattn.profiles.device_info(device)))
+    knl = rt.launcher(("test-bound", 64), signatures.MERGE_PAIR,
+                      lambda: render_merge(64, "float32", "float32", geom))
+    q = rt.queue
+    rng = np.random.default_rng(0)
+    host = [rng.standard_normal((4, 64)).astype(np.float32) for _ in range(3)]
+    v, vo, other = (cl.array.to_device(q, h) for h in host)
+    s, so = (cl.array.to_device(q, np.zeros(4, np.float32)) for _ in range(2))
+    bound = knl.bind(v=v, s=s, vo=vo, so=so, NH=4)
+    skewed = cl.array.Array(q, (4, 63), np.float32, data=other.base_data, offset=2)
+    for _ in range(2):
+        with pytest.raises(ValueError, match="whole number of 4-byte elements"):
+            bound.set(vo=skewed)
+    bound.set(vo=vo, NH=4)  # unchanged: nothing set again
+    gsz, lsz = geom.sizes(4, 64)
+    bound.launch(q, gsz, lsz).wait()
+    # equal lse 0 on both sides: the merge is the mean of v and vo
+    np.testing.assert_allclose(v.get(), (host[0] + host[1]) / 2, rtol=1e-6)
