@@ -111,9 +111,9 @@ MUTANTS = [
         [KT, "-k", k("model_shapes", ROWS)],
         "the rows kernel keeps the scaled q at f16 precision", "kernel"),
     Mutant("q-f16-before-scoring-tiled", DECODE, [
-        ('qv *= sm_scale${" * CLATTN_LOG2E" if SOFTCAP is None else ""};',
-         'qv *= sm_scale${" * CLATTN_LOG2E" if SOFTCAP is None else ""};\n'
-         '        qv = as_float${"" if VEC == 1 else VEC}((as_uint${"" if VEC == 1 else VEC}(qv) '
+        ('qv[g] *= sm_scale${" * CLATTN_LOG2E" if SOFTCAP is None else ""};',
+         'qv[g] *= sm_scale${" * CLATTN_LOG2E" if SOFTCAP is None else ""};\n'
+         '        qv[g] = as_float${"" if VEC == 1 else VEC}((as_uint${"" if VEC == 1 else VEC}(qv[g]) '
          '+ 0x1000u) & 0xffffe000u);')],
         [KT, "-k", k("model_shapes", TILED)],
         "the tiled kernel keeps the scaled q at f16 precision", "kernel"),
@@ -136,8 +136,8 @@ MUTANTS = [
         [KT, "-k", k("model_shapes", ROWS)],
         "query head g of KV head kvh read as head g * H_kv + kvh (rows)", "kernel"),
     Mutant("gqa-heads-swapped-tiled", DECODE, [
-        ("const int h = kvh * ${G} + min(gi, ${G - 1});",
-         "const int h = min(gi, ${G - 1}) * ${HKV} + kvh;")],
+        ("const int h = kvh * ${G} + min(g0 + g, ${G - 1});",
+         "const int h = min(g0 + g, ${G - 1}) * ${HKV} + kvh;")],
         [KT, "-k", k("model_shapes", TILED)],
         "query head mapping swapped (tiled)", "kernel"),
     Mutant("softcap-skipped", "clattn/kernels/decode_common.clh.mako", [
@@ -218,24 +218,25 @@ MUTANTS = [
         ["tests/test_profiles_on_devices.py", "-k", "merges_on_device"],
         "the pairwise merge weighs v by the other state's weight (tiled merge)", "kernel"),
     Mutant("tiled-slice-merge-unweighted", DECODE, [
-        ("const float w = clattn_state_weight(md_red[z][ty][0], mt);   /* empty slice: 0 */",
-         "const float w = md_red[z][ty][1] > 0.0f ? 1.0f : 0.0f;")],
+        ("const float w = clattn_state_weight(md[zi * 2], mt);   /* empty slice: 0 */",
+         "const float w = md[zi * 2 + 1] > 0.0f ? 1.0f : 0.0f;")],
         [KT, "-k", k("model_shapes", TILED)],
         "the tiled kernel merges its row slices without their weights", "kernel"),
     Mutant("tiled-local-reduction-short", DECODE, [
-        ("for (int x = 0; x < ${BDX}; ++x) t += red[tz][ty][j][x];",
-         "for (int x = 0; x < ${BDX} - 1; ++x) t += red[tz][ty][j][x];")],
+        ("for (int x = 0; x < ${BDX}; ++x) t += pt[x];",
+         "for (int x = 0; x < ${BDX} - 1; ++x) t += pt[x];")],
         [KT, "-k", k("model_shapes", "pocl-tiled")],
         "the local-memory dot-product reduction drops a lane (tiled)", "kernel"),
     Mutant("tiled-subgroup-reduce-max", DECODE, [
-        ("s[j] = sub_group_reduce_add(", "s[j] = sub_group_reduce_max(")],
+        ("s[j][g] = sub_group_reduce_add(", "s[j][g] = sub_group_reduce_max(")],
         [KT, "-k", k("model_shapes", "intel-tiled")],
         "the sub-group reduction takes the max instead of the sum (tiled, Intel)", "kernel"),
-    Mutant("tiled-tile-staging-shifted", DECODE, [
-        ("const int rs = (tz * ${BDY} + ty) * ${TILE} + j;\n            const int row = t0 + rs;",
-         "const int rs = (tz * ${BDY} + ty) * ${TILE} + j;\n            const int row = t0 + rs + (rs == 0);")],
-        [KT, "-k", k("model_shapes", TILED)],
-        "the first row of each staged K/V tile is loaded from the next row (tiled)", "kernel"),
+    Mutant("tiled-shared-page-shifted", DECODE, [
+        ("pg[j] = pg_step[tz * ${TILE} + j];",
+         "pg[j] = pg_step[(tz * ${TILE} + j + 1) % ${ROWS}];")],
+        [KT, "-k", k("model_shapes", "pocl-tiled")],
+        "each row takes the page-table entry read for the next row (tiled, local form)",
+        "kernel"),
     Mutant("plan-floor-partitions", "clattn/plan.py", [
         ("parts = np.maximum(1, -(-chunk // rows))", "parts = np.maximum(1, chunk // rows)")],
         ["tests/test_plan.py"],
