@@ -44,7 +44,7 @@ class Limits:
 
     max_work_group_size: int = 256
     max_work_item_sizes: tuple = (256, 256, 256)
-    local_mem_size: int = 32768
+    local_mem_size: int = UNREPORTED_LOCAL_MEM
     has_fp16: bool = False
     subgroups: str = "none"
     subgroup_sizes: tuple = ()

@@ -662,7 +662,7 @@ def _merge_arrays(db: DeviceBench, row: dict) -> list:
     cla = runtime.cl().array
     N, H, D, K = row["N"], row["H"], row["D"], row.get("K", 2)
     dt = np.dtype(row["dtype"])
-    if K == 2 and row.get("kind", "pair") == "pair":
+    if row.get("kind", "pair") == "pair":
         shapes = [((N, H, D), dt), ((N, H), np.float32)] * 2
     else:
         shapes = [((N, K, H, D), dt), ((N, K, H), np.float32), ((N, H, D), dt),

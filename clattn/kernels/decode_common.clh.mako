@@ -48,45 +48,33 @@ def score(x, softcap):
 #define SEQ_WINDOW const int wo = 0; const int sink = 0;
 % endif
 
-/* element offset of the K row (kv = 0) or V row (kv = 1) of chunk row `row` */
-inline ulong clattn_row_at(const __global int* page_indices, const int p0, const int row,
-                           const int sink, const int wo, const int kvh, const int num_pages,
-                           const int kv)
+/* the stored offset of chunk row `row`: the sinks first, then the window */
+inline int clattn_offset_of(const int row, const int sink, const int wo)
 {
-    const int off = row < sink ? row : row - sink + wo;
-    const int pg = page_indices[p0 + off / ${PS}];
-    const int page = pg < 0 ? 0 : (pg >= num_pages ? num_pages - 1 : pg);
-    return ((((ulong)page * 2 + kv) * ${HKV} + kvh) * ${PS} + (off % ${PS})) * ${D};
+    return row < sink ? row : row - sink + wo;
 }
 
-/* the page holding chunk row `row` (clamped into the pool) and the row's slot in it:
-   clattn_row_at in two halves, so that one page-table read can serve several rows */
+/* the page holding chunk row `row` (its index clamped into the pool) and the row's slot
+   in it: one page-table read can serve several rows of a page */
+
 inline int clattn_page_of(const __global int* page_indices, const int p0, const int row,
                           const int sink, const int wo, const int num_pages)
 {
-    const int off = row < sink ? row : row - sink + wo;
-    const int pg = page_indices[p0 + off / ${PS}];
+    const int pg = page_indices[p0 + clattn_offset_of(row, sink, wo) / ${PS}];
     return pg < 0 ? 0 : (pg >= num_pages ? num_pages - 1 : pg);
 }
 
 inline int clattn_slot_of(const int row, const int sink, const int wo)
 {
-    return (row < sink ? row : row - sink + wo) % ${PS};
+    return clattn_offset_of(row, sink, wo) % ${PS};
 }
 
 typedef ${"uchar" if BYTE_POOL else "st_t"} kv_t;   /* element of the pool */
 % if BYTE_POOL:
 
-/* byte offset of the (kind kv, head kvh) region of the page holding chunk row `row`;
-   *slot gets the row's slot in the page (indices clamped like clattn_row_at) */
-inline ulong clattn_region_at(const __global int* page_indices, const int p0, const int row,
-                              const int sink, const int wo, const int kvh, const int num_pages,
-                              const int kv, int* slot)
+/* byte offset of the (kind kv, head kvh) region of page `page` */
+inline ulong clattn_region_of(const int page, const int kv, const int kvh)
 {
-    const int off = row < sink ? row : row - sink + wo;
-    const int pg = page_indices[p0 + off / ${PS}];
-    const int page = pg < 0 ? 0 : (pg >= num_pages ? num_pages - 1 : pg);
-    *slot = off % ${PS};
     return (ulong)page * ${PAGE_BYTES} + (kv ? ${HKV * K_REGION} + kvh * ${V_REGION} : kvh * ${K_REGION});
 }
 % endif
@@ -96,17 +84,7 @@ inline ulong clattn_region_at(const __global int* page_indices, const int p0, co
 ## float pools: an element pointer; byte pools: the data bytes and, when quantized, the
 ## row's f16 scales (name_s).
 <%def name="row_ptr(kind, name, row)">\
-% if not BYTE_POOL:
-const __global kv_t* ${name} = pages + clattn_row_at(page_indices, p0, ${row}, sink, wo, kvh, num_pages, ${kind});\
-% else:
-<% fmt = KFMT if kind == 0 else VFMT; rowb = K_ROWB if kind == 0 else V_ROWB %>\
-int ${name}_slot; const ulong ${name}_reg = clattn_region_at(page_indices, p0, ${row}, sink, wo, kvh, num_pages, ${kind}, &${name}_slot);
-            const __global uchar* ${name} = pages + ${name}_reg + (ulong)${name}_slot * ${rowb};\
-%   if fmt in ("q8_0", "q4_0"):
-
-            const __global ushort* ${name}_s = (const __global ushort*)(pages + ${name}_reg + ${PS * rowb}) + ${name}_slot * ${D // 32};\
-%   endif
-% endif
+${page_ptr(kind, name, "clattn_page_of(page_indices, p0, %s, sink, wo, num_pages)" % row, "clattn_slot_of(%s, sink, wo)" % row)}\
 </%def>
 ## Declare pointers to the K (kind 0) or V (kind 1) row in slot `slot` of the (clamped)
 ## page `page`, with row_ptr's names.
@@ -115,7 +93,7 @@ int ${name}_slot; const ulong ${name}_reg = clattn_region_at(page_indices, p0, $
 const __global kv_t* ${name} = pages + ((((ulong)(${page}) * 2 + ${kind}) * ${HKV} + kvh) * ${PS} + (${slot})) * ${D};\
 % else:
 <% fmt = KFMT if kind == 0 else VFMT; rowb = K_ROWB if kind == 0 else V_ROWB %>\
-const ulong ${name}_reg = (ulong)(${page}) * ${PAGE_BYTES} + ${"kvh * %d" % K_REGION if kind == 0 else "%d + kvh * %d" % (HKV * K_REGION, V_REGION)};
+const ulong ${name}_reg = clattn_region_of(${page}, ${kind}, kvh);
             const __global uchar* ${name} = pages + ${name}_reg + (ulong)(${slot}) * ${rowb};\
 %   if fmt in ("q8_0", "q4_0"):
 
@@ -180,17 +158,3 @@ inline float clattn_h2f_1(const ushort u)
 % endif
 </%def>
 
-## Declare the V row pointer `name` of the row whose K pointer row_ptr declared as
-## `kname`: the same page-table read serves both (V lies a fixed distance after K).
-<%def name="v_ptr_from_k(name, kname)">\
-% if not BYTE_POOL:
-const __global kv_t* ${name} = ${kname} + ${HKV * PS * D};\
-% else:
-const ulong ${name}_reg = ${kname}_reg + ${HKV * K_REGION} + kvh * ${V_REGION - K_REGION};
-            const __global uchar* ${name} = pages + ${name}_reg + (ulong)${kname}_slot * ${V_ROWB};\
-%   if VFMT in ("q8_0", "q4_0"):
-
-            const __global ushort* ${name}_s = (const __global ushort*)(pages + ${name}_reg + ${PS * V_ROWB}) + ${kname}_slot * ${D // 32};\
-%   endif
-% endif
-</%def>
