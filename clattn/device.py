@@ -7,6 +7,7 @@ from typing import Any, Callable, Mapping
 
 from . import runtime
 from .fit import Limits
+from .compiler_probe import prefetch_works, storage_half_works
 from .profiles.record import Profile
 from .runtime import cl as _cl
 
@@ -71,7 +72,12 @@ def device_setup(runtime: Any, profile: Any = None) -> DeviceSetup:
         denorms = bool(runtime.device.single_fp_config & _cl().device_fp_config.DENORM)
     except Exception:  # noqa: BLE001 - a driver without the query
         denorms = False
-    return DeviceSetup(runtime, info, fitted, rule, replace(limits, denorms=denorms))
+    # without cl_khr_fp16, the CPU-style kernels convert f16 through clang's __fp16 where
+    # the compiler gets every case right (one hardware conversion per vector)
+    storage = not limits.has_fp16 and storage_half_works(runtime, limits.rows_max_vec)
+    return DeviceSetup(runtime, info, fitted, rule,
+                       replace(limits, denorms=denorms, storage_half=storage,
+                               prefetch=prefetch_works(runtime)))
 
 
 def open_backend(device: Any, backend: str, profile: Any) -> DeviceSetup | None:

@@ -27,6 +27,12 @@ SUBGROUP_REQUESTS = {
 QCOM_WAVES = {64: "half", 128: "full"}
 
 
+#: platforms whose compiler cannot build the rows kernels with wider float vectors: PoCL's
+#: PyPI build reports a native float width of 16 on AVX-512 hosts but compiles its
+#: kernels without avx512f, and LLVM then aborts the process on 16-float vectors ("Do not
+#: know how to split this operator's operand") or miscompiles them (measured on a Zen 4)
+ROWS_VEC_CAPS = {"Portable Computing Language": 8}
+
 #: local memory assumed where a device record does not report it: the least OpenCL requires
 #: of a device that is not of type CL_DEVICE_TYPE_CUSTOM
 UNREPORTED_LOCAL_MEM = 32768
@@ -50,6 +56,12 @@ class Limits:
     subgroup_sizes: tuple = ()
     khr_subgroups: bool = False  # cl_khr_subgroups: its pragma enables the functions
     denorms: bool = False  # single precision keeps subnormals (CL_FP_DENORM)
+    #: the compiler converts clang's ``__fp16`` storage type exactly (clattn.compiler_probe)
+    storage_half: bool = False
+    #: the compiler builds and runs ``__builtin_prefetch`` (clattn.compiler_probe)
+    prefetch: bool = False
+    #: widest float vector the rows kernels may use (see ROWS_VEC_CAPS)
+    rows_max_vec: int = 16
 
     @classmethod
     def from_info(cls, info: Mapping[str, Any]) -> "Limits":
@@ -74,6 +86,7 @@ class Limits:
             # not reported (an incomplete record): OpenCL's minimum for a device that is
             # not of type CUSTOM, 32 KiB (CL_DEVICE_LOCAL_MEM_SIZE)
             local_mem_size=int(info.get("local_mem_size_bytes") or UNREPORTED_LOCAL_MEM),
+            rows_max_vec=ROWS_VEC_CAPS.get(str(info.get("platform_name")), 16),
             has_fp16=bool(info.get("has_fp16")),
             subgroups=kind, subgroup_sizes=sizes, khr_subgroups="cl_khr_subgroups" in names,
         )
@@ -84,8 +97,9 @@ class DecodeGeometry:
     """Everything the decode template and its launch need besides the spec.
 
     ``vec`` floats per load; ``tile`` rows per block (rows) or per row slice per step
-    (tiled). rows only: ``vec_rope`` (keys rotated a vector at a time) and ``v_chunks``
-    (head_dim chunks of V accumulated per pass). tiled only: the work-group shape
+    (tiled). rows only: ``vec_rope`` (keys rotated a vector at a time), ``v_chunks``
+    (head_dim chunks of V accumulated per pass) and ``prefetch`` (blocks ahead whose K and
+    V rows are prefetched; 0: none). tiled only: the work-group shape
     ``bdx x bdy x bdz`` (head_dim lanes x 1 x row slices; each work-item serves the
     ``ceil(G / gdz)`` query heads of its head slice), ``gdz`` head slices per KV head,
     ``use_local`` (K/V staged in local memory: never, the tiled kernel keeps them in
@@ -109,8 +123,10 @@ class DecodeGeometry:
     native_fp16: bool = False
     local_mem_bytes: int = 0
     denorms: bool = False
+    storage_half: bool = False  # f16 converted through clang's __fp16 (rows kernels)
     vec_rope: bool = False
     v_chunks: int = 1
+    prefetch: int = 0
     notes: tuple = field(default=(), compare=False)
 
     def local_size(self) -> tuple[int, int, int]:
@@ -127,16 +143,32 @@ class DecodeGeometry:
         return self.bdx * self.bdy * self.bdz
 
 
-def _vec_for(d: int, want: int) -> int:
-    v = want
+def _vec_for(d: int, want: int, cap: int = 16) -> int:
+    v = min(want, cap)
     while v > 1 and d % v:
         v //= 2
     return v
 
 
+def _rows_vec(d: int, want: int, limits: Limits, notes: list) -> int:
+    """The rows kernels' vector width: the profile's, cut to divide head_dim ``d`` and to
+    what the device's compiler builds (``limits.rows_max_vec``); each cut noted."""
+    vec = _vec_for(d, want, limits.rows_max_vec)
+    if want > limits.rows_max_vec:
+        notes.append(f"vec {want} -> {vec}: this platform's compiler builds the rows kernels "
+                     f"with at most {limits.rows_max_vec} floats per vector")
+    elif vec != want:
+        notes.append(f"vec {want} -> {vec}: head_dim {d}")
+    return vec
+
+
 #: tiled decode: query heads a work-item serves at most (q, running state and accumulator
 #: of each in registers); a larger group is split over ``gdz`` work-groups per KV head
 TILED_MAX_HEADS = 8
+#: rows decode: blocks ahead whose rows are prefetched where the compiler can (one block,
+#: 8-16 rows, is several microseconds of work: far more than a memory latency)
+PREFETCH_BLOCKS = 1
+
 #: tiled decode: (row, head) scores a work-item keeps at most per step (``tile x heads``)
 TILED_MAX_SCORES = 32
 
@@ -162,8 +194,8 @@ def _tiled_local_bytes(d: int, bdx: int, bdz: int, tile: int, heads: int,
 def _rows_geometry(spec: AttentionSpec, profile: Profile, limits: Limits,
                    native: bool) -> DecodeGeometry:
     tile = 1 << (min(max(1, profile.tile_rows), 16).bit_length() - 1)  # 1, 2, 4, 8 or 16
-    vec = _vec_for(spec.head_dim, profile.vec)
-    notes = [] if vec == profile.vec else [f"vec {profile.vec} -> {vec}: head_dim {spec.head_dim}"]
+    notes: list = []
+    vec = _rows_vec(spec.head_dim, profile.vec, limits, notes)
     if tile != profile.tile_rows:
         notes.append(f"tile_rows {profile.tile_rows} -> {tile}: the rows kernel takes a power of "
                      f"two up to 16")
@@ -175,6 +207,8 @@ def _rows_geometry(spec: AttentionSpec, profile: Profile, limits: Limits,
     # two chunks per pass while 2 x G accumulators + the loads fit 16 vector registers
     v_chunks = 2 if nv % 2 == 0 and 2 * spec.group_size + 3 <= 16 else 1
     return DecodeGeometry("rows", vec, tile, native_fp16=native, denorms=limits.denorms,
+                          storage_half=limits.storage_half,
+                          prefetch=PREFETCH_BLOCKS if limits.prefetch else 0,
                           vec_rope=vec_rope, v_chunks=v_chunks, notes=tuple(notes))
 
 
@@ -291,6 +325,7 @@ class MergeGeometry:
     threads: int = 64  # work-items striding over the rows (rows)
     native_fp16: bool = False
     denorms: bool = False
+    storage_half: bool = False  # f16 converted through clang's __fp16 (rows kernels)
 
     def sizes(self, nh: int, head_dim: int) -> tuple[tuple, tuple]:
         """(global, local) sizes for ``nh`` (state, head) pairs."""
@@ -305,8 +340,9 @@ def merge_geometry(head_dim: int, dtype: str, profile: Profile, limits: Limits) 
     native = bool(profile.native_fp16 and limits.has_fp16 and dtype == "float16")
     vec = _vec_for(head_dim, profile.vec)
     if profile.strategy == "rows":
+        vec = _vec_for(head_dim, profile.vec, limits.rows_max_vec)
         return MergeGeometry("rows", vec, threads=limit, native_fp16=native,
-                             denorms=limits.denorms)
+                             denorms=limits.denorms, storage_half=limits.storage_half)
     while head_dim // vec > min(limit, limits.max_work_item_sizes[0]) and vec < 16 and \
             head_dim % (vec * 2) == 0:
         vec *= 2
@@ -348,6 +384,7 @@ class PrefillGeometry:
     tr: int = 1
     native_fp16: bool = False
     denorms: bool = False
+    storage_half: bool = False  # f16 converted through clang's __fp16 (rows kernels)
     local_mem_bytes: int = 0
     notes: tuple = field(default=(), compare=False)
 
@@ -419,9 +456,7 @@ def _prefill_rows(spec: AttentionSpec, profile: Profile, limits: Limits,
                   native: bool) -> PrefillGeometry:
     D, G = spec.head_dim, spec.group_size
     notes = []
-    vec = _vec_for(D, profile.vec)
-    if vec != profile.vec:
-        notes.append(f"vec {profile.vec} -> {vec}: head_dim {D}")
+    vec = _rows_vec(D, profile.vec, limits, notes)
     kb_field = "prefill_kb" if profile.prefill_kb is not None else "tile_rows"
     want_kb = getattr(profile, kb_field)
     kb = 1 << (min(max(1, want_kb), PREFILL_MAX_KB).bit_length() - 1)
@@ -438,6 +473,7 @@ def _prefill_rows(spec: AttentionSpec, profile: Profile, limits: Limits,
                          f"most {PREFILL_ROWS} (query, head) rows per work-item ({G} heads "
                          f"per query)")
     return PrefillGeometry("rows", vec, qb, kb, native_fp16=native, denorms=limits.denorms,
+                           storage_half=limits.storage_half,
                            notes=tuple(notes))
 
 
@@ -525,4 +561,5 @@ def prefill_geometry(spec: AttentionSpec, profile: Profile, limits: Limits) -> P
     notes += cuts.notes({"prefill_qb": qb, "prefill_kb": tc * rk, "prefill_tc": tc,
                          "prefill_rm": rm_eff})
     return PrefillGeometry("tiled", 1, qb, tc * rk, rm=rm_eff, tc=tc, tr=tr, native_fp16=native,
-                           denorms=limits.denorms, local_mem_bytes=need, notes=tuple(notes))
+                           denorms=limits.denorms, storage_half=limits.storage_half,
+                           local_mem_bytes=need, notes=tuple(notes))

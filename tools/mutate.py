@@ -82,8 +82,9 @@ MUTANTS = [
     Mutant("f2h-truncates", COMMON, [
         ("const ${UI} nrm = (a - (112u << 23) + 0xfffu + ((a >> 13) & 1u)) >> 13;",
          "const ${UI} nrm = (a - (112u << 23)) >> 13;")],
-        [KT, "tests/test_kernel_numerics.py", "-k", k("split or merge", "pocl")],
-        "the CPU kernels' own f32->f16 conversion (merge of split partitions) truncates",
+        ["tests/test_compiler_probe.py", "-k", "integer and pocl"],
+        "the CPU kernels' integer f32->f16 conversion (drivers without cl_khr_fp16 or "
+        "__fp16) truncates",
         "kernel"),
     Mutant("merge-native-f16-rtz", MERGE, [
         ('convert_%s_rte(%s);" % (ptr, FV.replace("float", "half"), val)',

@@ -125,7 +125,7 @@ vstore_half${vec}_rte(${val}, 0, ${ptr});\
 
 ## Raw vector loads for CPU-style kernels: ld_t is an element-aligned vector type (an
 ## unaligned load with no library call), clattn_h2f/clattn_f2h convert f16 exactly.
-## Parameters used: DTYPE, DENORMS.
+## Parameters used: DTYPE, DENORMS, STORAGE_HALF (convert through clang's __fp16).
 <%def name="raw_loads(V)">
 <%
 FV = "float" if V == 1 else "float%d" % V
@@ -135,6 +135,30 @@ UI = "uint" if V == 1 else "uint%d" % V
 typedef ${FV} __attribute__((aligned(4))) ldf_t;
 typedef ${UV} __attribute__((aligned(2))) ldh_t;
 typedef ${"ldf_t" if DTYPE == "float" else "ldh_t"} ld_t;
+% if STORAGE_HALF:
+/* f16 <-> f32 through clang's storage-only __fp16 type: one hardware conversion per
+   vector (x86 F16C, Arm), exact both ways (round to nearest even); used where the
+   driver passed clattn.compiler_probe's check */
+/* (scalars go through two-lane vectors: OpenCL C allows no scalar __fp16 value) */
+typedef __fp16 clattn_hv_t __attribute__((ext_vector_type(${max(V, 2)})));
+inline ${FV} clattn_h2f(const ${UV} u)
+{
+%   if V == 1:
+    return __builtin_convertvector(__builtin_astype((ushort2)(u, 0), clattn_hv_t), float2).x;
+%   else:
+    return __builtin_convertvector(__builtin_astype(u, clattn_hv_t), ${FV});
+%   endif
+}
+
+inline ${UV} clattn_f2h(const ${FV} f)
+{
+%   if V == 1:
+    return __builtin_astype(__builtin_convertvector((float2)(f, 0.0f), clattn_hv_t), ushort2).x;
+%   else:
+    return __builtin_astype(__builtin_convertvector(f, clattn_hv_t), ${UV});
+%   endif
+}
+% else:
 /* exact f16 -> f32 (normals, subnormals, inf, nan) without library calls */
 inline ${FV} clattn_h2f(const ${UV} u)
 {
@@ -168,4 +192,5 @@ inline ${UV} clattn_f2h(const ${FV} f)
     h = a > 0x7f800000u ? (${UI})0x7e00u : h;                         /* nan */
     return convert_${UV}(h | sgn);
 }
+% endif
 </%def>

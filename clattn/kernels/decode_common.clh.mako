@@ -158,3 +158,40 @@ inline float clattn_h2f_1(const ushort u)
 % endif
 </%def>
 
+
+## The page and slot of rows [r, r + n) of the chunk into pg[], sl[] (n <= the arrays'
+## length): one page-table read per page the rows touch (the rows of a page are
+## consecutive slots; a new page starts at a slot PS or where the sinks end).
+<%def name="block_pages(r, n, pg, sl)">            {
+                int cur_pg = clattn_page_of(page_indices, p0, ${r}, sink, wo, num_pages);
+                int cur_sl = clattn_slot_of(${r}, sink, wo);
+                for (int j = 0; j < ${n}; ++j) {
+                    if (j > 0 && (++cur_sl == ${PS} || ${r} + j == sink)) {
+                        cur_pg = clattn_page_of(page_indices, p0, ${r} + j, sink, wo, num_pages);
+                        cur_sl = clattn_slot_of(${r} + j, sink, wo);
+                    }
+                    ${pg}[j] = cur_pg;
+                    ${sl}[j] = cur_sl;
+                }
+            }
+</%def>
+
+## Prefetch the K and V rows of a later block, [r, r + n) (n <= TILE), into the cache,
+## one hint per 64-byte line: the pages of a sequence lie anywhere in the pool, and a
+## CPU's own prefetchers stop at each page of the pool, so every block would otherwise
+## start with a full memory latency. Locality 2 (x86: prefetcht1, into L2) measured
+## faster than 3 (into L1) on both CPU drivers: the L1's miss buffers are kept for the
+## block being computed.
+<%def name="prefetch_block(r, n)"><% rowb = [K_ROWB, V_ROWB] if BYTE_POOL else [D * (2 if DTYPE == "half" else 4)] * 2 %>        {
+            int pf_pg[${TILE}], pf_sl[${TILE}];
+${block_pages(r, n, "pf_pg", "pf_sl")}
+            for (int j = 0; j < ${n}; ++j) {
+% for kind in (0, 1):
+                ${page_ptr(kind, "pf%d" % kind, "pf_pg[j]", "pf_sl[j]")}
+%   for off in range(0, rowb[kind], 64):
+                __builtin_prefetch((const __global uchar*)pf${kind} + ${off}, 0, 2);
+%   endfor
+% endfor
+            }
+        }
+</%def>

@@ -14,6 +14,9 @@ Template parameters (clattn.codegen.render_decode, from clattn.fit.DecodeGeometr
   VEC, TILE            floats per vector load; rows scored per block
   VEC_ROPE             keys rotated VEC lanes at a time (else through a private row)
   V_CHUNKS             head_dim chunks of V accumulated per pass over a block's rows
+  PREFETCH             blocks ahead whose K/V rows are prefetched (0: none; clang's
+                       __builtin_prefetch, where clattn.compiler_probe found it works)
+  STORAGE_HALF         f16 converted through clang's __fp16 (common.clh.mako)
   SIGNATURE, FIXUP     parameter list and pointer fix-up from clattn.signatures.DECODE
 Every index read from the page table is clamped: no input makes the kernel read or
 write out of bounds.
@@ -24,8 +27,6 @@ ${c.prelude()}
 ${d.setup()}
 <% NV = D // VEC %>\
 <%
-def hsum(v):
-    return d.attr.hsum(v, VEC)
 def score(x):
     return d.attr.score(x, SOFTCAP)
 %>\
@@ -95,6 +96,39 @@ typedef ${"half" if V == 1 else "half%d" % V} __attribute__((aligned(2))) ldn_t;
 <%
 FT = "float" if TILE == 1 else "float%d" % TILE
 IT = "int" if TILE == 1 else "int%d" % TILE
+def block_sums(arr, name):
+    """(statements, expression): the float<TILE> of the sums of arr[0..TILE-1]
+    (float<VEC> each), lane j = row j. The vectors are folded to w = min(VEC, TILE)
+    lanes, then each group of w is summed together by pairing, each level halving the
+    lanes per row (lanes i < w/2 of pair(a, b) are a's lanes 2i + 2i+1, the rest b's),
+    and the groups' results joined. Component swizzles only (no .even/.odd, which
+    Oclgrind's uninitialised-value check cannot run); temporaries named name_*."""
+    w = V
+    terms = ["%s[%d]" % (arr, j) for j in range(TILE)]
+    while w > TILE:
+        terms = ["((%s).lo + (%s).hi)" % (t, t) for t in terms]
+        w //= 2
+    if w == 1:
+        return [], (terms[0] if TILE == 1 else "(%s)(%s)" % (FT, ", ".join(terms)))
+    fw = "float%d" % w
+    lines, groups = [], []
+    for g0 in range(0, TILE, w):
+        level = []
+        for k, t in enumerate(terms[g0:g0 + w]):
+            level.append("%s_%d_%d" % (name, g0, k))
+            lines.append("const %s %s = %s;" % (fw, level[-1], t))
+        depth = 0
+        while len(level) > 1:
+            depth += 1
+            nxt = []
+            for k, (a, b) in enumerate(zip(level[0::2], level[1::2])):
+                nxt.append("%s_%d_%d_%d" % (name, g0, depth, k))
+                lines.append("const %s %s = (%s)(%s);" % (fw, nxt[-1], fw, ", ".join(
+                    "%s.s%x + %s.s%x" % (v, 2 * i, v, 2 * i + 1) for v in (a, b)
+                    for i in range(w // 2))))
+            level = nxt
+        groups.append(level[0])
+    return lines, (groups[0] if len(groups) == 1 else "(%s)(%s)" % (FT, ", ".join(groups)))
 def hred(v, op, n):
     """Reduce a float<n> expression to a float with a tree of .lo/.hi halves."""
     while n > 1:
@@ -188,13 +222,23 @@ ${rotate_row("f", "q_pos[b]")}
 
     for (int r0 = r_lo; r0 < r_hi; r0 += ${TILE}) {
         const int n = min(${TILE}, r_hi - r0);
+% if PREFETCH:
+        /* the rows PREFETCH blocks ahead, while this block computes */
+        if (r0 + ${PREFETCH * TILE} < r_hi)
+${d.prefetch_block("(r0 + %d)" % (PREFETCH * TILE), "min(%d, r_hi - r0 - %d)" % (TILE, PREFETCH * TILE))}
+% endif
+        int pg[${TILE}], sl[${TILE}];
+${d.block_pages("r0", "n", "pg", "sl")}
+        /* per head: each row's partial dot products (summed across rows below, one
+           tree for the whole block) and then the block's weights */
 % for g in range(G):
         float s${g}[${TILE}] __attribute__((aligned(64)));
+        ${FV} tv${g}[${TILE}];
 % endfor
         if (n < ${TILE}) {
             for (int j = n; j < ${TILE}; ++j) {
 % for g in range(G):
-                s${g}[j] = -INFINITY;
+                tv${g}[j] = 0.0f;
 % endfor
             }
         }
@@ -212,7 +256,7 @@ ${rotate_row("f", "q_pos[b]")}
 % endif
         }
         for (int j = 0; j < n; ++j) {
-            ${d.row_ptr(0, "kp", "r0 + j")}
+            ${d.page_ptr(0, "kp", "pg[j]", "sl[j]")}
 % if KQ:
             if (!rotary_mode) {   /* scores from the codes, one scale per block */
 %   for bb in range(NB):
@@ -233,16 +277,28 @@ ${rotate_row("f", "q_pos[b]")}
                         ${"t = tb * ks0;" if bb == 0 else "t += tb * ks%d;" % bb}
                     }
 %     endfor
-                    s${g}[j] = ${score(hsum("t"))};
+                    tv${g}[j] = t;
                 }
 %   endfor
                 continue;
             }
 % endif
+            if (!rotary_mode) {   /* chunk by chunk: each chunk of k dies after its G uses */
+%   for i in range(NV):
+                const ${FV} kc${i} = ${lane(0, i, "kp")};
+%     for g in range(G):
+                ${("%s t%d = q%d_0 * kc0;" % (FV, g, g)) if i == 0 else ("t%d += q%d_%d * kc%d;" % (g, g, i, i))}
+%     endfor
+%   endfor
+%   for g in range(G):
+                tv${g}[j] = t${g};
+%   endfor
+                continue;
+            }
 % for i in range(NV):
             ${FV} k${i} = ${lane(0, i, "kp")};
 % endfor
-            if (rotary_mode) {
+            {
 % if VEC_ROPE:
 %   for cc in range(NRV):
                 {
@@ -274,13 +330,20 @@ ${rotate_row("f")}
 %   for i in range(1, NV):
                 t += q${g}_${i} * k${i};
 %   endfor
-                s${g}[j] = ${score(hsum("t"))};
+                tv${g}[j] = t;
             }
 % endfor
         }
 % for g in range(G):
         {
-            const ${FT} sv = *(${FT}*)s${g};
+<% bs_lines, bs = block_sums("tv%d" % g, "bs%d" % g) %>\
+%   for line in bs_lines:
+            ${line}
+%   endfor
+            ${FT} sv = ${score(bs)};
+%   if TILE > 1:
+            sv = n < ${TILE} ? select(sv, (${FT})(-INFINITY), (${IT})(${", ".join(str(j) for j in range(TILE))}) >= n) : sv;
+%   endif
             const float bm = ${hred("sv", "max", TILE)};
             const float mx = bm > m${g} ? bm : m${g};
             const float base = clattn_exp_base(mx);
@@ -303,7 +366,7 @@ ${rotate_row("f")}
         const __global ushort* vrow_s[${TILE}];
 % endif
         for (int j = 0; j < n; ++j) {
-            ${d.row_ptr(1, "vp", "r0 + j")}
+            ${d.page_ptr(1, "vp", "pg[j]", "sl[j]")}
             vrow[j] = vp;
 % if VFMT in ("q8_0", "q4_0"):
             vrow_s[j] = vp_s;

@@ -1,0 +1,141 @@
+"""What a device's OpenCL C compiler offers beyond the standard, checked by running it.
+
+* :func:`storage_half_works`: clang's storage-only ``__fp16`` type. Drivers without
+  ``cl_khr_fp16`` (PoCL on x86) cannot name ``half`` values, but their clang front end
+  still knows ``__fp16``, and on a CPU with F16C (or on Arm) its conversions are single
+  instructions. The CPU-style kernels use them instead of integer conversion code where
+  the driver builds them and converts every half, and every rounding case of f32 to f16,
+  exactly.
+* :func:`prefetch_works`: clang's ``__builtin_prefetch``, which the CPU decode kernel
+  uses to fetch the rows of its next block (OpenCL's own ``prefetch()`` compiles to
+  nothing on the CPU drivers).
+
+Each answer is found once per device and process; any failure means no. The simulator
+(Oclgrind) is not asked: it cannot run ``__builtin_prefetch``, and its kernels should be
+the plain ones.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import numpy as np
+
+from .runtime import cl as _cl
+
+_RESULTS: dict = {}  # (what, device pointer) -> bool
+_LOCK = threading.Lock()
+#: the widths the kernels convert at (each probed up to the device's widest, see
+#: :func:`storage_half_works`)
+PROBE_LANES = (1, 2, 4, 8, 16)
+
+
+def probe_floats() -> np.ndarray:
+    """f32 values covering each f32 -> f16 case: every half, the midpoints between
+    neighbours (ties to even) and one f32 ulp either side, overflow, subnormals, nan."""
+    halves = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16)
+    finite = np.sort(halves[np.isfinite(halves)].astype(np.float64))
+    mids = ((finite[1:] + finite[:-1]) / 2).astype(np.float32)
+    near = np.concatenate([np.nextafter(mids, np.float32(np.inf)),
+                           np.nextafter(mids, np.float32(-np.inf))])
+    extra = np.array([65504.0, 65519.99, 65520.0, 1e5, 3.4e38, np.inf, -np.inf, np.nan,
+                      2.0 ** -25, 2.0 ** -26, 1e-30, -0.0, 0.0], dtype=np.float32)
+    out = np.concatenate([finite.astype(np.float32), mids, near, extra, -extra])
+    pad = (-out.size) % max(PROBE_LANES)
+    return np.concatenate([out, np.zeros(pad, np.float32)])
+
+
+def _same_halves(got: np.ndarray, want: np.ndarray) -> bool:
+    gn, wn = np.isnan(got.view(np.float16)), np.isnan(want.view(np.float16))
+    return bool(np.array_equal(gn, wn) and np.array_equal(got[~gn], want[~wn]))
+
+
+def _same_floats(got: np.ndarray, want: np.ndarray) -> bool:
+    gn, wn = np.isnan(got), np.isnan(want)
+    return bool(np.array_equal(gn, wn) and
+                np.array_equal(got[~gn].view(np.uint32), want[~wn].view(np.uint32)))
+
+
+def check_half(runtime: Any, lanes: int, source: str | None = None) -> bool:
+    """Run the f16 conversion check (``source``: the probe kernel, by default the
+    ``__fp16`` one at ``lanes`` values per conversion) on ``runtime``'s device: every
+    half to f32, and :func:`probe_floats` to f16, bit for bit (any NaN for a NaN)."""
+    from . import codegen
+
+    pcl = _cl()
+    src = source or codegen.render_half_probe(lanes)
+    prg = pcl.Program(runtime.context, src).build()
+    h = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+    x = probe_floats()
+    n = max(h.size, x.size)
+    h = np.resize(h, n)
+    x = np.resize(x, n)
+    mf = pcl.mem_flags
+    ctx, queue = runtime.context, pcl.CommandQueue(runtime.context, runtime.device)
+    hb = pcl.Buffer(ctx, mf.READ_ONLY | mf.COPY_HOST_PTR, hostbuf=h)
+    xb = pcl.Buffer(ctx, mf.READ_ONLY | mf.COPY_HOST_PTR, hostbuf=x)
+    fb = pcl.Buffer(ctx, mf.WRITE_ONLY, n * 4)
+    yb = pcl.Buffer(ctx, mf.WRITE_ONLY, n * 2)
+    prg.clattn_half_probe(queue, (n // lanes,), None, hb, fb, xb, yb)
+    f = np.empty(n, np.float32)
+    y = np.empty(n, np.uint16)
+    pcl.enqueue_copy(queue, f, fb)
+    pcl.enqueue_copy(queue, y, yb)
+    queue.finish()
+    with np.errstate(over="ignore"):
+        want_y = x.astype(np.float16).view(np.uint16)
+    return _same_floats(f, h.view(np.float16).astype(np.float32)) and _same_halves(y, want_y)
+
+
+PREFETCH_SOURCE = """
+__kernel void clattn_prefetch_probe(__global const float* x, __global float* y)
+{
+    const int i = get_global_id(0);
+    __builtin_prefetch((const __global uchar*)(x + i) + 64, 0, 2);
+    y[i] = x[i];
+}
+"""
+
+
+def _check_prefetch(runtime: Any) -> bool:
+    pcl = _cl()
+    prg = pcl.Program(runtime.context, PREFETCH_SOURCE).build()
+    x = np.arange(64, dtype=np.float32)
+    y = np.zeros_like(x)
+    mf = pcl.mem_flags
+    queue = pcl.CommandQueue(runtime.context, runtime.device)
+    xb = pcl.Buffer(runtime.context, mf.READ_ONLY | mf.COPY_HOST_PTR, hostbuf=x)
+    yb = pcl.Buffer(runtime.context, mf.WRITE_ONLY, y.nbytes)
+    prg.clattn_prefetch_probe(queue, (x.size,), None, xb, yb)
+    pcl.enqueue_copy(queue, y, yb)
+    queue.finish()
+    return bool(np.array_equal(x, y))
+
+
+def _answer(what: str, runtime: Any, check) -> bool:
+    from .runtime import is_simulator
+
+    key = (what, runtime.device.int_ptr)
+    with _LOCK:
+        if key in _RESULTS:
+            return _RESULTS[key]
+    try:
+        ok = not is_simulator(runtime.device) and bool(check())
+    except Exception:  # noqa: BLE001 - the compiler lacks it: the standard code
+        ok = False
+    with _LOCK:
+        _RESULTS[key] = ok
+    return ok
+
+
+def storage_half_works(runtime: Any, max_lanes: int = 16) -> bool:
+    """Whether ``runtime``'s device builds the ``__fp16`` conversions and gets every case
+    right, at every width up to ``max_lanes`` (the widest its rows kernels use)."""
+    lanes = tuple(n for n in PROBE_LANES if n <= max_lanes)
+    return _answer(f"storage_half/{max_lanes}", runtime,
+                   lambda: all(check_half(runtime, n) for n in lanes))
+
+
+def prefetch_works(runtime: Any) -> bool:
+    """Whether ``runtime``'s device builds and runs a kernel with ``__builtin_prefetch``."""
+    return _answer("prefetch", runtime, lambda: _check_prefetch(runtime))

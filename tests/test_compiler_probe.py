@@ -1,0 +1,92 @@
+"""clattn.compiler_probe: the checks that turn on the ``__fp16`` conversions and the
+prefetch of the CPU kernels, and the kernels with both off (the standard code every
+other driver runs)."""
+import numpy as np
+import pytest
+
+import clattn
+from clattn import codegen, compiler_probe
+from clattn.runtime import Runtime
+
+from cases import compare, decode_args, make_case, oracle, spec_scenario
+
+
+def test_probe_floats_cover_every_rounding_case():
+    x = compiler_probe.probe_floats()
+    assert x.size % max(compiler_probe.PROBE_LANES) == 0
+    halves = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16)
+    finite = np.unique(halves[np.isfinite(halves)].astype(np.float64))
+    assert np.isin(finite.astype(np.float32), x).all(), "every finite half"
+    mids = ((finite[1:] + finite[:-1]) / 2).astype(np.float32)   # exact in f32
+    assert np.isin(mids, x).all(), "every tie between neighbouring halves"
+    assert np.isin(np.nextafter(mids, np.float32(np.inf)), x).all(), "just past each tie"
+    assert np.isnan(x).any() and np.isin([65520.0, np.inf, -np.inf, 2.0 ** -25], x).all()
+
+
+@pytest.mark.parametrize("lanes", compiler_probe.PROBE_LANES)
+def test_integer_f16_conversion_is_exact(device, lanes):
+    """The integer conversion the kernels use without ``cl_khr_fp16`` and ``__fp16``: every
+    half and every rounding case, bit for bit; also its ``denorms`` variant on a device
+    that keeps f32 subnormals (the only devices it is chosen for)."""
+    import pyopencl as cl
+
+    from clattn.fit import ROWS_VEC_CAPS
+
+    if lanes > ROWS_VEC_CAPS.get(device.platform.name, 16):
+        return   # never built there (and PoCL's LLVM cannot build it on AVX-512 hosts)
+    keeps = bool(device.single_fp_config & cl.device_fp_config.DENORM)
+    for denorms in (False, True) if keeps else (False,):
+        src = codegen.render_half_probe(lanes, storage_half=False, denorms=denorms)
+        assert compiler_probe.check_half(Runtime.for_device(device), lanes, src), \
+            f"denorms={denorms}"
+
+
+def test_check_rejects_a_wrong_conversion(device):
+    """The check can fail: a conversion that truncates instead of rounding is refused."""
+    src = codegen.render_half_probe(8, storage_half=False)
+    wrong = src.replace("+ 0xfffu + ((a >> 13) & 1u)", "")
+    assert wrong != src
+    assert not compiler_probe.check_half(Runtime.for_device(device), 8, wrong)
+
+
+def test_probe_answers_and_fit(device):
+    """What the probe says reaches the geometry: ``__fp16`` only without cl_khr_fp16, the
+    prefetch distance only where ``__builtin_prefetch`` works."""
+    spec = clattn.AttentionSpec(8, 2, 64, page_size=16, dtype="float16")
+    dec = clattn.BatchDecode(spec, device, backend="opencl")
+    rt = dec.setup.runtime
+    lim = dec.setup.limits
+    assert lim.storage_half == (not lim.has_fp16 and
+                                compiler_probe.storage_half_works(rt, lim.rows_max_vec))
+    assert lim.prefetch == compiler_probe.prefetch_works(rt)
+    if dec.geometry.strategy == "rows":
+        assert dec.geometry.storage_half == lim.storage_half
+        assert (dec.geometry.prefetch > 0) == lim.prefetch
+        src = dec.source()
+        assert ("__builtin_prefetch" in src) == lim.prefetch
+        assert ("__fp16" in src) == lim.storage_half
+
+
+SHAPES = [
+    spec_scenario("gqa4-d128", 8, 2, 128, page_size=16, dtype="float16"),
+    spec_scenario("gqa7-d64-win", 7, 1, 64, page_size=8, dtype="float16", sliding_window=True),
+]
+
+
+@pytest.mark.parametrize("sc", SHAPES, ids=str)
+def test_decode_with_the_probed_features_off(device, sc, monkeypatch):
+    """The standard code paths (integer f16 conversion, no prefetch) stay right on the
+    devices that would otherwise use ``__fp16`` and the prefetch."""
+    monkeypatch.setattr(clattn.device, "storage_half_works", lambda rt, lanes=16: False)
+    monkeypatch.setattr(clattn.device, "prefetch_works", lambda rt: False)
+    dec = clattn.BatchDecode(sc.spec, device, backend="opencl")
+    assert not dec.setup.limits.storage_half and not dec.setup.limits.prefetch
+    assert dec.geometry.prefetch == 0 and not dec.geometry.storage_half
+    win = dict(window=[5, 0, 40], sinks=[2, 0, 4]) if sc.spec.sliding_window else {}
+    for rope in (False, True):
+        case = make_case(sc.spec, [37, 1, 70], seed=3, rope=rope, **win)
+        args, call = decode_args(case)
+        mode = {"rotary_mode": 1} if rope else {}
+        res = dec.run(*args, **call, **sc.call, **mode)
+        compare(res.out, res.lse, *oracle(sc, case, **mode), sc.spec.dtype,
+                what=f"{sc} rope={rope}: ")
