@@ -176,22 +176,20 @@ inline float clattn_h2f_1(const ushort u)
             }
 </%def>
 
-## Prefetch the K and V rows of a later block, [r, r + n) (n <= TILE), into the cache,
-## one hint per 64-byte line: the pages of a sequence lie anywhere in the pool, and a
+## Prefetch the K and V rows in slot slv of page pgv (a row of a later block) into the
+## cache, one hint per 64-byte line: the pages of a sequence lie anywhere in the pool, and a
 ## CPU's own prefetchers stop at each page of the pool, so every block would otherwise
 ## start with a full memory latency. Locality 2 (x86: prefetcht1, into L2) measured
 ## faster than 3 (into L1) on both CPU drivers: the L1's miss buffers are kept for the
 ## block being computed.
-<%def name="prefetch_block(r, n)"><% rowb = [K_ROWB, V_ROWB] if BYTE_POOL else [D * (2 if DTYPE == "half" else 4)] * 2 %>        {
-            int pf_pg[${TILE}], pf_sl[${TILE}];
-${block_pages(r, n, "pf_pg", "pf_sl")}
-            for (int j = 0; j < ${n}; ++j) {
+<%def name="prefetch_row(pgv, slv)">\
+<% rowb = [K_ROWB, V_ROWB] if BYTE_POOL else [D * (2 if DTYPE == "half" else 4)] * 2 %>\
+            {
 % for kind in (0, 1):
-                ${page_ptr(kind, "pf%d" % kind, "pf_pg[j]", "pf_sl[j]")}
+                ${page_ptr(kind, "pf%d" % kind, pgv, slv)}
 %   for off in range(0, rowb[kind], 64):
                 __builtin_prefetch((const __global uchar*)pf${kind} + ${off}, 0, 2);
 %   endfor
 % endfor
             }
-        }
 </%def>

@@ -223,9 +223,12 @@ ${rotate_row("f", "q_pos[b]")}
     for (int r0 = r_lo; r0 < r_hi; r0 += ${TILE}) {
         const int n = min(${TILE}, r_hi - r0);
 % if PREFETCH:
-        /* the rows PREFETCH blocks ahead, while this block computes */
-        if (r0 + ${PREFETCH * TILE} < r_hi)
-${d.prefetch_block("(r0 + %d)" % (PREFETCH * TILE), "min(%d, r_hi - r0 - %d)" % (TILE, PREFETCH * TILE))}
+        /* the rows PREFETCH blocks ahead, one per row of this block (a burst of a whole
+           block's lines at once fills the miss queues and measured slower) */
+        int pf_pg[${TILE}], pf_sl[${TILE}];
+        const int pf_n = clamp(r_hi - r0 - ${PREFETCH * TILE}, 0, ${TILE});
+        if (pf_n > 0)
+${d.block_pages("(r0 + %d)" % (PREFETCH * TILE), "pf_n", "pf_pg", "pf_sl")}
 % endif
         int pg[${TILE}], sl[${TILE}];
 ${d.block_pages("r0", "n", "pg", "sl")}
@@ -256,6 +259,10 @@ ${d.block_pages("r0", "n", "pg", "sl")}
 % endif
         }
         for (int j = 0; j < n; ++j) {
+% if PREFETCH:
+            if (j < pf_n)
+${d.prefetch_row("pf_pg[j]", "pf_sl[j]")}
+% endif
             ${d.page_ptr(0, "kp", "pg[j]", "sl[j]")}
 % if KQ:
             if (!rotary_mode) {   /* scores from the codes, one scale per block */
