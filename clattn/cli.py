@@ -7,7 +7,7 @@ import sys
 
 from . import runtime
 from .codegen import render_decode, render_merge
-from .device import resolve_profile
+from .device import probed_limits, resolve_profile
 from .fit import Limits, decode_geometry, merge_geometry
 from .profiles import device_info, fit, format_profiles_report
 from .spec import AttentionSpec
@@ -61,7 +61,7 @@ def cmd_render(args: argparse.Namespace) -> int:
         if args.profile and args.profile.lstrip().startswith("{") else args.profile
     prof, rule = resolve_profile(info, profile)
     prof, notes = fit(prof, info) if info else (prof, [])
-    limits = Limits.from_info(info) if info else Limits()
+    limits = probed_limits(runtime.Runtime.for_device(dev), info) if info else Limits()
     head = [f"clattn {args.kernel} kernel for {spec}",
             f"device: {dev.name if dev is not None else 'none (generic limits)'}",
             f"profile: {prof.name} ({rule})"] + [f"note: {n}" for n in notes]

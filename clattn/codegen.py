@@ -36,8 +36,9 @@ def render_decode(spec: AttentionSpec, geom: DecodeGeometry) -> str:
         D=spec.head_dim, HQO=spec.num_qo_heads, HKV=spec.num_kv_heads, G=spec.group_size,
         PS=spec.page_size, ROT=spec.rotary_dim, INTERLEAVED=scaling.interleaved,
         SLIDING=spec.sliding_window, SOFTCAP=spec.softcap, DTYPE=_cl_dtype(spec.dtype),
-        DENORMS=geom.denorms, STORAGE_HALF=geom.storage_half, NATIVE_HALF=geom.native_fp16, PRAGMAS=geom.pragmas,
-        VEC=geom.vec, TILE=geom.tile, PREFETCH=geom.prefetch, VEC_ROPE=geom.vec_rope, V_CHUNKS=geom.v_chunks,
+        DENORMS=geom.denorms, STORAGE_HALF=geom.storage_half, NATIVE_HALF=geom.native_fp16,
+        PRAGMAS=geom.pragmas, VEC=geom.vec, TILE=geom.tile, PREFETCH=geom.prefetch,
+        VEC_ROPE=geom.vec_rope, V_CHUNKS=geom.v_chunks,
         BDX=geom.bdx, BDY=geom.bdy, BDZ=geom.bdz, GDZ=geom.gdz, USE_LOCAL=geom.use_local,
         REDUCE=geom.reduction, SGS=geom.subgroup_size, SG_ATTR=geom.subgroup_attr,
         SIGNATURE=table.signature(), FIXUP=table.fixup(), **_pool_params(spec))
@@ -59,7 +60,8 @@ def render_merge(head_dim: int, dtype: str, vin: str, geom: MergeGeometry) -> st
     pair, varlen = signatures.MERGE_PAIR, signatures.MERGE_VARLEN
     return _lookup().get_template("merge.cl.mako").render(
         D=head_dim, DTYPE=_cl_dtype(dtype), VIN=_cl_dtype(vin), NATIVE_HALF=geom.native_fp16,
-        DENORMS=geom.denorms, STORAGE_HALF=geom.storage_half, PRAGMAS=(), STRATEGY=geom.strategy, VEC=geom.vec, MH=geom.mh,
+        DENORMS=geom.denorms, STORAGE_HALF=geom.storage_half, PRAGMAS=(),
+        STRATEGY=geom.strategy, VEC=geom.vec, MH=geom.mh,
         PAIR_SIGNATURE=pair.signature(), PAIR_FIXUP=pair.fixup(),
         VARLEN_SIGNATURE=varlen.signature(), VARLEN_FIXUP=varlen.fixup())
 
@@ -73,8 +75,8 @@ def render_append(spec: AttentionSpec, geom: MergeGeometry) -> str:
     return _lookup().get_template("append.cl.mako").render(
         D=spec.head_dim, HKV=spec.num_kv_heads, PS=spec.page_size, ROT=spec.rotary_dim,
         INTERLEAVED=scaling.interleaved, DTYPE=_cl_dtype(spec.dtype),
-        NATIVE_HALF=geom.native_fp16, DENORMS=geom.denorms, STORAGE_HALF=geom.storage_half, PRAGMAS=(),
-        STRATEGY=geom.strategy, VEC=geom.vec, MH=geom.mh,
+        NATIVE_HALF=geom.native_fp16, DENORMS=geom.denorms, STORAGE_HALF=geom.storage_half,
+        PRAGMAS=(), STRATEGY=geom.strategy, VEC=geom.vec, MH=geom.mh,
         APPEND_SIGNATURE=app.signature(), APPEND_FIXUP=app.fixup(),
         CHECK_SIGNATURE=signatures.APPEND_CHECK.signature(),
         COPY_SIGNATURE=cp.signature(), COPY_FIXUP=cp.fixup(), **_pool_params(spec))
@@ -89,8 +91,8 @@ def render_prefill(spec: AttentionSpec, geom: PrefillGeometry) -> str:
         D=spec.head_dim, HQO=spec.num_qo_heads, HKV=spec.num_kv_heads, G=spec.group_size,
         PS=spec.page_size, ROT=spec.rotary_dim, INTERLEAVED=scaling.interleaved,
         SLIDING=spec.sliding_window, SOFTCAP=spec.softcap, DTYPE=_cl_dtype(spec.dtype),
-        DENORMS=geom.denorms, STORAGE_HALF=geom.storage_half, NATIVE_HALF=geom.native_fp16, PRAGMAS=(), VEC=geom.vec,
-        QB=geom.qb, KB=geom.kb, RM=geom.rm, TC=geom.tc, TR=geom.tr,
+        DENORMS=geom.denorms, STORAGE_HALF=geom.storage_half, NATIVE_HALF=geom.native_fp16,
+        PRAGMAS=(), VEC=geom.vec, QB=geom.qb, KB=geom.kb, RM=geom.rm, TC=geom.tc, TR=geom.tr,
         SIGNATURE=table.signature(), FIXUP=table.fixup(), **_pool_params(spec))
 
 

@@ -67,6 +67,12 @@ def device_setup(runtime: Any, profile: Any = None) -> DeviceSetup:
     if notes:
         warnings.warn(f"clattn: profile {prof.name!r} reduced to fit {runtime.device.name!r}: "
                       + "; ".join(notes), RuntimeWarning, stacklevel=3)
+    return DeviceSetup(runtime, info, fitted, rule, probed_limits(runtime, info))
+
+
+def probed_limits(runtime: Any, info: Mapping[str, Any]) -> Limits:
+    """The device facts the fit respects: what ``info`` reports, the subnormal support, and
+    what :mod:`clattn.compiler_probe` finds the compiler does."""
     limits = Limits.from_info(info)
     try:  # subnormal support decides the cheapest exact f16 conversion
         denorms = bool(runtime.device.single_fp_config & _cl().device_fp_config.DENORM)
@@ -75,9 +81,8 @@ def device_setup(runtime: Any, profile: Any = None) -> DeviceSetup:
     # without cl_khr_fp16, the CPU-style kernels convert f16 through clang's __fp16 where
     # the compiler gets every case right (one hardware conversion per vector)
     storage = not limits.has_fp16 and storage_half_works(runtime, limits.rows_max_vec)
-    return DeviceSetup(runtime, info, fitted, rule,
-                       replace(limits, denorms=denorms, storage_half=storage,
-                               prefetch=prefetch_works(runtime)))
+    return replace(limits, denorms=denorms, storage_half=storage,
+                   prefetch=prefetch_works(runtime))
 
 
 def open_backend(device: Any, backend: str, profile: Any) -> DeviceSetup | None:

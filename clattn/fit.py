@@ -165,6 +165,10 @@ def _rows_vec(d: int, want: int, limits: Limits, notes: list) -> int:
 #: tiled decode: query heads a work-item serves at most (q, running state and accumulator
 #: of each in registers); a larger group is split over ``gdz`` work-groups per KV head
 TILED_MAX_HEADS = 8
+
+#: tiled decode: (row, head) scores a work-item keeps at most per step (``tile x heads``)
+TILED_MAX_SCORES = 32
+
 #: rows decode: the prefetch runs this many multiply-adds (G x head_dim per row) ahead of
 #: the block being computed, in whole blocks, at least one and at most PREFETCH_MAX_BLOCKS:
 #: one block of Llama-3-8B's shape (group 4, head_dim 128, 8 rows) is enough, Llama-3.2-1B's
@@ -172,9 +176,6 @@ TILED_MAX_HEADS = 8
 #: and f32), Phi-3's (group 1) gains 8-14% from two and nothing more from four
 PREFETCH_MACS = 4096
 PREFETCH_MAX_BLOCKS = 2
-
-#: tiled decode: (row, head) scores a work-item keeps at most per step (``tile x heads``)
-TILED_MAX_SCORES = 32
 
 
 def tiled_heads(G: int, gdz: int) -> int:
