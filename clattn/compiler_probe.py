@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from .runtime import cl as _cl
+from .runtime import cl as _cl, is_simulator
 
 _RESULTS: dict = {}  # (what, device pointer) -> bool
 _LOCK = threading.Lock()
@@ -56,32 +56,36 @@ def _same_floats(got: np.ndarray, want: np.ndarray) -> bool:
                 np.array_equal(got[~gn].view(np.uint32), want[~wn].view(np.uint32)))
 
 
+def _run(runtime: Any, source: str, kernel: str, inputs: list, outputs: list,
+         size: int) -> list:
+    """Build ``source`` on ``runtime``'s device, run ``kernel`` over ``size`` work-items
+    with the ``inputs`` arrays then empty arrays like ``outputs``, and return those."""
+    pcl = _cl()
+    ctx, mf = runtime.context, pcl.mem_flags
+    queue = pcl.CommandQueue(ctx, runtime.device)
+    bufs = [pcl.Buffer(ctx, mf.READ_ONLY | mf.COPY_HOST_PTR, hostbuf=a) for a in inputs]
+    outs = [np.empty_like(a) for a in outputs]
+    obufs = [pcl.Buffer(ctx, mf.WRITE_ONLY, a.nbytes) for a in outs]
+    prg = pcl.Program(ctx, source).build()
+    getattr(prg, kernel)(queue, (size,), None, *bufs, *obufs)
+    for a, buf in zip(outs, obufs):
+        pcl.enqueue_copy(queue, a, buf)
+    queue.finish()
+    return outs
+
+
 def check_half(runtime: Any, lanes: int, source: str | None = None) -> bool:
     """Run the f16 conversion check (``source``: the probe kernel, by default the
     ``__fp16`` one at ``lanes`` values per conversion) on ``runtime``'s device: every
     half to f32, and :func:`probe_floats` to f16, bit for bit (any NaN for a NaN)."""
     from . import codegen
 
-    pcl = _cl()
-    src = source or codegen.render_half_probe(lanes)
-    prg = pcl.Program(runtime.context, src).build()
     h = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
     x = probe_floats()
     n = max(h.size, x.size)
-    h = np.resize(h, n)
-    x = np.resize(x, n)
-    mf = pcl.mem_flags
-    ctx, queue = runtime.context, pcl.CommandQueue(runtime.context, runtime.device)
-    hb = pcl.Buffer(ctx, mf.READ_ONLY | mf.COPY_HOST_PTR, hostbuf=h)
-    xb = pcl.Buffer(ctx, mf.READ_ONLY | mf.COPY_HOST_PTR, hostbuf=x)
-    fb = pcl.Buffer(ctx, mf.WRITE_ONLY, n * 4)
-    yb = pcl.Buffer(ctx, mf.WRITE_ONLY, n * 2)
-    prg.clattn_half_probe(queue, (n // lanes,), None, hb, fb, xb, yb)
-    f = np.empty(n, np.float32)
-    y = np.empty(n, np.uint16)
-    pcl.enqueue_copy(queue, f, fb)
-    pcl.enqueue_copy(queue, y, yb)
-    queue.finish()
+    h, x = np.resize(h, n), np.resize(x, n)
+    f, y = _run(runtime, source or codegen.render_half_probe(lanes), "clattn_half_probe",
+                [h, x], [np.empty(n, np.float32), np.empty(n, np.uint16)], n // lanes)
     with np.errstate(over="ignore"):
         want_y = x.astype(np.float16).view(np.uint16)
     return _same_floats(f, h.view(np.float16).astype(np.float32)) and _same_halves(y, want_y)
@@ -98,23 +102,12 @@ __kernel void clattn_prefetch_probe(__global const float* x, __global float* y)
 
 
 def _check_prefetch(runtime: Any) -> bool:
-    pcl = _cl()
-    prg = pcl.Program(runtime.context, PREFETCH_SOURCE).build()
     x = np.arange(64, dtype=np.float32)
-    y = np.zeros_like(x)
-    mf = pcl.mem_flags
-    queue = pcl.CommandQueue(runtime.context, runtime.device)
-    xb = pcl.Buffer(runtime.context, mf.READ_ONLY | mf.COPY_HOST_PTR, hostbuf=x)
-    yb = pcl.Buffer(runtime.context, mf.WRITE_ONLY, y.nbytes)
-    prg.clattn_prefetch_probe(queue, (x.size,), None, xb, yb)
-    pcl.enqueue_copy(queue, y, yb)
-    queue.finish()
+    (y,) = _run(runtime, PREFETCH_SOURCE, "clattn_prefetch_probe", [x], [x], x.size)
     return bool(np.array_equal(x, y))
 
 
 def _answer(what: str, runtime: Any, check) -> bool:
-    from .runtime import is_simulator
-
     key = (what, runtime.device.int_ptr)
     with _LOCK:
         if key in _RESULTS:

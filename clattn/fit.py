@@ -349,11 +349,11 @@ class MergeGeometry:
 def merge_geometry(head_dim: int, dtype: str, profile: Profile, limits: Limits) -> MergeGeometry:
     limit = max(1, min(profile.merge_threads, limits.max_work_group_size))
     native = bool(profile.native_fp16 and limits.has_fp16 and dtype == "float16")
-    vec = _vec_for(head_dim, profile.vec)
     if profile.strategy == "rows":
         vec = _vec_for(head_dim, profile.vec, limits.rows_max_vec)
         return MergeGeometry("rows", vec, threads=limit, native_fp16=native,
                              denorms=limits.denorms, storage_half=limits.storage_half)
+    vec = _vec_for(head_dim, profile.vec)
     while head_dim // vec > min(limit, limits.max_work_item_sizes[0]) and vec < 16 and \
             head_dim % (vec * 2) == 0:
         vec *= 2

@@ -30,9 +30,10 @@ def test_integer_f16_conversion_is_exact(device, lanes):
     that keeps f32 subnormals (the only devices it is chosen for)."""
     import pyopencl as cl
 
-    from clattn.fit import ROWS_VEC_CAPS
+    from clattn.fit import Limits
+    from clattn.profiles import device_info
 
-    if lanes > ROWS_VEC_CAPS.get(device.platform.name, 16):
+    if lanes > Limits.from_info(device_info(device)).rows_max_vec:
         return   # never built there (and PoCL's LLVM cannot build it on AVX-512 hosts)
     keeps = bool(device.single_fp_config & cl.device_fp_config.DENORM)
     for denorms in (False, True) if keeps else (False,):

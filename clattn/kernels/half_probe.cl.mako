@@ -10,8 +10,8 @@ UV = "ushort" if V == 1 else "ushort%d" % V
 FV = "float" if V == 1 else "float%d" % V
 %>\
 ${c.raw_loads(V)}
-__kernel void clattn_half_probe(__global const ushort* h, __global float* f,
-                                __global const float* x, __global ushort* y)
+__kernel void clattn_half_probe(__global const ushort* h, __global const float* x,
+                                __global float* f, __global ushort* y)
 {
     const int i = get_global_id(0);
     *(__global ${FV}*)(f + i * ${V}) = clattn_h2f(*(const __global ${UV}*)(h + i * ${V}));
