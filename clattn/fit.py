@@ -210,6 +210,10 @@ def _rows_geometry(spec: AttentionSpec, profile: Profile, limits: Limits,
     if tile != profile.tile_rows:
         notes.append(f"tile_rows {profile.tile_rows} -> {tile}: the rows kernel takes a power of "
                      f"two up to 16")
+    if tile > limits.rows_max_vec:   # a block's scores are one float<tile> vector
+        notes.append(f"tile_rows {tile} -> {limits.rows_max_vec}: this platform's compiler builds "
+                     f"the rows kernels with at most {limits.rows_max_vec} floats per vector")
+        tile = limits.rows_max_vec
     interleaved = parse_rope_scaling(spec.rope_scaling, spec.max_position_embeddings).interleaved
     half = spec.rotary_dim // 2
     vec_rope = (not interleaved and half % vec == 0) or \

@@ -69,3 +69,17 @@ def test_free_subgroups_are_cut_with_reason():
     geom = decode_geometry(clattn.AttentionSpec(8, 2, 128), prof, lim)
     assert geom.reduction == "local"
     assert any("cannot require a sub-group size" in n for n in geom.notes)
+
+
+@pytest.mark.parametrize("tile", [8, 16])
+def test_rows_tile_is_cut_to_what_the_compiler_builds(tile):
+    """A block's scores are one float<tile_rows> vector: a platform whose compiler builds
+    at most 8-float vectors (PoCL on an AVX-512 host: LLVM aborts the process on 16) gets
+    blocks of 8 rows, with the reason."""
+    prof = clattn.Profile(name="t", strategy="rows", vec=8, tile_rows=tile)
+    spec = clattn.AttentionSpec(32, 8, 128, page_size=16, dtype="float16")
+    geom = decode_geometry(spec, prof, Limits(rows_max_vec=8))
+    assert geom.tile == 8
+    assert any(n.startswith("tile_rows 16 -> 8") for n in geom.notes) == (tile == 16)
+    assert "float16 sv" not in render_decode(spec, geom)
+    assert decode_geometry(spec, prof, Limits(rows_max_vec=16)).tile == tile

@@ -1,6 +1,10 @@
 ## Shared pieces of the clattn kernels: typed loads/stores and the RoPE angle.
 ## Parameters: DTYPE ("half"|"float"), NATIVE_HALF (bool), PRAGMAS (extensions to enable)
-<%def name="prelude()">
+## prelude(poly=True): the state math takes 2^x and log2 from the inline polynomials below
+## instead of the library (CPU kernels: PoCL's exp2 and log2 are out-of-line calls that took
+## half the time of its f16 merges, measured with perf); lanes: vector widths V for which
+## the state math is also defined on float<V>, lane by lane (names suffixed _V)
+<%def name="prelude(poly=False, lanes=())">
 % if NATIVE_HALF:
 #pragma OPENCL EXTENSION cl_khr_fp16 : enable
 % endif
@@ -9,6 +13,12 @@
 % endfor
 #define CLATTN_LOG2E 1.4426950408889634f
 #define CLATTN_TWO_PI 6.283185307179586f
+% if poly:
+%   for V in (1,) + tuple(lanes):
+${exp2_poly(V)}
+${log2_poly(V)}
+%   endfor
+% endif
 
 typedef ${"half" if DTYPE == "half" else "float"} st_t;  /* storage type of q, pages, out */
 
@@ -16,16 +26,9 @@ typedef ${"half" if DTYPE == "half" else "float"} st_t;  /* storage type of q, p
    values"). A state is (m, l, acc): running max of base-2 scores, sum of 2^(s - m), and
    the weighted sum of values; its lse is m + log2(l). Empty: l == 0 -> lse = -inf.
    Broken (a NaN or +inf reached it): l is NaN -> lse = NaN, never -inf. */
-inline float clattn_state_lse(const float m, const float l)
-{
-    return l > 0.0f ? m + log2(l) : (l == 0.0f ? -INFINITY : NAN);
-}
-
-/* 1 / l for the output, 0 for an empty state (its acc is 0); NaN stays NaN */
-inline float clattn_state_inv(const float l)
-{
-    return l == 0.0f ? 0.0f : 1.0f / l;
-}
+% for V in (1,) + tuple(lanes):
+${state_math(V, poly)}
+% endfor
 
 /* the base subtracted from the scores before exp2 under a running max mx: mx, or 0 while
    mx is still -inf, so that rows scoring -inf weigh exp2(-inf) = 0 instead of
@@ -49,19 +52,6 @@ inline float clattn_part_inv(const float l, const int rows)
     return (rows && l == 0.0f) ? NAN : clattn_state_inv(l);
 }
 
-/* max that keeps NaN (fmax and max() drop it, which would hide a broken state) */
-inline float clattn_max_nan(const float a, const float b)
-{
-    return (b > a || isnan(b)) ? b : a;
-}
-
-/* weight 2^(s - mx) of a state with lse s in a merge whose largest lse is mx; an empty
-   state (s = -inf) weighs exactly 0, and its v must then not be read into the sum */
-inline float clattn_state_weight(const float s, const float mx)
-{
-    return s == -INFINITY ? 0.0f : exp2(s - mx);
-}
-
 /* angle (radians, reduced to about [-pi, pi]) of position pos for a frequency given in
    turns per position as an (hi, lo) f32 pair, exact over the whole int range: pos is
    split into two 16-bit halves so each product with hi is exact as an fma pair; whole
@@ -77,6 +67,90 @@ inline float clattn_rope_angle(int pos, float2 t)
     float frac = (pa - rint(pa)) + (pb - rint(pb)) + (pl - rint(pl)) + (ea + eb);
     frac -= rint(frac);
     return frac * CLATTN_TWO_PI;
+}
+</%def>
+
+## The state math on float (V = 1) or float<V> lane by lane (names suffixed _V)
+<%def name="state_math(V, poly)">
+<%
+T = "float" if V == 1 else "float%d" % V
+S = "" if V == 1 else "_%d" % V
+EXP2, LOG2 = ("clattn_exp2_%d" % V, "clattn_log2_%d" % V) if poly else ("exp2", "log2")
+def sel(a, b, c):   # c ? b : a (PoCL's scalar select() is an out-of-line call)
+    return "((%s) ? (%s) : (%s))" % (c, b, a) if V == 1 else "select(%s, %s, %s)" % (a, b, c)
+%>\
+/* lse of a state with running max m and sum l */
+inline ${T} clattn_state_lse${S}(const ${T} m, const ${T} l)
+{
+    return ${sel(sel("(%s)(NAN)" % T, "(%s)(-INFINITY)" % T, "l == 0.0f"), "m + %s(l)" % LOG2, "l > 0.0f")};
+}
+
+/* 1 / l for the output, 0 for an empty state (its acc is 0); NaN stays NaN */
+inline ${T} clattn_state_inv${S}(const ${T} l)
+{
+    return ${sel("1.0f / l", "(%s)(0.0f)" % T, "l == 0.0f")};
+}
+
+/* max that keeps NaN (fmax and max() drop it, which would hide a broken state) */
+inline ${T} clattn_max_nan${S}(const ${T} a, const ${T} b)
+{
+    return ${sel("a", "b", "b > a || isnan(b)")};
+}
+
+/* weight 2^(s - mx) of a state with lse s in a merge whose largest lse is mx; an empty
+   state (s = -inf) weighs exactly 0, and its v must then not be read into the sum */
+inline ${T} clattn_state_weight${S}(const ${T} s, const ${T} mx)
+{
+    return ${sel("%s(s - mx)" % EXP2, "(%s)(0.0f)" % T, "s == -INFINITY")};
+}
+</%def>
+
+## 2^x of float<V> (V = 1: float) for x <= 0 (NaN kept), named clattn_exp2_<V>
+<%def name="exp2_poly(V)">
+<% T = "float" if V == 1 else "float%d" % V; I = "int" if V == 1 else "int%d" % V %>\
+/* 2^x for x <= 0 (-inf gives 0) without library calls: round-to-nearest by the
+   1.5 * 2^23 trick, 2^f on [-1/2, 1/2] by its degree-6 Taylor polynomial (error
+   below 2e-7 relative), 2^n as two exponent-field scalings (n down to -150) */
+inline ${T} clattn_exp2_${V}(${T} x)
+{
+    x = x < -150.0f ? (${T})(-150.0f) : x;
+    const ${T} t = x + 12582912.0f;
+    const ${I} n = as_${I}(t) - 0x4B400000;
+    const ${T} f = x - (t - 12582912.0f);
+    ${T} p = 1.5403530e-4f;
+    p = p * f + 1.3333558e-3f;
+    p = p * f + 9.6181291e-3f;
+    p = p * f + 5.5504109e-2f;
+    p = p * f + 2.4022651e-1f;
+    p = p * f + 6.9314718e-1f;
+    p = p * f + 1.0f;
+    const ${I} n1 = n >> 1;
+    return p * as_${T}((n1 + 127) << 23) * as_${T}((n - n1 + 127) << 23);
+}
+</%def>
+
+## log2 of float<V> (V = 1: float) lanes l > 0 (normal or +inf; the state sums it serves
+## are >= 1), named clattn_log2_<V>
+<%def name="log2_poly(V)">
+<% T = "float" if V == 1 else "float%d" % V; I = "int" if V == 1 else "int%d" % V %>\
+/* log2(l) without library calls: l = 2^e * m with m in [sqrt(1/2), sqrt(2)), and
+   log2(m) = 2 atanh(f) / ln 2 with f = (m - 1) / (m + 1), |f| <= 0.172, by its series to
+   f^9 (truncation below 1e-9) */
+inline ${T} clattn_log2_${V}(const ${T} l)
+{
+    const ${I} bits = as_${I}(l);
+    const ${T} m1 = as_${T}((bits & 0x007fffff) | 0x3f800000);
+    const ${I} big = m1 > 1.41421356f;
+    const ${T} m = ${"big ? m1 * 0.5f : m1" if V == 1 else "select(m1, m1 * 0.5f, big)"};
+    const ${T} e = convert_${T}(((bits >> 23) & 0xff) - 127 ${"+" if V == 1 else "-"} big);   /* true: 1, or -1 in a vector */
+    const ${T} f = (m - 1.0f) / (m + 1.0f);
+    const ${T} f2 = f * f;
+    ${T} p = 0.11111111f;
+    p = p * f2 + 0.14285714f;
+    p = p * f2 + 0.2f;
+    p = p * f2 + 0.33333333f;
+    p = p * f2 + 1.0f;
+    return ${"l == INFINITY ? l : e + f * p * 2.88539008f" if V == 1 else "select(e + f * p * 2.88539008f, l, l == INFINITY)"};
 }
 </%def>
 

@@ -23,7 +23,7 @@ write out of bounds.
 </%doc>
 <%namespace name="c" file="common.clh.mako"/>
 <%namespace name="d" file="decode_common.clh.mako"/>
-${c.prelude()}
+${c.prelude(poly=True)}
 ${d.setup()}
 <% NV = D // VEC %>\
 <%
@@ -138,27 +138,9 @@ def hred(v, op, n):
         n //= 2
     return v
 %>\
-% for T, TT, TI in ((1, "float", "int"), (TILE, FT, IT)) if TILE > 1 else ((1, "float", "int"),):
-/* 2^x for x <= 0 (-inf gives 0) without library calls: round-to-nearest by the
-   1.5 * 2^23 trick, 2^f on [-1/2, 1/2] by its degree-6 Taylor polynomial (error
-   below 2e-7 relative), 2^n as two exponent-field scalings (n down to -150) */
-inline ${TT} clattn_exp2_${T}(${TT} x)
-{
-    x = x < -150.0f ? (${TT})(-150.0f) : x;
-    const ${TT} t = x + 12582912.0f;
-    const ${TI} n = as_${TI}(t) - 0x4B400000;
-    const ${TT} f = x - (t - 12582912.0f);
-    ${TT} p = 1.5403530e-4f;
-    p = p * f + 1.3333558e-3f;
-    p = p * f + 9.6181291e-3f;
-    p = p * f + 5.5504109e-2f;
-    p = p * f + 2.4022651e-1f;
-    p = p * f + 6.9314718e-1f;
-    p = p * f + 1.0f;
-    const ${TI} n1 = n >> 1;
-    return p * as_${TT}((n1 + 127) << 23) * as_${TT}((n - n1 + 127) << 23);
-}
-% endfor
+% if TILE > 1:
+${c.exp2_poly(TILE)}
+% endif
 
 __kernel void clattn_decode(${SIGNATURE})
 {

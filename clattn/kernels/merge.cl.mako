@@ -18,7 +18,8 @@ tiled: D/VEC work-items per (n, h); in the pairwise merge every work-item of a h
        rewrote s with no barrier: a race).
 </%doc>
 <%namespace name="c" file="common.clh.mako"/>
-${c.prelude()}
+<% PW = 8 %>\
+${c.prelude(poly=STRATEGY == "rows", lanes=(PW,) if STRATEGY == "rows" else ())}
 <% NV = D // VEC %>\
 typedef ${"half" if VIN == "half" else "float"} in_t;
 <%
@@ -80,19 +81,39 @@ __kernel void clattn_merge_pair(${PAIR_SIGNATURE})
     ${PAIR_FIXUP}
     const int per = (NH + (int)get_global_size(0) - 1) / (int)get_global_size(0);
     const int nh_end = min(NH, ((int)get_global_id(0) + 1) * per);
-    for (int nh = (int)get_global_id(0) * per; nh < nh_end; ++nh) {
-        const float a = s[nh], bb = so[nh];
-        const float4 w = clattn_pair(a, bb);
-        __global st_t* vp = v + (ulong)nh * ${D};
-        const __global st_t* op = vo + (ulong)nh * ${D};
-% for i in range(NV):
-        {
-            const ${FV} x = (a == -INFINITY ? (${FV})(0.0f) : ${rload("vp + %d" % (i * VEC), DTYPE)} * w.x) +
-                            (bb == -INFINITY ? (${FV})(0.0f) : ${rload("op + %d" % (i * VEC), DTYPE)} * w.y);
-            ${rstore("x", "vp + %d" % (i * VEC))}
+    /* the weights of ${PW} rows at a time, lane by lane (the state math's exp2 and log2 are
+       the longest chains of a row); rows past the range repeat its last */
+    for (int nh0 = (int)get_global_id(0) * per; nh0 < nh_end; nh0 += ${PW}) {
+        const int cnt = min(${PW}, nh_end - nh0);
+        float sa[${PW}], sb[${PW}], wx[${PW}], wy[${PW}], wz[${PW}];
+        for (int j = 0; j < ${PW}; ++j) {
+            const int k = nh0 + min(j, cnt - 1);
+            sa[j] = s[k];
+            sb[j] = so[k];
         }
+        {
+            const float${PW} a = vload${PW}(0, sa), bb = vload${PW}(0, sb);
+            const float${PW} mx = clattn_max_nan_${PW}(a, bb);
+            const float${PW} wa = clattn_state_weight_${PW}(a, mx), wb = clattn_state_weight_${PW}(bb, mx);
+            const float${PW} t = wa + wb;
+            const float${PW} inv = clattn_state_inv_${PW}(t);
+            vstore${PW}(wa * inv, 0, wx);
+            vstore${PW}(wb * inv, 0, wy);
+            vstore${PW}(clattn_state_lse_${PW}(mx, t), 0, wz);
+        }
+        for (int j = 0; j < cnt; ++j) {
+            const int nh = nh0 + j;
+            __global st_t* vp = v + (ulong)nh * ${D};
+            const __global st_t* op = vo + (ulong)nh * ${D};
+% for i in range(NV):
+            {
+                const ${FV} x = (sa[j] == -INFINITY ? (${FV})(0.0f) : ${rload("vp + %d" % (i * VEC), DTYPE)} * wx[j]) +
+                                (sb[j] == -INFINITY ? (${FV})(0.0f) : ${rload("op + %d" % (i * VEC), DTYPE)} * wy[j]);
+                ${rstore("x", "vp + %d" % (i * VEC))}
+            }
 % endfor
-        s[nh] = w.z;
+            s[nh] = wz[j];
+        }
     }
 }
 

@@ -60,31 +60,11 @@ inline void clattn_rope_cs(const int pos, const __global float2* tt, float* cs, 
 }
 </%def>
 
-## 2^x of float<V> (V = 1: float) for x <= 0, NaN kept, named clattn_exp2v: the exp2 of
-## decode_rows.cl.mako's rows kernel (measured on Intel's CPU runtime: the library's
-## vector exp2 made the rows prefill 10-40% slower; PoCL: no difference)
-<%def name="exp2v(V)">
-<% T = "float" if V == 1 else "float%d" % V; I = "int" if V == 1 else "int%d" % V %>\
-/* 2^x for x <= 0 (-inf gives 0) without library calls: round-to-nearest by the
-   1.5 * 2^23 trick, 2^f on [-1/2, 1/2] by its degree-6 Taylor polynomial (error
-   below 2e-7 relative), 2^n as two exponent-field scalings (n down to -150) */
-inline ${T} clattn_exp2v(${T} x)
-{
-    x = x < -150.0f ? (${T})(-150.0f) : x;
-    const ${T} t = x + 12582912.0f;
-    const ${I} n = as_${I}(t) - 0x4B400000;
-    const ${T} f = x - (t - 12582912.0f);
-    ${T} p = 1.5403530e-4f;
-    p = p * f + 1.3333558e-3f;
-    p = p * f + 9.6181291e-3f;
-    p = p * f + 5.5504109e-2f;
-    p = p * f + 2.4022651e-1f;
-    p = p * f + 6.9314718e-1f;
-    p = p * f + 1.0f;
-    const ${I} n1 = n >> 1;
-    return p * as_${T}((n1 + 127) << 23) * as_${T}((n - n1 + 127) << 23);
-}
-
+## clattn_basev of float<V> (V = 1: float); 2^x is common.clh.mako's clattn_exp2_<V> (the
+## decode rows kernel's; measured on Intel's CPU runtime: the library's vector exp2 made
+## the rows prefill 10-40% slower; PoCL: no difference)
+<%def name="basev(V)">
+<% T = "float" if V == 1 else "float%d" % V %>\
 /* clattn_exp_base of every lane: the running max, or 0 where it is still -inf */
 inline ${T} clattn_basev(const ${T} mx)
 {

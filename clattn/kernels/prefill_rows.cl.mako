@@ -26,7 +26,7 @@ Template parameters (clattn.codegen.render_prefill, from clattn.fit.PrefillGeome
 <%namespace name="c" file="common.clh.mako"/>
 <%namespace name="d" file="decode_common.clh.mako"/>
 <%namespace name="pc" file="prefill_common.clh.mako"/>
-${c.prelude()}
+${c.prelude(poly=True)}
 ${pc.setup()}
 <%
 V = VEC
@@ -68,7 +68,10 @@ def vmax(a, b):
 %>\
 ${c.raw_loads(V)}
 ${d.q4_helpers()}
-${pc.exp2v(V)}
+% if V > 1:
+${c.exp2_poly(V)}
+% endif
+${pc.basev(V)}
 % if NATIVE_HALF and DTYPE == "half":
 typedef ${"half" if V == 1 else "half%d" % V} __attribute__((aligned(2))) ldn_t;
 % endif
@@ -183,10 +186,10 @@ __kernel void clattn_prefill(${SIGNATURE})
             const ${IV} live = ${valid("r0", "v")};
             const ${FV} mx = live ? ${vmax("mr[v]", "bm[v]")} : mr[v];
             const ${FV} base = clattn_basev(mx);
-            const ${FV} al = live ? clattn_exp2v(mr[v] - base) : (${FV})1.0f;
+            const ${FV} al = live ? clattn_exp2_${V}(mr[v] - base) : (${FV})1.0f;
             ${FV} sum = 0.0f;
             for (int j = 0; j < ${KB}; ++j) {
-                const ${FV} p = ${valid("r0 + j", "v")} ? clattn_exp2v(${vld("pt[j] + v * %d" % V)} - base) : (${FV})0.0f;
+                const ${FV} p = ${valid("r0 + j", "v")} ? clattn_exp2_${V}(${vld("pt[j] + v * %d" % V)} - base) : (${FV})0.0f;
                 sum += p;
                 ${vst("p", "pt[j] + v * %d" % V)}
             }
