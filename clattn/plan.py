@@ -2,7 +2,9 @@
 
 Rule (FlashInfer's): no split when the unsplit launch already fills the device
 (``work-groups >= compute_units * wgs_per_cu``) or when the batch has too little work
-to pay for the merge pass (``work-groups * longest chunk < split_min_rows``);
+to pay for the merge pass (``max(work-groups, compute_units) * longest chunk <
+split_min_rows``: with fewer work-groups than units, the split also puts the idle units to
+work);
 otherwise the smallest partition that fills it, rounded up to whole pages and at least
 ``min_partition_rows`` rows, with at most ``max_partitions`` partitions per sequence.
 CPU profiles ask for very many work-groups per unit, so long sequences are always cut
@@ -58,9 +60,13 @@ def make_plan(chunk: np.ndarray, work_groups: int, compute_units: int, profile: 
     if split is False or split is None and longest == 0:
         return _no_split(chunk, "splitting disabled" if split is False else "empty batch")
     if split is None or split is True:
-        if split is None and work_groups * longest < profile.split_min_rows:
-            return _no_split(chunk, f"{work_groups} work-groups x {longest} rows < "
-                                    f"{profile.split_min_rows}: a merge pass would cost more")
+        # the rows the device could take in the unsplit launch's time: its work-groups'
+        # rows, or every compute unit's share when some would sit idle
+        busy = max(work_groups, compute_units)
+        if split is None and busy * longest < profile.split_min_rows:
+            return _no_split(chunk, f"max({work_groups} work-groups, {compute_units} compute "
+                                    f"units) x {longest} rows < {profile.split_min_rows}: a "
+                                    f"merge pass would cost more")
         target = max(1, compute_units) * profile.wgs_per_cu
         if work_groups >= target:
             return _no_split(chunk, f"{work_groups} work-groups fill {compute_units} compute units "

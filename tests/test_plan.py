@@ -46,6 +46,19 @@ def test_auto_split_sizes():
     assert plan.part_rows == 1568 and plan.num_parts == 64
 
 
+def test_idle_compute_units_count_toward_the_work_that_pays_for_a_merge():
+    # one work-group (B = 1, one KV head: Gemma-3-1B) on 2 units: 16384 rows leave a unit
+    # idle for the whole launch (measured 16k tokens, f16: PoCL 729 -> 551 us split, Intel
+    # 660 -> 371 us); 8192 rows do not pay on 2 units, but do on 4
+    plan = make_plan([16384], 1, 2, CPU, 16)
+    assert plan.split and plan.part_rows == 512 and plan.num_parts == 32
+    _no_split(make_plan([8192], 1, 2, CPU, 16), 1, "merge pass would cost more")
+    assert make_plan([8192], 1, 4, CPU, 16).split
+    # 8 work-groups (Llama-3-8B, B = 1) on a 16-core CPU: half the cores idle unsplit
+    assert make_plan([2048], 8, 16, CPU, 16).split
+    _no_split(make_plan([2048], 8, 2, CPU, 16), 1, "merge pass would cost more")
+
+
 def test_cpu_profile_cuts_long_sequences_into_min_partitions():
     plan = make_plan([32768], 2, 2, CPU, 16)
     assert plan.split and plan.part_rows == 512 and plan.num_parts == 64

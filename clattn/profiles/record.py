@@ -43,8 +43,8 @@ class Profile:
     wgs_per_cu, min_partition_rows, max_partitions, split_min_rows
         Split-KV planning: work-groups in flight per compute unit that "fill" the
         device, the shortest partition worth its own work-group, a cap on partitions
-        per sequence, and the least work (work-groups x longest chunk, in rows) that
-        pays for the extra merge pass.
+        per sequence, and the least work (the larger of work-groups and compute units,
+        times the longest chunk, in rows) that pays for the extra merge pass.
     merge_threads
         Work-group size of the merge kernels.
     prefill_qb, prefill_kb
