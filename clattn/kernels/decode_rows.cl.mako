@@ -382,7 +382,7 @@ ${rotate_row("f")}
 % if VQ:
         /* quantized values: per block, the weight times the block's scale, then the codes
            (V_CHUNKS chunks of the block at a time, as below) */
-<% VCH = min(V_CHUNKS, CPB) %>
+<% VCH = max(k for k in range(1, CPB + 1) if CPB % k == 0 and k <= V_CHUNKS) %>
 %   for bb in range(NB):
         {
             float vsc[${TILE}];
