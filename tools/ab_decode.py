@@ -1,0 +1,120 @@
+"""Decode kernel time of this tree against another revision, alternated in one process.
+
+Timings on a shared CPU move 20-60% between runs, and the ceilings a benchmark measures
+move with them; two builds called in turn in one process see the same machine. The other
+revision's whole package is loaded beside this one (as ``clattn_base``, from ``git
+archive``), each with its own context on the same device, over the same pages and
+queries. Each model row prints both medians of the kernel event time (decode and merge),
+their ratio and the largest difference of the outputs.
+
+    python tools/ab_decode.py --rev b7917c1 --device pocl --models Llama-3-8B,Qwen2.5-0.5B
+
+A developer script, not a test.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import io
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import pyopencl.array as cla
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tools"))
+
+import clattn  # noqa: E402
+from bench import MODELS, PAGE  # noqa: E402
+
+
+def load_revision(rev: str, into: Path):
+    """The package ``clattn`` of git revision ``rev``, imported as ``clattn_base``."""
+    blob = subprocess.run(["git", "archive", rev, "clattn"], cwd=ROOT, check=True,
+                          capture_output=True).stdout
+    with tarfile.open(fileobj=io.BytesIO(blob)) as tar:
+        tar.extractall(into, filter="data")
+    spec = importlib.util.spec_from_file_location(
+        "clattn_base", into / "clattn" / "__init__.py",
+        submodule_search_locations=[str(into / "clattn")])
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["clattn_base"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def one_row(pkgs: list, name: str, dtype: str, B: int, ctx: int, device: str,
+            seconds: float, seed: int) -> dict:
+    """Median kernel ms of each package's decode of one model shape, alternated call by call."""
+    hqo, hkv, d = MODELS[name]
+    rng = np.random.default_rng(seed)
+    per_seq = ctx // PAGE
+    pages = rng.standard_normal((B * per_seq, 2, hkv, PAGE, d)).astype(dtype)
+    q = rng.standard_normal((B, hqo, d)).astype(dtype)
+    indptr = (np.arange(B + 1) * per_seq).astype(np.int32)
+    indices = rng.permutation(B * per_seq).astype(np.int32)
+    last = np.full(B, PAGE, np.int32)
+    runs = []
+    for pkg in pkgs:
+        aspec = pkg.AttentionSpec(hqo, hkv, d, page_size=PAGE, dtype=dtype)
+        dec = pkg.BatchDecode(aspec, device=device)
+        queue = dec.setup.runtime.queue
+        dp, dq = cla.to_device(queue, pages), cla.to_device(queue, q)
+        plan = dec.plan(indptr, last)
+        tables = [cla.to_device(queue, t) for t in (indptr, indices, last)]
+        first = dec.run(dq, dp, *tables, plan=plan)
+        queue.finish()
+        out = first.out.get() if hasattr(first.out, "get") else np.asarray(first.out)
+        runs.append(dict(dec=dec, queue=queue, args=(dq, dp, *tables), plan=plan, out=out,
+                         ms=[]))
+    t0, turn = time.perf_counter(), 0
+    while time.perf_counter() - t0 < seconds or turn < 6:
+        order = runs if turn % 2 == 0 else runs[::-1]
+        for r in order:
+            res = r["dec"].run(*r["args"], plan=r["plan"])
+            r["queue"].finish()
+            r["ms"].append(sum(e.profile.end - e.profile.start for e in res.events) * 1e-6)
+        turn += 1
+    diff = float(np.max(np.abs(runs[0]["out"].astype(np.float64) - runs[1]["out"])))
+    plan = runs[1]["plan"]
+    return dict(model=name, dtype=dtype, B=B, ctx=ctx,
+                plan=f"split {plan.part_rows} x{plan.num_parts}" if plan.split else "no split",
+                base_ms=float(np.median(runs[0]["ms"])), this_ms=float(np.median(runs[1]["ms"])),
+                calls=turn, max_diff=diff)
+
+
+def main(argv: list | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rev", required=True, help="the revision to compare against")
+    ap.add_argument("--device", default="pocl")
+    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--dtypes", default="float16,float32")
+    ap.add_argument("--batches", default="1")
+    ap.add_argument("--ctx", type=int, default=16384)
+    ap.add_argument("--seconds", type=float, default=4.0, help="per row, both builds")
+    args = ap.parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        base = load_revision(args.rev, Path(tmp))
+        print(f"decode kernel ms (median of alternated calls, decode + merge events), "
+              f"{args.device}, clattn {args.rev} -> this tree, ctx {args.ctx}")
+        print("| model | dtype | B | plan | base ms | this ms | base / this | calls | max diff |")
+        print("|---|---|---:|---|---:|---:|---:|---:|---:|")
+        for name in args.models.split(","):
+            for dtype in args.dtypes.split(","):
+                for B in (int(b) for b in args.batches.split(",")):
+                    r = one_row([base, clattn], name, dtype, B, args.ctx, args.device,
+                                args.seconds, seed=len(name) + B)
+                    print(f"| {r['model']} | {r['dtype']} | {r['B']} | {r['plan']} | "
+                          f"{r['base_ms']:.3f} | {r['this_ms']:.3f} | "
+                          f"{r['base_ms'] / r['this_ms']:.2f} | {r['calls']} | "
+                          f"{r['max_diff']:.1e} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
