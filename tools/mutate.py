@@ -223,7 +223,7 @@ MUTANTS = [
         [KT, "-k", "merge_state_on_device"],
         "the pairwise merge weighs v by the other state's weight (rows merge)", "kernel"),
     Mutant("merge-weights-swapped-tiled", MERGE, [
-        ('${c.loadv(VEC, "vp")} * w.x) +', '${c.loadv(VEC, "vp")} * w.y) +')],
+        ('${c.loadv(VEC, "vp")} * wa) +', '${c.loadv(VEC, "vp")} * wb) +')],
         ["tests/test_profiles_on_devices.py", "-k", "merges_on_device"],
         "the pairwise merge weighs v by the other state's weight (tiled merge)", "kernel"),
     Mutant("tiled-slice-merge-unweighted", DECODE, [

@@ -18,6 +18,7 @@ tiled: D/VEC work-items per (n, h); in the pairwise merge every work-item of a h
        rewrote s with no barrier: a race).
 </%doc>
 <%namespace name="c" file="common.clh.mako"/>
+## PW: pairs of states whose weights the rows merge computes together, lane by lane
 <% PW = 8 %>\
 ${c.prelude(poly=STRATEGY == "rows", lanes=(PW,) if STRATEGY == "rows" else ())}
 <% NV = D // VEC %>\
@@ -31,15 +32,21 @@ def loadin(vec, ptr):
     return ("vload_half(0, %s)" % ptr) if vec == 1 else ("vload_half%d(0, %s)" % (vec, ptr))
 %>
 
-/* a pair merge: normalised weights (.x, .y) and the merged lse (.z) */
-inline float4 clattn_pair(const float s, const float so)
+/* a pair merge of float<V> lanes (V = 1: float; names suffixed _V): normalised weights
+   (wa, wb) of the two states and the merged lse */
+% for V in (1,) + ((PW,) if STRATEGY == "rows" else ()):
+<% T = "float" if V == 1 else "float%d" % V; S = "" if V == 1 else "_%d" % V %>\
+inline void clattn_pair${S}(const ${T} s, const ${T} so, ${T}* wa, ${T}* wb, ${T}* lse)
 {
-    const float mx = clattn_max_nan(s, so);
-    const float a = clattn_state_weight(s, mx), bb = clattn_state_weight(so, mx);
-    const float t = a + bb;
-    const float inv = clattn_state_inv(t);
-    return (float4)(a * inv, bb * inv, clattn_state_lse(mx, t), 0.0f);
+    const ${T} mx = clattn_max_nan${S}(s, so);
+    const ${T} a = clattn_state_weight${S}(s, mx), bb = clattn_state_weight${S}(so, mx);
+    const ${T} t = a + bb;
+    const ${T} inv = clattn_state_inv${S}(t);
+    *wa = a * inv;
+    *wb = bb * inv;
+    *lse = clattn_state_lse${S}(mx, t);
 }
+% endfor
 
 /* split-KV (skip_single), every partition of a sequence empty: true when one of them saw
    rows that all scored -inf (it marks its output NaN, decode_rows.cl.mako), which breaks
@@ -92,14 +99,11 @@ __kernel void clattn_merge_pair(${PAIR_SIGNATURE})
             sb[j] = so[k];
         }
         {
-            const float${PW} a = vload${PW}(0, sa), bb = vload${PW}(0, sb);
-            const float${PW} mx = clattn_max_nan_${PW}(a, bb);
-            const float${PW} wa = clattn_state_weight_${PW}(a, mx), wb = clattn_state_weight_${PW}(bb, mx);
-            const float${PW} t = wa + wb;
-            const float${PW} inv = clattn_state_inv_${PW}(t);
-            vstore${PW}(wa * inv, 0, wx);
-            vstore${PW}(wb * inv, 0, wy);
-            vstore${PW}(clattn_state_lse_${PW}(mx, t), 0, wz);
+            float${PW} wa, wb, z;
+            clattn_pair_${PW}(vload${PW}(0, sa), vload${PW}(0, sb), &wa, &wb, &z);
+            vstore${PW}(wa, 0, wx);
+            vstore${PW}(wb, 0, wy);
+            vstore${PW}(z, 0, wz);
         }
         for (int j = 0; j < cnt; ++j) {
             const int nh = nh0 + j;
@@ -165,13 +169,14 @@ void clattn_merge_pair(${PAIR_SIGNATURE})
     if (nh < NH) { a = s[nh]; bb = so[nh]; }
     barrier(CLK_GLOBAL_MEM_FENCE);   /* every reader of s[nh] is done before it is rewritten */
     if (nh >= NH) return;
-    const float4 w = clattn_pair(a, bb);
+    float wa, wb, z;
+    clattn_pair(a, bb, &wa, &wb, &z);
     __global st_t* vp = v + (ulong)nh * ${D} + tx * ${VEC};
     const ${c.fv(VEC)} zero = 0.0f;
-    const ${c.fv(VEC)} x = (a == -INFINITY ? zero : ${c.loadv(VEC, "vp")} * w.x) +
-                           (bb == -INFINITY ? zero : ${c.loadv(VEC, "vo + (ulong)nh * %d + tx * %d" % (D, VEC))} * w.y);
+    const ${c.fv(VEC)} x = (a == -INFINITY ? zero : ${c.loadv(VEC, "vp")} * wa) +
+                           (bb == -INFINITY ? zero : ${c.loadv(VEC, "vo + (ulong)nh * %d + tx * %d" % (D, VEC))} * wb);
     ${c.storev(VEC, "x", "vp")}
-    if (tx == 0) s[nh] = w.z;
+    if (tx == 0) s[nh] = z;
 }
 
 __kernel __attribute__((reqd_work_group_size(${NV}, ${MH}, 1)))
