@@ -150,13 +150,17 @@ def _vec_for(d: int, want: int, cap: int = 16) -> int:
     return v
 
 
+def _rows_cap_reason(limits: Limits) -> str:
+    return (f"this platform's compiler builds the rows kernels with at most "
+            f"{limits.rows_max_vec} floats per vector")
+
+
 def _rows_vec(d: int, want: int, limits: Limits, notes: list) -> int:
     """The rows kernels' vector width: the profile's, cut to divide head_dim ``d`` and to
     what the device's compiler builds (``limits.rows_max_vec``); each cut noted."""
     vec = _vec_for(d, want, limits.rows_max_vec)
     if want > limits.rows_max_vec:
-        notes.append(f"vec {want} -> {vec}: this platform's compiler builds the rows kernels "
-                     f"with at most {limits.rows_max_vec} floats per vector")
+        notes.append(f"vec {want} -> {vec}: {_rows_cap_reason(limits)}")
     elif vec != want:
         notes.append(f"vec {want} -> {vec}: head_dim {d}")
     return vec
@@ -204,16 +208,15 @@ def _prefetch_blocks(spec: AttentionSpec, tile: int) -> int:
 
 def _rows_geometry(spec: AttentionSpec, profile: Profile, limits: Limits,
                    native: bool) -> DecodeGeometry:
-    tile = 1 << (min(max(1, profile.tile_rows), 16).bit_length() - 1)  # 1, 2, 4, 8 or 16
+    # a power of two up to 16, and a block's scores are one float<tile> vector
+    cap = min(16, limits.rows_max_vec)
+    tile = 1 << (min(max(1, profile.tile_rows), cap).bit_length() - 1)
     notes: list = []
     vec = _rows_vec(spec.head_dim, profile.vec, limits, notes)
     if tile != profile.tile_rows:
-        notes.append(f"tile_rows {profile.tile_rows} -> {tile}: the rows kernel takes a power of "
-                     f"two up to 16")
-    if tile > limits.rows_max_vec:   # a block's scores are one float<tile> vector
-        notes.append(f"tile_rows {tile} -> {limits.rows_max_vec}: this platform's compiler builds "
-                     f"the rows kernels with at most {limits.rows_max_vec} floats per vector")
-        tile = limits.rows_max_vec
+        why = _rows_cap_reason(limits) if cap < 16 and profile.tile_rows > cap else \
+            "the rows kernel takes a power of two up to 16"
+        notes.append(f"tile_rows {profile.tile_rows} -> {tile}: {why}")
     interleaved = parse_rope_scaling(spec.rope_scaling, spec.max_position_embeddings).interleaved
     half = spec.rotary_dim // 2
     vec_rope = (not interleaved and half % vec == 0) or \

@@ -32,10 +32,9 @@ def loadin(vec, ptr):
     return ("vload_half(0, %s)" % ptr) if vec == 1 else ("vload_half%d(0, %s)" % (vec, ptr))
 %>
 
-/* a pair merge of float<V> lanes (V = 1: float; names suffixed _V): normalised weights
-   (wa, wb) of the two states and the merged lse */
-% for V in (1,) + ((PW,) if STRATEGY == "rows" else ()):
-<% T = "float" if V == 1 else "float%d" % V; S = "" if V == 1 else "_%d" % V %>\
+/* a pair merge of float<V> lanes (V = 1: float, the tiled merge's; PW: the rows merge's,
+   names suffixed _V): normalised weights (wa, wb) of the two states and the merged lse */
+<% V = PW if STRATEGY == "rows" else 1; T = "float" if V == 1 else "float%d" % V; S = "" if V == 1 else "_%d" % V %>\
 inline void clattn_pair${S}(const ${T} s, const ${T} so, ${T}* wa, ${T}* wb, ${T}* lse)
 {
     const ${T} mx = clattn_max_nan${S}(s, so);
@@ -46,7 +45,6 @@ inline void clattn_pair${S}(const ${T} s, const ${T} so, ${T}* wa, ${T}* wb, ${T
     *wb = bb * inv;
     *lse = clattn_state_lse${S}(mx, t);
 }
-% endfor
 
 /* split-KV (skip_single), every partition of a sequence empty: true when one of them saw
    rows that all scored -inf (it marks its output NaN, decode_rows.cl.mako), which breaks
