@@ -171,6 +171,10 @@ MUTANTS = [
         ("if (mx > m${g}) {", "if (0) {")],
         [KT, "-k", k("model_shapes", ROWS)],
         "the rows kernel never rescales its state when a block raises the max", "kernel"),
+    Mutant("max-test-skipped", DECODE, [
+        ('if (${hred_or("up", TILE)}) {', "if (0) {")],
+        [KT, "-k", k("model_shapes", ROWS)],
+        "the rows kernel never looks for a new max (its exponent base stays 0)", "kernel"),
     # ---- one per kernel feature ---------------------------------------------------------
     Mutant("window-row-dropped", DECODE, [
         ("const int wo = clamp(window_offset[b], 0, stored);",

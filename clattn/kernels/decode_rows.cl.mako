@@ -143,6 +143,12 @@ def block_sums(arr, name):
                 "%s.s%x + %s.s%x" % (v, i, v, i + 4) for v in (a, b) for i in range(4))))
         groups.append(level[0])
     return lines, (groups[0] if len(groups) == 1 else "(%s)(%s)" % (FT, ", ".join(groups)))
+def hred_or(v, n):
+    """Whether any lane of an int<n> expression is nonzero (a tree of .lo | .hi)."""
+    while n > 1:
+        v = "((%s).lo | (%s).hi)" % (v, v)
+        n //= 2
+    return v
 def hred(v, op, n):
     """Reduce a float<n> expression to a float with a tree of .lo/.hi halves."""
     while n > 1:
@@ -187,7 +193,10 @@ ${rotate_row("f", "q_pos[b]")}
 % endfor
     }
 % for g in range(G):
-    float m${g} = -INFINITY, l${g} = 0.0f;
+    /* running max, the exponent base it gives, and the sums of the weights lane by lane
+       (one sum per row of a block, added up after the loop) */
+    float m${g} = -INFINITY, base${g} = 0.0f;
+    ${FT} lv${g} = 0.0f;
 %   for i in range(NV):
     ${FV} a${g}_${i} = 0.0f;
 %   endfor
@@ -347,22 +356,29 @@ ${rotate_row("f")}
 %   if TILE > 1:
             sv = n < ${TILE} ? select(sv, (${FT})(-INFINITY), (${IT})(${", ".join(str(j) for j in range(TILE))}) >= n) : sv;
 %   endif
-            const float bm = ${hred("sv", "max", TILE)};
-            const float mx = bm > m${g} ? bm : m${g};
-            const float base = clattn_exp_base(mx);
-            const ${FT} pv = clattn_exp2_${TILE}(sv - base);
-            *(${FT}*)s${g} = pv;
-            /* the state is rescaled only when the max grew: otherwise alpha is exactly 1,
-               or m is still -inf and l and the accumulators are 0 (or NaN) either way */
-            float alpha = 1.0f;
-            if (mx > m${g}) {
-                alpha = clattn_exp2_1(m${g} - base);
+            /* the max is looked for only when a row beats it (rare after the first
+               blocks): otherwise the base stands, alpha is exactly 1, and the block's
+               weights only add to the sums */
+            {
+                const ${IT} up = sv > (${FT})(m${g});
+                if (${hred_or("up", TILE)}) {
+                    const float bm = ${hred("sv", "max", TILE)};
+                    const float mx = bm > m${g} ? bm : m${g};
+                    const float nb = clattn_exp_base(mx);
+                    if (mx > m${g}) {
+                        const float alpha = clattn_exp2_1(m${g} - nb);
 %   for i in range(NV):
-                a${g}_${i} *= alpha;
+                        a${g}_${i} *= alpha;
 %   endfor
+                        lv${g} *= alpha;
+                    }
+                    base${g} = nb;
+                    m${g} = mx;
+                }
             }
-            l${g} = l${g} * alpha + ${hred("pv", "+", TILE)};
-            m${g} = mx;
+            const ${FT} pv = clattn_exp2_${TILE}(sv - base${g});
+            *(${FT}*)s${g} = pv;
+            lv${g} += pv;
         }
 % endfor
         /* V: V_CHUNKS head_dim chunks at a time over the block's rows, so their
@@ -430,6 +446,7 @@ ${rotate_row("f")}
         /* a split-KV partition whose rows all scored -inf is empty to the merge (lse
            -inf, weight 0) and marks its output NaN: the merge breaks the sequence when
            every partition is empty and one is so marked */
+        const float l${g} = ${hred("lv%d" % g, "+", TILE)};
         const float inv = clattn_part_inv(l${g}, r_hi > r_lo);
         const float st = direct ? clattn_part_lse(m${g}, l${g}, r_hi > r_lo)
                                 : clattn_state_lse(m${g}, l${g});
