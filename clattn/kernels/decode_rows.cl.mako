@@ -182,7 +182,9 @@ __kernel void clattn_decode(${SIGNATURE})
 % for g in range(G):
         {
             const __global st_t* qp = q + ((ulong)b * ${HQO} + kvh * ${G} + ${g}) * ${D};
-            for (int i = 0; i < ${D}; ++i) f[i] = ${c.loadv(1, "qp + i")};
+%   for i in range(NV):
+            ${("f[%d] = %s;" % (i, ld("qp + %d" % i))) if V == 1 else ("vstore%d(%s, 0, f + %d);" % (V, ld("qp + %d" % (i * V)), i * V))}
+%   endfor
             if (rotary_mode) {
 ${rotate_row("f", "q_pos[b]")}
             }
