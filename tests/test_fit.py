@@ -71,15 +71,33 @@ def test_free_subgroups_are_cut_with_reason():
     assert any("cannot require a sub-group size" in n for n in geom.notes)
 
 
-@pytest.mark.parametrize("tile", [8, 16])
-def test_rows_tile_is_cut_to_what_the_compiler_builds(tile):
-    """A block's scores are one float<tile_rows> vector: a platform whose compiler builds
-    at most 8-float vectors (PoCL on an AVX-512 host: LLVM aborts the process on 16) gets
-    blocks of 8 rows, with the reason."""
-    prof = clattn.Profile(name="t", strategy="rows", vec=8, tile_rows=tile)
-    spec = clattn.AttentionSpec(32, 8, 128, page_size=16, dtype="float16")
+def test_rows_tile_scores_in_vectors_no_wider_than_the_loads():
+    """A block of 16 rows is scored as two float8 vectors where the compiler builds at
+    most 8-float vectors (PoCL on an AVX-512 host: LLVM aborts the process on 16)."""
+    prof = clattn.Profile(name="t", strategy="rows", vec=16, tile_rows=16)
+    spec = clattn.AttentionSpec(32, 8, 64, page_size=16, dtype="float16")
     geom = decode_geometry(spec, prof, Limits(rows_max_vec=8))
-    assert geom.tile == 8
-    assert any(n.startswith("tile_rows 16 -> 8") for n in geom.notes) == (tile == 16)
-    assert "float16 sv" not in render_decode(spec, geom)
-    assert decode_geometry(spec, prof, Limits(rows_max_vec=16)).tile == tile
+    assert (geom.vec, geom.tile) == (8, 16)
+    src = render_decode(spec, geom)
+    assert "float16 " not in src and "float8 sv1" in src
+    wide = decode_geometry(spec, prof, Limits(rows_max_vec=16))
+    assert (wide.vec, wide.tile) == (16, 16) and "float16 sv0" in render_decode(spec, wide)
+
+
+@pytest.mark.parametrize("d, dtype, fmt, tile", [
+    (64, "float16", None, 16),      # 16 rows x 256 bytes = 4 KiB
+    (128, "float16", None, 16),     # 8 KiB
+    (128, "float32", None, 8),      # 16 KiB: cut to 8 rows
+    (256, "float16", None, 8),      # Gemma-2: 16 KiB
+    (256, "float32", None, 8),      # 32 KiB: never below 8 rows
+    (256, "float16", "q8_0", 8),    # 16 x 2 x 272 bytes (scales included) = 8.5 KiB
+    (256, "float16", "q4_0", 16),   # 16 x 2 x 144 bytes = 4.5 KiB
+])
+def test_rows_blocks_above_8_rows_fit_the_block_budget(d, dtype, fmt, tile):
+    spec = clattn.AttentionSpec(8, 2, d, page_size=16, dtype=dtype, k_format=fmt, v_format=fmt)
+    prof = clattn.Profile(name="t", strategy="rows", vec=8, tile_rows=16)
+    geom = decode_geometry(spec, prof, Limits(rows_max_vec=8))
+    assert geom.tile == tile
+    cut = [n for n in geom.notes if n.startswith("tile_rows 16 -> 8")]
+    assert bool(cut) == (tile == 8) and all("bytes, more than 8192" in n for n in cut)
+    assert decode_geometry(spec, prof.with_(tile_rows=4), Limits()).tile == 4

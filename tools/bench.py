@@ -1070,8 +1070,9 @@ STEADY = 8  # steps of the steady host timing
 def steady_steps(cache: PagedKVCache, ids: list[str], x: StepInputs, n: int) -> dict:
     """``n`` whole decode steps back to back with the queue held throughout, so that no
     kernel runs between them (on a CPU device the kernels of a step run on the host's
-    cores and leave its caches cold for the next step's calls): medians of the host
-    seconds of begin, of the layers' appends and attends, and of the whole step."""
+    cores and leave its caches cold for the next step's calls): the host seconds of
+    begin, of the layers' appends and attends, and of the whole step, all of the step
+    whose whole is the median (so that the parts add up within it)."""
     cl = runtime.cl()
     x.queue.finish()
     gate = cl.UserEvent(x.queue.context)
@@ -1096,7 +1097,8 @@ def steady_steps(cache: PagedKVCache, ids: list[str], x: StepInputs, n: int) -> 
     finally:
         gate.set_status(cl.command_execution_status.COMPLETE)
         x.queue.finish()
-    med = np.median(np.array(times), axis=0)
+    times.sort(key=lambda t: t[2])
+    med = times[len(times) // 2]
     return dict(begin=med[0], layers=med[1], step=med[2])
 
 
@@ -1219,7 +1221,8 @@ def suite_cache(args: argparse.Namespace, deadline: Deadline) -> dict:
              f"their own cost; host, steady: {STEADY} steps back to back with the queue held "
              "throughout, so no kernel runs between them (a CPU device's kernels run on the "
              "host's cores and leave its caches cold for the next step's calls; on a GPU "
-             "they do not); begin alone: begin + cancel back to back, device idle)")
+             "they do not; the step whose whole is the median, with its parts); begin alone: "
+             "begin + cancel back to back, device idle)")
     if args.rope:
         title += ", in-kernel RoPE (rope='attend')"
     return {"sections": [(title, rows, cols)], "ceilings": None, "header": db.header()}

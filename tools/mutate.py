@@ -172,9 +172,13 @@ MUTANTS = [
         [KT, "-k", k("model_shapes", ROWS)],
         "the rows kernel never rescales its state when a block raises the max", "kernel"),
     Mutant("max-test-skipped", DECODE, [
-        ('if (${hred_or("up", TILE)}) {', "if (0) {")],
+        ('if (${hred_or("up", W)}) {', "if (0) {")],
         [KT, "-k", k("model_shapes", ROWS)],
         "the rows kernel never looks for a new max (its exponent base stays 0)", "kernel"),
+    Mutant("block-second-half-unmasked", DECODE, [
+        ("sv${h} = n < ${(h + 1) * W} ?", "sv${h} = n < ${W} ?")],
+        [KT, "-k", k("model_shapes", ROWS)],
+        "the rows kernel scores the rows past the end of a partial 16-row block", "kernel"),
     # ---- one per kernel feature ---------------------------------------------------------
     Mutant("window-row-dropped", DECODE, [
         ("const int wo = clamp(window_offset[b], 0, stored);",

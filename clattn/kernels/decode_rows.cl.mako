@@ -11,7 +11,9 @@ Template parameters (clattn.codegen.render_decode, from clattn.fit.DecodeGeometr
   SLIDING, SOFTCAP     window + sinks compiled in; soft-cap value or None
   DTYPE, NATIVE_HALF   storage type; convert half vectors natively (cl_khr_fp16)
   DENORMS              the device keeps f32 subnormals (cheaper exact f16 conversion)
-  VEC, TILE            floats per vector load; rows scored per block
+  VEC, TILE            floats per vector load; rows scored per block, as TILE / W
+                       vectors of W = min(TILE, VEC) lanes (so no vector is wider than
+                       the loads, which the compiler builds)
   VEC_ROPE             keys rotated VEC lanes at a time (else through a private row)
   V_CHUNKS             head_dim chunks of V accumulated per pass over a block's rows
   PREFETCH             blocks ahead whose K/V rows are prefetched (0: none; clang's
@@ -94,11 +96,13 @@ typedef ${"half" if V == 1 else "half%d" % V} __attribute__((aligned(2))) ldn_t;
 
 
 <%
-FT = "float" if TILE == 1 else "float%d" % TILE
-IT = "int" if TILE == 1 else "int%d" % TILE
-def block_sums(arr, name):
-    """(statements, expression): the float<TILE> of the sums of arr[0..TILE-1]
-    (float<VEC> each), lane j = row j. The vectors are folded to w = min(VEC, TILE)
+W = min(TILE, VEC)   # lanes of a score vector: a block is scored NH vectors at a time
+NH = TILE // W
+FT = "float" if W == 1 else "float%d" % W
+IT = "int" if W == 1 else "int%d" % W
+def block_sums(arr, name, r0):
+    """(statements, expression): the float<W> of the sums of arr[r0..r0+W-1]
+    (float<VEC> each), lane j = row r0 + j. The vectors are folded to w = min(VEC, W)
     lanes, then each group of w is summed together by pairing, each level halving the
     lanes per row (lanes i < w/2 of pair(a, b) are a's lanes 2i + 2i+1, the rest b's;
     for w = 8 the pairing keeps to each half of four lanes, as x86's hadd does, and the
@@ -107,15 +111,15 @@ def block_sums(arr, name):
     halves: Oclgrind's uninitialised-value check crashes on both); temporaries named
     name_*."""
     w = V
-    terms = ["%s[%d]" % (arr, j) for j in range(TILE)]
-    while w > TILE:
+    terms = ["%s[%d]" % (arr, r0 + j) for j in range(W)]
+    while w > W:
         terms = ["((%s).lo + (%s).hi)" % (t, t) for t in terms]
         w //= 2
     if w == 1:
-        return [], (terms[0] if TILE == 1 else "(%s)(%s)" % (FT, ", ".join(terms)))
+        return [], (terms[0] if W == 1 else "(%s)(%s)" % (FT, ", ".join(terms)))
     fw = "float%d" % w
     lines, groups = [], []
-    for g0 in range(0, TILE, w):
+    for g0 in range(0, W, w):
         level = []
         for k, t in enumerate(terms[g0:g0 + w]):
             level.append("%s_%d_%d" % (name, g0, k))
@@ -158,8 +162,8 @@ def hred(v, op, n):
         n //= 2
     return v
 %>\
-% if TILE > 1:
-${c.exp2_poly(TILE)}
+% if W > 1:
+${c.exp2_poly(W)}
 % endif
 
 __kernel void clattn_decode(${SIGNATURE})
@@ -350,21 +354,26 @@ ${rotate_row("f")}
         }
 % for g in range(G):
         {
-<% bs_lines, bs = block_sums("tv%d" % g, "bs%d" % g) %>\
-%   for line in bs_lines:
+%   for h in range(NH):
+<% bs_lines, bs = block_sums("tv%d" % g, "bs%d_%d" % (g, h), h * W) %>\
+%     for line in bs_lines:
             ${line}
+%     endfor
+            ${FT} sv${h} = ${score(bs)};
+%     if TILE > 1:
+            sv${h} = n < ${(h + 1) * W} ? select(sv${h}, (${FT})(-INFINITY), (${IT})(${", ".join(str(h * W + j) for j in range(W))}) >= n) : sv${h};
+%     endif
 %   endfor
-            ${FT} sv = ${score(bs)};
-%   if TILE > 1:
-            sv = n < ${TILE} ? select(sv, (${FT})(-INFINITY), (${IT})(${", ".join(str(j) for j in range(TILE))}) >= n) : sv;
-%   endif
             /* the max is looked for only when a row beats it (rare after the first
                blocks): otherwise the base stands, alpha is exactly 1, and the block's
                weights only add to the sums */
             {
-                const ${IT} up = sv > (${FT})(m${g});
-                if (${hred_or("up", TILE)}) {
-                    const float bm = ${hred("sv", "max", TILE)};
+                const ${IT} up = ${" | ".join("(sv%d > (%s)(m%d))" % (h, FT, g) for h in range(NH))};
+                if (${hred_or("up", W)}) {
+                    float bm = ${hred("sv0", "max", W)};
+%   for h in range(1, NH):
+                    { const float bh = ${hred("sv%d" % h, "max", W)}; bm = bh > bm ? bh : bm; }
+%   endfor
                     const float mx = bm > m${g} ? bm : m${g};
                     const float nb = clattn_exp_base(mx);
                     if (mx > m${g}) {
@@ -378,9 +387,13 @@ ${rotate_row("f")}
                     m${g} = mx;
                 }
             }
-            const ${FT} pv = clattn_exp2_${TILE}(sv - base${g});
-            *(${FT}*)s${g} = pv;
-            lv${g} += pv;
+%   for h in range(NH):
+            {
+                const ${FT} pv = clattn_exp2_${W}(sv${h} - base${g});
+                *(${FT}*)(s${g} + ${h * W}) = pv;
+                lv${g} += pv;
+            }
+%   endfor
         }
 % endfor
         /* V: V_CHUNKS head_dim chunks at a time over the block's rows, so their
@@ -448,7 +461,7 @@ ${rotate_row("f")}
         /* a split-KV partition whose rows all scored -inf is empty to the merge (lse
            -inf, weight 0) and marks its output NaN: the merge breaks the sequence when
            every partition is empty and one is so marked */
-        const float l${g} = ${hred("lv%d" % g, "+", TILE)};
+        const float l${g} = ${hred("lv%d" % g, "+", W)};
         const float inv = clattn_part_inv(l${g}, r_hi > r_lo);
         const float st = direct ? clattn_part_lse(m${g}, l${g}, r_hi > r_lo)
                                 : clattn_state_lse(m${g}, l${g});

@@ -25,7 +25,8 @@ class Profile:
     tile_rows
         KV rows each row-slice handles per step (tiled; the seed's TILE_SIZE_PER_BDX):
         a step of row slices x tile_rows rows costs two barriers with the local-memory
-        reduction.
+        reduction. rows: rows per block (a power of two up to 16; more than 8 only while
+        their K and V rows fit in ``clattn.fit.ROWS_BLOCK_BYTES``).
     vec
         Elements each work-item loads at once along head_dim (1, 2, 4, 8 or 16).
     use_local_kv

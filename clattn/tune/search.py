@@ -63,7 +63,7 @@ class Parameter:
 #: and its kernels are the slowest to build and to run)
 SEARCH_SPACE: tuple[Parameter, ...] = (
     Parameter("vec", (1, 2, 4, 8, 16)),
-    Parameter("tile_rows", (1, 2, 4, 8)),
+    Parameter("tile_rows", (1, 2, 4, 8, 16)),
     Parameter("wgs_per_cu", (1, 2, 4, 8, 16), kernel=False),
     Parameter("min_partition_rows", (64, 128, 256, 512, 1024, 2048), kernel=False),
     Parameter("strategy", STRATEGIES),
