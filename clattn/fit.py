@@ -213,21 +213,18 @@ def _prefetch_blocks(spec: AttentionSpec, tile: int) -> int:
 
 
 def _rows_tile(spec: AttentionSpec, want: int, notes: list) -> int:
-    """Rows per block of the rows decode: a power of two up to 16, more than
-    ROWS_SMALL_BLOCK only while their K and V rows fit in ROWS_BLOCK_BYTES; each cut
-    noted."""
+    """Rows per block of the rows decode: the profile's, a power of two up to 16 (a cut
+    noted), and more than ROWS_SMALL_BLOCK only while their K and V rows fit in
+    ROWS_BLOCK_BYTES (a size the shape derives, as documented for ``tile_rows``: not
+    noted, so that the default profile warns of nothing)."""
     tile = 1 << (min(max(1, want), 16).bit_length() - 1)
     if tile != want:
         notes.append(f"tile_rows {want} -> {tile}: the rows kernel takes a power of two up "
                      f"to 16")
     per_row = spec.head_dim * (bytes_per_value(spec.k_format) + bytes_per_value(spec.v_format))
-    cut = tile
-    while cut > ROWS_SMALL_BLOCK and cut * per_row > ROWS_BLOCK_BYTES:
-        cut //= 2
-    if cut != tile:
-        notes.append(f"tile_rows {tile} -> {cut}: {tile} rows of K and V take "
-                     f"{round(tile * per_row)} bytes, more than {ROWS_BLOCK_BYTES}")
-    return cut
+    while tile > ROWS_SMALL_BLOCK and tile * per_row > ROWS_BLOCK_BYTES:
+        tile //= 2
+    return tile
 
 
 def _rows_geometry(spec: AttentionSpec, profile: Profile, limits: Limits,

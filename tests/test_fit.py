@@ -8,7 +8,10 @@ import pytest
 import clattn
 from clattn.codegen import render_decode
 from clattn.fit import Limits, decode_geometry
-from clattn.profiles import fit, match
+from clattn.profiles import builtin_profiles, fit, match
+
+from cases import config_scenario
+from model_configs import load_models, model
 
 RECORDS = json.loads((Path(__file__).parent / "data" / "devices.json").read_text())["records"]
 # Llama-3-8B, Qwen2.5-0.5B (group 7, head_dim 64), Gemma-2 (head_dim 256), Phi-3 (head_dim 96)
@@ -98,6 +101,17 @@ def test_rows_blocks_above_8_rows_fit_the_block_budget(d, dtype, fmt, tile):
     prof = clattn.Profile(name="t", strategy="rows", vec=8, tile_rows=16)
     geom = decode_geometry(spec, prof, Limits(rows_max_vec=8))
     assert geom.tile == tile
-    cut = [n for n in geom.notes if n.startswith("tile_rows 16 -> 8")]
-    assert bool(cut) == (tile == 8) and all("bytes, more than 8192" in n for n in cut)
+    assert geom.notes == ()   # a size the shape derives, not a wish cut: no warning
     assert decode_geometry(spec, prof.with_(tile_rows=4), Limits()).tile == 4
+
+
+@pytest.mark.parametrize("name", [m["name"] for m in load_models()])
+def test_cpu_profiles_fit_every_model_without_a_note(name):
+    """The built-in CPU profiles fit every real model as they stand: a note is a warning
+    every user of the default profile would see on each decoder they build."""
+    for dtype in ("float16", "float32"):
+        spec = config_scenario(f"{name}-{dtype}", model(name), dtype=dtype).spec
+        for prof in (builtin_profiles()["generic-cpu"], builtin_profiles()["intel-cpu"]):
+            for cap in (8, 16):
+                geom = decode_geometry(spec, prof, Limits(rows_max_vec=cap))
+                assert geom.notes == (), (prof.name, dtype, cap)
