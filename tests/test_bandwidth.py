@@ -110,6 +110,19 @@ def test_warmup_runs_are_never_samples():
     assert len(seen) == 6 and s.runs == 5 and s.values == (1.0,) * 5 and s.best == s.median == 1.0
 
 
+def test_warmup_seconds_keep_slow_first_runs_out_of_the_samples(monkeypatch):
+    clock = iter(range(1000))
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: float(next(clock)))
+    seen = []
+    calls = {k: (lambda k=k: seen.append(k) or {"s": 9.0 if len(seen) <= 6 else 1.0})
+             for k in "ab"}
+    res = timing.sample(calls, warmup=1, min_runs=2, max_runs=2, seconds=0,
+                        warmup_seconds=2.5)
+    # 2 grouped warm-ups, then rounds until 2.5 "seconds" passed: the 9.0s stay untimed
+    assert seen[:2] == ["a", "b"] and len(seen) == 6 + 4
+    assert res["a"]["s"].values == (1.0, 1.0) and res["b"]["s"].values == (1.0, 1.0)
+
+
 def test_sample_runs_variants_round_robin_and_observes():
     order, seen = [], []
     calls = {k: (lambda k=k: order.append(k) or {"s": len(order)}) for k in "ab"}

@@ -202,11 +202,17 @@ def run_rows(rows: list[dict], deadline: Deadline, run: Callable[[dict], Any]) -
         run(row)
 
 
+#: untimed back-to-back calls before each row's samples (``--warmup-s``): on this 2-core VM
+#: a decode's first 0.25 s of calls measured up to 2x slower than the rest, which made rows
+#: of 5-10 samples twice too slow (Llama-3.2-1B f16: 4.7 ms cold against 2.4 ms)
+WARMUP_S = 0.3
+
+
 def sample_interleaved(calls: dict, repeat: int, row_seconds: float,
                        after: Callable | None = None) -> tuple[dict, dict]:
     """:func:`clattn.tune.timing.sample` in the form the suites read: per variant the
-    median of each key, ``min_<key>`` and ``runs``; and ``after()`` once after each
-    variant's warm-up (its output, for checks)."""
+    median of each key, ``min_<key>`` and ``runs``; and ``after()`` after each of the
+    variant's warm-up runs (its output, for checks); :data:`WARMUP_S` of warm-up."""
     outs: dict = {}
 
     def observe(name: str, _: Any, warm: bool) -> None:
@@ -214,7 +220,7 @@ def sample_interleaved(calls: dict, repeat: int, row_seconds: float,
             outs[name] = after()
 
     res = sample(calls, warmup=1, min_runs=3, max_runs=max(1, repeat), seconds=row_seconds,
-                 observe=observe)
+                 warmup_seconds=WARMUP_S, observe=observe)
     flat = {}
     for name, keys in res.items():
         r: dict = {k: s.median for k, s in keys.items()}
@@ -1240,9 +1246,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--profile", default=None, help="force a clattn profile (e.g. adreno-7xx)")
     ap.add_argument("--quick", action="store_true", help="a subset for a fast look")
     ap.add_argument("--smoke", action="store_true", help="one tiny row per section (tests)")
-    ap.add_argument("--repeat", type=int, default=10, help="timed runs per row (max)")
+    ap.add_argument("--repeat", type=int, default=100,
+                    help="timed runs per row (max; --row-seconds ends a row first)")
     ap.add_argument("--row-seconds", type=float, default=1.5,
                     help="stop repeating a row after this long (3 runs at least)")
+    ap.add_argument("--warmup-s", type=float, default=WARMUP_S,
+                    help="untimed calls of each row for this long first")
     ap.add_argument("--budget-s", type=float, default=450.0,
                     help="skip the remaining rows after this many seconds")
     ap.add_argument("--json", metavar="FILE", help="write the raw results as JSON")
@@ -1288,6 +1297,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         args.bw_mib = min(args.bw_mib or 32, 32)
         args.bw_target_s = min(args.bw_target_s, 0.02)
         args.repeat = min(args.repeat, 3)
+        args.warmup_s = 0.0
     return args
 
 
@@ -1381,6 +1391,8 @@ SUITES: dict[str, Callable[[argparse.Namespace, Deadline], dict]] = {
 def main(argv: list[str] | None = None) -> int:
     """Run one suite; 1 if any configuration disagreed with the CPU backend."""
     args = parse(argv)
+    global WARMUP_S
+    WARMUP_S = args.warmup_s
     Mismatches.items = []
     deadline = Deadline(args.budget_s)
     version = source_version()

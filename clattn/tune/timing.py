@@ -66,7 +66,7 @@ class Samples:
 
 
 def sample(calls: Mapping[str, Timed], *, warmup: int = 1, min_runs: int = 3,
-           max_runs: int = 100, seconds: float = 1.0,
+           max_runs: int = 100, seconds: float = 1.0, warmup_seconds: float = 0.0,
            observe: Callable[[str, Mapping[str, float], bool], None] | None = None,
            ) -> dict[str, dict[str, Samples]]:
     """Time several calls round-robin, warm-up runs kept out of the samples.
@@ -77,6 +77,10 @@ def sample(calls: Mapping[str, Timed], *, warmup: int = 1, min_runs: int = 3,
         Variant name -> a call returning named seconds (the same names every time).
     warmup : int
         Untimed runs of each call first (compiles, faults pages in); at least 1.
+    warmup_seconds : float
+        Then untimed rounds (round-robin) until this long has passed since the first
+        warm-up run (a CPU device's first 0.25 s of back-to-back decode calls measured
+        up to 2x slower than the rest).
     min_runs, max_runs : int
         Timed rounds: at least ``min_runs``, at most ``max_runs``.
     seconds : float
@@ -97,8 +101,14 @@ def sample(calls: Mapping[str, Timed], *, warmup: int = 1, min_runs: int = 3,
     >>> res["f"]["s"].runs, res["f"]["s"].median
     (3, 0.001)
     """
+    t0 = time.perf_counter()
     for name, call in calls.items():
         for _ in range(max(1, warmup)):
+            result = call()
+            if observe is not None:
+                observe(name, result, True)
+    while time.perf_counter() - t0 < warmup_seconds:
+        for name, call in calls.items():
             result = call()
             if observe is not None:
                 observe(name, result, True)
