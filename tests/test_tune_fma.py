@@ -66,13 +66,25 @@ def test_peak_is_positive_finite_and_excludes_the_warm_up(device, monkeypatch):
             return launch()
         return counted, flops
 
+    rounds = []
+    real_timed = ceilings._timed
+
+    def recorded(*a, **k):
+        rounds.append(real_timed(*a, **k))
+        return rounds[-1]
+
     monkeypatch.setattr(ceilings, "fma_launcher", counting)
+    monkeypatch.setattr(ceilings, "_timed", recorded)
     peak = fma_peak(device, target_s=0.05)
     assert isinstance(peak, FmaPeak) and peak.device == device.name.strip()
     assert math.isfinite(peak.gflops) and peak.gflops > 0
     assert math.isfinite(peak.best_gflops) and peak.best_gflops >= peak.gflops
     assert peak.repetitions == len(peak.samples) >= 3
-    assert len(launches) == peak.repetitions + 1  # one warm-up launch, never counted
+    # FMA_ROUNDS rounds, each after one warm-up launch that is never counted; the round
+    # with the fastest median is the peak
+    assert len(rounds) == ceilings.FMA_ROUNDS
+    assert len(launches) == sum(len(r) + 1 for r in rounds)
+    assert peak.samples == min(rounds, key=lambda r: float(np.median(r)))
     assert math.isclose(peak.best_gflops, peak.flops / min(peak.samples) * 1e-9)
     assert math.isclose(peak.gflops, peak.flops / float(np.median(peak.samples)) * 1e-9)
     assert "GFLOP/s" in peak.summary() and "float8" in peak.summary()
