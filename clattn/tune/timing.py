@@ -101,27 +101,26 @@ def sample(calls: Mapping[str, Timed], *, warmup: int = 1, min_runs: int = 3,
     >>> res["f"]["s"].runs, res["f"]["s"].median
     (3, 0.001)
     """
+    def run(name: str, warm: bool) -> Mapping[str, float]:
+        result = calls[name]()
+        if observe is not None:
+            observe(name, result, warm)
+        return result
+
     t0 = time.perf_counter()
-    for name, call in calls.items():
+    for name in calls:
         for _ in range(max(1, warmup)):
-            result = call()
-            if observe is not None:
-                observe(name, result, True)
+            run(name, True)
     while time.perf_counter() - t0 < warmup_seconds:
-        for name, call in calls.items():
-            result = call()
-            if observe is not None:
-                observe(name, result, True)
+        for name in calls:
+            run(name, True)
     runs: dict[str, list[Mapping[str, float]]] = {k: [] for k in calls}
     budget = seconds * max(1, len(calls))
     t0 = time.perf_counter()
     done = 0
     while done < max(1, max_runs) and (done < min_runs or time.perf_counter() - t0 < budget):
-        for name, call in calls.items():
-            result = call()
-            runs[name].append(result)
-            if observe is not None:
-                observe(name, result, False)
+        for name in calls:
+            runs[name].append(run(name, False))
         done += 1
     return {name: {key: Samples(tuple(float(r[key]) for r in rs)) for key in rs[0]}
             for name, rs in runs.items()}
