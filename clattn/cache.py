@@ -24,7 +24,7 @@ from typing import Any, Hashable, Sequence
 
 import numpy as np
 
-from . import cpu_backend, runtime, signatures
+from . import cpu_backend, host_memory, runtime, signatures
 from .cache_tables import CacheFullError, PageTable, StepTables
 from .codegen import render_append
 from .decode import BatchDecode
@@ -172,7 +172,7 @@ class PagedKVCache:
         q = self._rt.queue
         self.pools = []
         for _ in range(self.num_layers):
-            a = cl.array.empty(q, shape, spec.pool_dtype)
+            a = host_memory.empty(q, shape, spec.pool_dtype)
             a.events.append(cl.enqueue_fill_buffer(q, a.base_data, np.uint8(0), 0, size))
             self.pools.append(a)
         self._device = _DeviceSteps(self)

@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from . import cpu_backend, runtime, signatures
+from . import cpu_backend, host_memory, runtime, signatures
 from .codegen import render_decode, render_merge
 from .decode_step import DecodeStep, upload_tables
 from .device import DeviceSetup, build_fitted, open_backend
@@ -83,6 +83,30 @@ class BatchDecode:
         if not self.setup:
             raise RuntimeError("the CPU backend runs numpy code, not OpenCL")
         return render_decode(self.spec, self.geometry)
+
+    def empty_pages(self, num_pages: int) -> Any:
+        """An uninitialised page pool for this decoder, ``spec.pool_shape(num_pages)``.
+
+        On a CPU device it lies in huge pages of host memory (:mod:`clattn.host_memory`:
+        1.13-1.15x faster decode on PoCL over large pools); elsewhere it is a plain
+        device array. On the CPU backend, a numpy array.
+
+        Parameters
+        ----------
+        num_pages : int
+            Pages in the pool (>= 1).
+
+        Returns
+        -------
+        pyopencl.array.Array or numpy.ndarray
+        """
+        if isinstance(num_pages, bool) or not isinstance(num_pages, (int, np.integer)) \
+                or num_pages < 1:
+            raise ValueError(f"num_pages={num_pages!r}: must be an integer >= 1")
+        shape = self.spec.pool_shape(int(num_pages))
+        if not self.setup:
+            return np.empty(shape, self.spec.pool_dtype)
+        return host_memory.empty(self.setup.runtime.queue, shape, self.spec.pool_dtype)
 
     def build(self) -> "BatchDecode":
         """Compile now (otherwise the first run compiles); returns self."""

@@ -14,7 +14,7 @@ from typing import Any, Iterable
 
 import numpy as np
 
-from .. import runtime
+from .. import host_memory, runtime
 from ..spec import AttentionSpec
 from .ceilings import fill_random
 
@@ -140,9 +140,8 @@ class PagePool:
     """One model's pages on the device, pseudo-random ``[pages, 2, H_kv, page_size, D]``."""
 
     def __init__(self, rt: Any, spec: AttentionSpec, pages: int, seed: int) -> None:
-        cl = runtime.cl()
         self.spec = spec
-        self.pages = cl.array.empty(rt.queue, spec.pool_shape(pages), spec.pool_dtype)
+        self.pages = host_memory.empty(rt.queue, spec.pool_shape(pages), spec.pool_dtype)
         fill_random(rt, self.pages, seed=seed)
 
     @property
