@@ -9,6 +9,10 @@ their ratio and the largest difference of the outputs.
 
     python tools/ab_decode.py --rev b7917c1 --device pocl --models Llama-3-8B,Qwen2.5-0.5B
 
+``--pools`` instead of ``--rev`` times this tree twice over the same pages: in a plain
+device array (``pyopencl.array.to_device``) and in the pool ``BatchDecode.empty_pages``
+gives (huge pages of host memory on a CPU device).
+
 A developer script, not a test.
 """
 from __future__ import annotations
@@ -50,8 +54,11 @@ def load_revision(rev: str, into: Path):
 
 
 def one_row(pkgs: list, name: str, dtype: str, B: int, ctx: int, device: str,
-            seconds: float, seed: int) -> dict:
-    """Median kernel ms of each package's decode of one model shape, alternated call by call."""
+            seconds: float, seed: int, pools: tuple = ("plain", "plain")) -> dict:
+    """Median kernel ms of each package's decode of one model shape, alternated call by call.
+
+    ``pools[i]``: ``plain`` (a device array of the pages) or ``empty_pages`` (the
+    decoder's own pool, the pages copied in) for package ``i``."""
     hqo, hkv, d = MODELS[name]
     rng = np.random.default_rng(seed)
     per_seq = ctx // PAGE
@@ -61,11 +68,16 @@ def one_row(pkgs: list, name: str, dtype: str, B: int, ctx: int, device: str,
     indices = rng.permutation(B * per_seq).astype(np.int32)
     last = np.full(B, PAGE, np.int32)
     runs = []
-    for pkg in pkgs:
+    for pkg, pool in zip(pkgs, pools):
         aspec = pkg.AttentionSpec(hqo, hkv, d, page_size=PAGE, dtype=dtype)
         dec = pkg.BatchDecode(aspec, device=device)
         queue = dec.setup.runtime.queue
-        dp, dq = cla.to_device(queue, pages), cla.to_device(queue, q)
+        if pool == "plain":
+            dp = cla.to_device(queue, pages)
+        else:
+            dp = dec.empty_pages(len(pages))
+            dp.set(pages)
+        dq = cla.to_device(queue, q)
         plan = dec.plan(indptr, last)
         tables = [cla.to_device(queue, t) for t in (indptr, indices, last)]
         first = dec.run(dq, dp, *tables, plan=plan)
@@ -91,7 +103,10 @@ def one_row(pkgs: list, name: str, dtype: str, B: int, ctx: int, device: str,
 
 def main(argv: list | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rev", required=True, help="the revision to compare against")
+    which = ap.add_mutually_exclusive_group(required=True)
+    which.add_argument("--rev", help="the revision to compare against")
+    which.add_argument("--pools", action="store_true",
+                       help="this tree over a plain device array against empty_pages' pool")
     ap.add_argument("--device", default="pocl")
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--dtypes", default="float16,float32")
@@ -100,21 +115,25 @@ def main(argv: list | None = None) -> None:
     ap.add_argument("--seconds", type=float, default=4.0, help="per row, both builds")
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
-        base = load_revision(args.rev, Path(tmp))
+        if args.pools:
+            pkgs, pools, what = [clattn, clattn], ("plain", "empty_pages"), \
+                "plain device pages -> BatchDecode.empty_pages"
+        else:
+            pkgs, pools, what = [load_revision(args.rev, Path(tmp)), clattn], \
+                ("plain", "plain"), f"clattn {args.rev} -> this tree"
         print(f"decode kernel ms (median of alternated calls, decode + merge events), "
-              f"{args.device}, clattn {args.rev} -> this tree, ctx {args.ctx}")
+              f"{args.device}, {what}, ctx {args.ctx}")
         print("| model | dtype | B | plan | base ms | this ms | base / this | calls | max diff |")
         print("|---|---|---:|---|---:|---:|---:|---:|---:|")
         for name in args.models.split(","):
             for dtype in args.dtypes.split(","):
                 for B in (int(b) for b in args.batches.split(",")):
-                    r = one_row([base, clattn], name, dtype, B, args.ctx, args.device,
-                                args.seconds, seed=len(name) + B)
+                    r = one_row(pkgs, name, dtype, B, args.ctx, args.device,
+                                args.seconds, seed=len(name) + B, pools=pools)
                     print(f"| {r['model']} | {r['dtype']} | {r['B']} | {r['plan']} | "
                           f"{r['base_ms']:.3f} | {r['this_ms']:.3f} | "
                           f"{r['base_ms'] / r['this_ms']:.2f} | {r['calls']} | "
                           f"{r['max_diff']:.1e} |", flush=True)
-
 
 if __name__ == "__main__":
     main()
