@@ -316,6 +316,14 @@ MUTANTS = [
          "const int dead = 0;")],
         ["tests/test_nonfinite.py", "-k", "all_scores_minus_inf"],
         "split-KV: a sequence whose rows all score -inf reads as empty", "kernel", count=2),
+    Mutant("pool-huge-pages-not-advised", "clattn/host_memory.py", [
+        ("    m.madvise(mmap.MADV_HUGEPAGE, skip, nbytes)\n", "")],
+        ["tests/test_host_memory.py"],
+        "a CPU device's page pool is mapped without asking for huge pages", "python"),
+    Mutant("pool-misaligned", "clattn/host_memory.py", [
+        ("    skip = (-raw.ctypes.data) % HUGE_PAGE", "    skip = 4096")],
+        ["tests/test_host_memory.py"],
+        "a CPU device's page pool does not start on a huge page", "python"),
 ]
 
 

@@ -7,8 +7,10 @@ so a stream of small scattered spans reads slower than one long stream, whatever
 does with the data. This script measures both in one run, on one device:
 
 * the streaming read ceiling (:func:`clattn.tune.ceilings.read_bandwidth`);
-* for each pool size (by default the streaming read's working set and 1 GiB) and span
-  size, every span of the pool read once per launch in a random order, one work-item per stream (``--streams-per-cu`` per compute unit), each
+* for each pool size (by default the streaming read's working set and 1 GiB), each
+  memory (the device's own buffer, and on a CPU device huge pages of host memory as
+  :mod:`clattn.host_memory` maps a page pool) and span size, every span of the pool read
+  once per launch in a random order, one work-item per stream (``--streams-per-cu`` per compute unit), each
   reading its spans in turn, 64 bytes at a time. Where the device runs
   ``__builtin_prefetch`` (:func:`clattn.compiler_probe.prefetch_works`), each work-item
   prefetches the span ``--ahead-bytes`` ahead, line by line, as the decode does.
@@ -37,7 +39,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools"))
 
 from bench import MODELS, PAGE  # noqa: E402
-from clattn import compiler_probe, runtime  # noqa: E402
+from clattn import compiler_probe, host_memory, runtime  # noqa: E402
 from clattn.tune import ceilings, timing  # noqa: E402
 
 LINE = 64  # bytes per read step and per prefetch hint
@@ -80,12 +82,13 @@ def model_spans() -> dict[int, list[str]]:
 
 
 def read_spans(rt: runtime.Runtime, span: int, pool_bytes: int, *, ahead_bytes: int,
-               streams_per_cu: int, seconds: float, prefetch: bool,
+               streams_per_cu: int, seconds: float, prefetch: bool, huge: bool = False,
                seed: int = 0) -> tuple[float, float, int]:
     """(median GB/s, best GB/s, timed launches) of reading every span of a pool once.
 
     ``span`` bytes (a multiple of 64) each, in a random order split over
-    ``streams_per_cu`` x compute units work-items.
+    ``streams_per_cu`` x compute units work-items; the pool in the device's own memory,
+    or (``huge``) in huge pages of host memory as :mod:`clattn.host_memory` maps it.
     """
     cl = runtime.cl()
     if span % LINE:
@@ -95,7 +98,11 @@ def read_spans(rt: runtime.Runtime, span: int, pool_bytes: int, *, ahead_bytes: 
     n_spans = per_item * streams
     order = np.random.default_rng(seed).permutation(n_spans).astype(np.int32)
     flags = cl.mem_flags
-    buf = cl.Buffer(rt.context, flags.READ_WRITE, n_spans * span)
+    if huge:
+        buf = cl.Buffer(rt.context, flags.READ_WRITE | flags.USE_HOST_PTR,
+                        hostbuf=host_memory.huge_page_bytes(n_spans * span))
+    else:
+        buf = cl.Buffer(rt.context, flags.READ_WRITE, n_spans * span)
     ceilings.fill_random(rt, buf, dtype=np.float32, seed=0x5EED)
     obuf = cl.Buffer(rt.context, flags.READ_ONLY | flags.COPY_HOST_PTR, hostbuf=order)
     out = cl.Buffer(rt.context, flags.WRITE_ONLY, 4 * streams)
@@ -138,6 +145,7 @@ def main(argv: list | None = None) -> None:
     read = ceilings.read_bandwidth(rt)
     pools = [int(p) * ceilings.MiB or read.sizing.working_set_bytes
              for p in args.pools_mib.split(",")]
+    memories = [False, True] if host_memory.wants_huge_pages(rt.device) else [False]
     prefetch = compiler_probe.prefetch_works(rt)
     print(f"# scattered spans on {rt.device.name.strip()}")
     print(f"- {read.summary()}")
@@ -147,16 +155,18 @@ def main(argv: list | None = None) -> None:
     print()
     rows = []
     for pool in pools:
-        for span in spans:
-            med, best, n = read_spans(rt, span, pool, ahead_bytes=args.ahead_bytes,
-                                      streams_per_cu=args.streams_per_cu,
-                                      seconds=args.seconds, prefetch=prefetch)
-            rows.append([ceilings.size_text(pool), ceilings.size_text(span),
-                         ", ".join(named.get(span, [])) or "-", f"{med:.2f}", f"{best:.2f}",
-                         f"{med / read.median_gbps:.0%}", str(n)])
+        for huge in memories:
+            for span in spans:
+                med, best, n = read_spans(rt, span, pool, ahead_bytes=args.ahead_bytes,
+                                          streams_per_cu=args.streams_per_cu,
+                                          seconds=args.seconds, prefetch=prefetch, huge=huge)
+                rows.append([ceilings.size_text(pool), "huge pages" if huge else "device",
+                             ceilings.size_text(span),
+                             ", ".join(named.get(span, [])) or "-", f"{med:.2f}",
+                             f"{best:.2f}", f"{med / read.median_gbps:.0%}", str(n)])
     print("\n".join(timing.table(
-        ["pool", "span", "per-head page region of", "GB/s (median)", "GB/s (best)",
-         "of streaming read (medians)", "launches"], rows, right={3, 4, 5, 6},
+        ["pool", "memory", "span", "per-head page region of", "GB/s (median)", "GB/s (best)",
+         "of streaming read (medians)", "launches"], rows, right={4, 5, 6, 7},
         markdown=True)))
 
 if __name__ == "__main__":
