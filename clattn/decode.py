@@ -88,8 +88,10 @@ class BatchDecode:
         """An uninitialised page pool for this decoder, ``spec.pool_shape(num_pages)``.
 
         On a CPU device it lies in huge pages of host memory (:mod:`clattn.host_memory`:
-        1.13-1.15x faster decode on PoCL over large pools); elsewhere it is a plain
-        device array. On the CPU backend, a numpy array.
+        1.1-1.3x faster decode on PoCL over large pools); elsewhere it is a plain
+        device array. On the CPU backend, a numpy array. A pool in host memory waits for
+        this decoder's queue when it is dropped; work on another queue (``queue=``) that
+        reads it must finish before it is dropped.
 
         Parameters
         ----------

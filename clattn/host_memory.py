@@ -17,6 +17,7 @@ Other devices (GPUs, Oclgrind, which reports every device type), hosts without
 from __future__ import annotations
 
 import mmap
+import weakref
 from typing import Any
 
 import numpy as np
@@ -95,4 +96,19 @@ def empty(queue: Any, shape: tuple, dtype: Any) -> Any:
         return cl.array.empty(queue, shape, dtype)
     flags = cl.mem_flags.READ_WRITE | cl.mem_flags.USE_HOST_PTR
     buf = cl.Buffer(queue.context, flags, hostbuf=host)
+    # The buffer holds `host` until it is released, but the device may still read the
+    # memory then (a released buffer lives on while commands use it), and dropping `host`
+    # unmaps it. So before `host` goes, its queue finishes (the callback runs as `host` is
+    # freed, before its mapping is). Work on other queues must end before the pool is
+    # dropped, as for any buffer over host memory.
+    done = weakref.finalize(host, _finish_quietly, queue)
+    done.atexit = False
     return cl.array.Array(queue, shape, dtype, data=buf)
+
+
+def _finish_quietly(queue: Any) -> None:
+    """Wait for ``queue`` (a finalizer: any error is dropped, the queue may be gone)."""
+    try:
+        queue.finish()
+    except Exception:  # noqa: BLE001 - nothing to report to at this point
+        pass

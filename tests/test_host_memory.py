@@ -2,6 +2,10 @@
 from __future__ import annotations
 
 import mmap
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pyopencl as cl
@@ -112,3 +116,46 @@ def test_empty_pages_rejects(bad):
                                 dtype="float32")
     with pytest.raises(ValueError, match="num_pages"):
         clattn.BatchDecode(spec, backend="cpu").empty_pages(bad)
+
+
+_DROP_SCRIPT = r"""
+import gc, sys
+import numpy as np, pyopencl as cl, pyopencl.array
+import clattn
+from cases import compare
+from naive import naive_decode
+
+spec = clattn.AttentionSpec(num_qo_heads=32, num_kv_heads=8, head_dim=128, page_size=16,
+                            dtype="float16")
+dec = clattn.BatchDecode(spec, device=sys.argv[1])
+n = 2048   # 128 MiB, 8 sequences of 4096 rows: milliseconds of kernel time
+pages = dec.empty_pages(n)
+rng = np.random.default_rng(9)
+host_pages = rng.standard_normal(pages.shape).astype(pages.dtype)
+pages.set(host_pages)
+queue = pages.queue
+q = cl.array.to_device(queue, rng.standard_normal((8, 32, 128)).astype(np.float16))
+indptr = np.arange(9, dtype=np.int32) * 256
+indices = rng.permutation(n).astype(np.int32)
+last = np.full(8, 16, np.int32)
+tables = [cl.array.to_device(queue, t) for t in (indptr, indices, last)]
+r = dec.run(q, pages, *tables)
+del pages
+gc.collect()
+ref_out, ref_lse = naive_decode(q.get()[:1], host_pages, indptr[:2], indices, last[:1])
+compare(r.out.get()[:1], r.lse.get()[:1], ref_out, ref_lse, np.float16)
+print("same as the reference")
+"""
+
+
+def test_dropping_a_pool_while_its_decode_runs(device_id):
+    """A pool in host memory dropped right after a launch that reads it: the memory stays
+    mapped until the queue is done (else the kernel reads unmapped memory and the process
+    dies). Run in a child process, so that such a death fails this test alone."""
+    tests = Path(__file__).resolve().parent
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(tests), str(tests.parent), os.environ.get("PYTHONPATH", "")]))
+    res = subprocess.run([sys.executable, "-c", _DROP_SCRIPT, device_id], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0 and "same as the reference" in res.stdout, \
+        f"exit {res.returncode}: {res.stderr[-2000:]}"

@@ -324,6 +324,11 @@ MUTANTS = [
         ("    skip = (-raw.ctypes.data) % HUGE_PAGE", "    skip = 4096")],
         ["tests/test_host_memory.py"],
         "a CPU device's page pool does not start on a huge page", "python"),
+    Mutant("pool-unmapped-while-read", "clattn/host_memory.py", [
+        ("    done = weakref.finalize(host, _finish_quietly, queue)\n    done.atexit = False\n",
+         "")],
+        ["tests/test_host_memory.py", "-k", "dropping"],
+        "a pool in host memory is unmapped while a kernel still reads it", "python"),
 ]
 
 
