@@ -8,8 +8,10 @@ random 2 KiB spans of a 1 GiB pool at 52% of its streaming read, 99% of a 128 Mi
 fewer TLB entries. Neither PoCL nor Intel's CPU runtime asks for them, so under the
 kernel's usual THP mode (``madvise``) their buffers get none. For a CPU device,
 :func:`empty` maps the memory itself, 2 MiB aligned, advises huge pages and hands it to
-the device with ``CL_MEM_USE_HOST_PTR``. The decode then ran 1.13-1.15x faster on PoCL
-(Llama-3-8B and Llama-3.2-1B f16 at B = 8, Qwen2.5-0.5B), 1.01-1.05x on Intel's runtime.
+the device with ``CL_MEM_USE_HOST_PTR``. The decode then ran 1.00-1.20x faster on PoCL at
+16k tokens (median 1.10x over five models, f16 and f32, B 1 and 8), 1.18-1.29x at 64k
+tokens and B = 8, and 0.97-1.13x (median 1.04x) on Intel's runtime (``tools/ab_decode.py
+--pools``).
 
 Other devices (GPUs, Oclgrind, which reports every device type), hosts without
 ``madvise(MADV_HUGEPAGE)`` and THP mode ``never`` get a plain ``pyopencl.array.empty``.
