@@ -182,6 +182,24 @@ def test_read_bandwidth():
 
 
 @needs_pocl
+def test_streaming_ceiling_takes_the_fastest_round_of_its_best_variant(monkeypatch):
+    """The sweep times every variant once; the best variant then gets STREAM_ROUNDS - 1
+    more rounds, and the round with the fastest median is the ceiling's median."""
+    timed = []
+    fake = iter([(4.0, 4.0, 4.0), (2.0, 3.0, 3.0),           # the sweep: float4, float16
+                 (2.5, 2.5, 2.6), (2.2, 2.4, 2.6)])           # float16 again, twice
+    monkeypatch.setattr(ceilings, "_timed", lambda launch, s: timed.append(launch) or next(fake))
+    monkeypatch.setattr(ceilings, "STREAM_ROUNDS", 3)
+    m = ceilings.read_bandwidth(POCL, size_bytes=8 << 20, target_s=0.01, widths=(4, 16),
+                                patterns=("strided",))
+    assert m.best == "float16, strided" and len(timed) == 4
+    assert timed[2] is timed[1] and timed[3] is timed[1]      # the rounds are the best's
+    assert math.isclose(m.median_gbps, m.bytes_moved / 2.4 * 1e-9)   # median of round 3
+    assert math.isclose(m.gbps, m.bytes_moved / 2.0 * 1e-9) and m.seconds == 2.0
+    assert m.repetitions == 3
+
+
+@needs_pocl
 def test_default_working_set_is_past_every_cache():
     plan = ceilings.sizing(POCL)
     assert plan.largest_cache is not None
