@@ -11,7 +11,8 @@ Suites
             call; GB/s of the KV bytes actually read (data + block scales of the page
             format) and its fraction of the streaming-read ceiling (medians with medians);
             the roofline of the row's shape (bytes at the read bandwidth or multiply-adds at
-            the FMA peak, whichever is slower) and the achieved fraction of it;
+            the FMA peak, whichever is slower) and the achieved fraction of it, both
+            ceilings timed round-robin with the row's own calls (the same moments);
             ``--formats float16,q8_0,q4_0`` runs every row with each page format
             (``k_format = v_format``), prints each time over the float16 pages' time on
             the same row and a table of bytes per KV row per format; then the merge
@@ -406,6 +407,7 @@ class DeviceBench:
         self.cold_bytes = int(args.cold_mib * 2**20) if args.cold_mib else \
             self.sizing.working_set_bytes
         self.read = self.copy = self.latency = self.fma = None
+        self._row_ceilings: dict | None = None
         if ceilings:
             self._measure()
 
@@ -422,6 +424,23 @@ class DeviceBench:
         self.fma = ceil.fma_peak(self.rt, args.bw_target_s)
         log(self.fma.summary())
         log(f"(ceilings measured in {time.perf_counter() - t:.1f} s)")
+
+    def row_ceilings(self) -> dict:
+        """Timed calls of the read ceiling's best variant (``read``) and of the multiply-add
+        peak (``fma``), each returning ``{"s": seconds}``, for a row to time round-robin
+        with its own calls: the ceilings a fraction divides by are then those of the same
+        moments (on a 2-vCPU VM one run's read median was 21.8 GB/s, another's 38)."""
+        if self._row_ceilings is None:
+            launch, self.read_bytes, self._release_read = ceil.read_launcher(self.rt, self.read)
+            fma, self.fma_flops = fma_peak_call(self.rt)
+            self._row_ceilings = {"read": lambda: {"s": event_seconds([launch()])}, "fma": fma}
+        return self._row_ceilings
+
+    def release_row_ceilings(self) -> None:
+        """Free the read ceiling's working set of :meth:`row_ceilings`."""
+        if self._row_ceilings is not None:
+            self._release_read()
+            self._row_ceilings = None
 
     def ceilings(self) -> dict:
         """The ceilings as JSON-able dicts (those measured)."""
@@ -541,24 +560,28 @@ def _decode_row(args: argparse.Namespace, db: DeviceBench, row: dict, dec: Any,
         what = f"decode {row['model']} {row['dtype']} {row['format']} pages B={B} ctx={ctx}"
         if check_decode_row(row, what, dec, w, {"planned": plan}) is None:
             return
-        res, _ = sample_interleaved({"cold": timed_decode(dec, w, plan),
-                                     "hot": timed_decode(dec, w, plan, hot=True)},
-                                    args.repeat, args.row_seconds)
+        calls = {"cold": timed_decode(dec, w, plan),
+                 "hot": timed_decode(dec, w, plan, hot=True)}
+        calls.update(db.row_ceilings())
+        res, _ = sample_interleaved(calls, args.repeat, args.row_seconds)
     finally:
         w.release()
     r, h = res["cold"], res["hot"]
     nbytes = io_bytes(spec, B, ctx)
     gbps = nbytes / r["kernel"] * 1e-9
+    # the ceilings timed round-robin with the row: the machine's state of those moments
+    read_gbps = db.read_bytes / res["read"]["s"] * 1e-9
+    fma_gflops = db.fma_flops / res["fma"]["s"] * 1e-9 if "fma" in res else None
     row.update(plan=short_plan(plan), plan_full=str(plan), page_sets=w.n_sets,
                kernel_ms=r["kernel"] * 1e3, decode_ms=r["decode"] * 1e3,
                merge_ms=r["merge"] * 1e3, hot_ms=h["kernel"] * 1e3,
                cold_vs_hot=r["kernel"] / h["kernel"], wall_ms=r["wall"] * 1e3, gbps=gbps,
-               frac=gbps / db.read.median_gbps, wall_gbps=nbytes / r["wall"] * 1e-9,
-               runs=r["runs"], mib=nbytes / 2**20)
+               frac=gbps / read_gbps, wall_gbps=nbytes / r["wall"] * 1e-9,
+               runs=r["runs"], mib=nbytes / 2**20, read_gbps=read_gbps,
+               fma_gflops=fma_gflops)
     roof = decode_roofline(batch=B, context=ctx, num_qo_heads=spec.num_qo_heads,
                            head_dim=spec.head_dim, bytes_moved=nbytes,
-                           read_gbps=db.read.median_gbps,
-                           fma_gflops=db.fma.gflops if db.fma else None)
+                           read_gbps=read_gbps, fma_gflops=fma_gflops)
     row.update(roof_ms=roof.bound_s * 1e3, roof_bound=roof.bound,
                roof_frac=roof.fraction(r["kernel"]))
     row["fallback_ratio"] = row["fallback_ms"] / row["wall_ms"]
@@ -643,7 +666,8 @@ def suite_decode(args: argparse.Namespace, deadline: Deadline) -> dict:
             ("decode_ms", "decode ms", ".3f"), ("merge_ms", "merge ms", ".3f"),
             ("kernel_ms", "cold ms", ".3f"), ("hot_ms", "hot ms", ".3f"),
             ("cold_vs_hot", "cold/hot", ".2f"), ("wall_ms", "wall ms", ".3f"),
-            ("gbps", "GB/s (cold)", ".2f"), ("frac", "of read bw (medians)", ".1%"),
+            ("gbps", "GB/s (cold)", ".2f"), ("read_gbps", "read GB/s (row)", ".2f"),
+            ("frac", "of read bw (medians)", ".1%"),
             ("roof_ms", "roofline ms", ".3f"), ("roof_bound", "bound", ""),
             ("roof_frac", "of roofline (cold)", ".1%")]
     if args.formats:
@@ -653,12 +677,14 @@ def suite_decode(args: argparse.Namespace, deadline: Deadline) -> dict:
     sections = [("Decode (median kernel event times, cold: page sets rotating over at least "
                  f"{db.cold_bytes / 2**20:.0f} MiB; hot: the same pages; GB/s = KV bytes read "
                  "(data + block scales of the page format) + q/out/lse bytes / cold kernel "
-                 "time; roofline: the larger of those bytes / the median read bandwidth and "
-                 "2 x heads x head_dim multiply-adds per row / the median multiply-add peak)",
-                 rows, cols)]
+                 "time; read GB/s (row): the read ceiling's best variant timed round-robin "
+                 "with the row's calls, its median, and so the multiply-add peak; roofline: "
+                 "the larger of those bytes / that read bandwidth and 2 x heads x head_dim "
+                 "multiply-adds per row / that peak)", rows, cols)]
     if args.formats:
         sections.append(format_costs(models, args.formats))
     sections += merge_sections(args, db, deadline)
+    db.release_row_ceilings()
     return {"sections": sections, "ceilings": db.ceilings(), "header": db.header()}
 
 

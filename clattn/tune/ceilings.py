@@ -477,42 +477,81 @@ def _local_size(rt: runtime.Runtime) -> int:
     return max(1, min(LOCAL, int(rt.device.max_work_group_size)))
 
 
+class _StreamBuffers:
+    """The source and destination of a read or copy ceiling, filled and ready; the
+    ``size`` bytes of the source are whole work-groups at every width."""
+
+    def __init__(self, kind: str, rt: runtime.Runtime, working_set: int) -> None:
+        cl = runtime.cl()
+        self.kind, self.rt, self.ls = kind, rt, _local_size(rt)
+        quantum = 16 * 4 * FETCH * self.ls
+        src_bytes = working_set if kind == "read" else working_set // 2
+        self.size = max(quantum, (src_bytes // quantum) * quantum)
+        n_f32 = self.size // 4
+        self.src = cl.Buffer(rt.context, cl.mem_flags.READ_WRITE, self.size)
+        fill_random(rt, self.src, dtype=np.float32, seed=0x5EED)
+        self.dst = cl.Buffer(rt.context, cl.mem_flags.READ_WRITE,
+                             n_f32 // FETCH * 4 if kind == "read" else self.size)
+        fill_random(rt, self.dst, dtype=np.float32, seed=0xD57)  # touch before timing
+
+    @property
+    def moved(self) -> int:
+        """Bytes one launch reads (``read``) or reads + writes (``copy``)."""
+        return self.size if self.kind == "read" else 2 * self.size
+
+    def launcher(self, label: str) -> Callable[[], Any]:
+        """The bare launch of variant ``label`` (``"float16, strided"``) on these buffers."""
+        cl = runtime.cl()
+        width, pat = (x.strip() for x in label.split(","))
+        knl = _kernel(self.rt, f"{self.kind}_{pat}_{width}")
+        w = 1 if width == "float" else int(width[len("float"):])
+        gsz = self.size // 4 // (w * FETCH)
+
+        def launch() -> Any:
+            knl.set_args(self.src, self.dst)
+            return cl.enqueue_nd_range_kernel(self.rt.queue, knl, (gsz,), (self.ls,))
+        return launch
+
+    def release(self) -> None:
+        self.src.release()
+        self.dst.release()
+
+
+def read_launcher(runtime_or_device: Any, measurement: Measurement
+                  ) -> tuple[Callable[[], Any], int, Callable[[], None]]:
+    """The best variant of a read ceiling as a bare launch, on a new working set of the
+    same size, for timing it beside other kernels (``tools/bench.py`` does, row by row).
+
+    Returns
+    -------
+    (launch, bytes, release)
+        ``launch()`` enqueues one read and returns its event (not waited for); ``bytes``
+        is what it reads; ``release()`` frees the buffers.
+    """
+    rt = as_runtime(runtime_or_device)
+    bufs = _StreamBuffers("read", rt, measurement.bytes_moved)
+    return bufs.launcher(measurement.best), bufs.moved, bufs.release
+
+
 def _stream(kind: str, rt: runtime.Runtime, size_bytes: int | None, target_s: float,
             widths: tuple, patterns: tuple) -> Measurement:
-    cl = runtime.cl()
     plan = sizing(rt.device)
     if size_bytes is not None:
         plan = replace(plan, working_set_bytes=int(size_bytes), cap="size given by the caller")
-    ls = _local_size(rt)
-    quantum = 16 * 4 * FETCH * ls  # whole work-groups at every width
-    src_bytes = plan.working_set_bytes if kind == "read" else plan.working_set_bytes // 2
-    size = max(quantum, (src_bytes // quantum) * quantum)
-    n_f32 = size // 4
-    src = cl.Buffer(rt.context, cl.mem_flags.READ_WRITE, size)
-    fill_random(rt, src, dtype=np.float32, seed=0x5EED)
-    dst = cl.Buffer(rt.context, cl.mem_flags.READ_WRITE, n_f32 // FETCH * 4 if kind == "read" else size)
-    fill_random(rt, dst, dtype=np.float32, seed=0xD57)  # touch before timing
+    bufs = _StreamBuffers(kind, rt, plan.working_set_bytes)
     results, launches = [], {}
     try:
         for pat in patterns:
             for w in widths:
-                knl = _kernel(rt, f"{kind}_{pat}_{_tname(w)}")
-                knl.set_args(src, dst)
-                gsz = n_f32 // (w * FETCH)
-
-                def launch(knl: Any = knl, gsz: int = gsz) -> Any:
-                    return cl.enqueue_nd_range_kernel(rt.queue, knl, (gsz,), (ls,))
-
                 label = f"{_tname(w)}, {pat}"
-                launches[label] = launch
-                results.append((label, _timed(launch, target_s)))
+                launches[label] = bufs.launcher(label)
+                results.append((label, _timed(launches[label], target_s)))
         best_label, first = min(results, key=lambda r: min(r[1]))
         rounds = [first] + [_timed(launches[best_label], target_s)
                             for _ in range(STREAM_ROUNDS - 1)]
     finally:
-        src.release()
-        dst.release()
-    moved = size if kind == "read" else 2 * size  # what one repetition reads (+ writes)
+        bufs.release()
+    moved = bufs.moved  # what one repetition reads (+ writes)
     best_times = min(rounds, key=statistics.median)
     fastest = min(min(r) for r in rounds)
     return Measurement(
@@ -700,5 +739,6 @@ def measure_all(runtime_or_device: Any = None, *, target_s: float = 0.25,
 __all__ = ["COLD_FACTOR", "STREAM_ROUNDS", "Cache", "Ceilings", "FMA_CHAINS", "FMA_ITERS", "FMA_UNROLL", "FmaPeak",
            "Latency", "Measurement", "Sizing", "Transfer", "as_runtime", "copy_bandwidth",
            "fill_random", "fma_launcher", "fma_peak", "fma_source", "host_caches",
-           "launch_latency", "measure_all", "parse_size", "read_bandwidth", "size_text", "sizing",
+           "launch_latency", "measure_all", "parse_size", "read_bandwidth", "read_launcher",
+           "size_text", "sizing",
            "source", "transfer_bandwidth"]
