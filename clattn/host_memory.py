@@ -3,9 +3,9 @@
 A CPU device's buffers are host memory in 4 KiB pages. A decode visits a sequence's KV
 pages wherever they lie in the pool, a span of 2-8 KiB per KV head at a time. On a large
 pool nearly every span is then also a TLB miss (a 2-vCPU Zen 4 VM with 4 KiB pages read
-random 2 KiB spans of a 1 GiB pool at 50-57% of its streaming read, and those of a 128 MiB
-pool at about the full rate; ``tools/span_read.py``). Transparent huge pages (2 MiB) cover the same pool with 512x
-fewer TLB entries. Neither PoCL nor Intel's CPU runtime asks for them, so under the
+random 2 KiB spans of a 1 GiB pool at 50-57% of its streaming read, and those of a
+128 MiB pool at about the full rate; ``tools/span_read.py``). Transparent huge pages
+(2 MiB) cover the same pool with 512x fewer TLB entries. Neither PoCL nor Intel's CPU runtime asks for them, so under the
 kernel's usual THP mode (``madvise``) their buffers get none. For a CPU device,
 :func:`empty` maps the memory itself, 2 MiB aligned, advises huge pages and hands it to
 the device with ``CL_MEM_USE_HOST_PTR``. The decode then ran 1.00-1.20x faster on PoCL at
