@@ -1,17 +1,16 @@
 """KV page pools in the host's huge pages, for CPU OpenCL devices.
 
-A CPU device's buffers are host memory in 4 KiB pages. A decode visits a sequence's KV
-pages wherever they lie in the pool, a span of 2-8 KiB per KV head at a time. On a large
-pool nearly every span is then also a TLB miss (a 2-vCPU Zen 4 VM with 4 KiB pages read
-random 2 KiB spans of a 1 GiB pool at 50-57% of its streaming read, and those of a
-128 MiB pool at about the full rate; ``tools/span_read.py``). Transparent huge pages
-(2 MiB) cover the same pool with 512x fewer TLB entries. Neither PoCL nor Intel's CPU runtime asks for them, so under the
-kernel's usual THP mode (``madvise``) their buffers get none. For a CPU device,
-:func:`empty` maps the memory itself, 2 MiB aligned, advises huge pages and hands it to
-the device with ``CL_MEM_USE_HOST_PTR``. The decode then ran 1.00-1.20x faster on PoCL at
-16k tokens (median 1.10x over five models, f16 and f32, B 1 and 8), 1.18-1.29x at 64k
-tokens and B = 8, and 0.97-1.13x (median 1.04x) on Intel's runtime (``tools/ab_decode.py
---pools``).
+A CPU device's buffers are host memory in 4 KiB pages. A decode visits a sequence's KV pages
+wherever they lie in the pool, a span of 2-8 KiB per KV head at a time. On a large pool
+nearly every span is then also a TLB miss (a 2-vCPU Zen 4 VM with 4 KiB pages read random 2
+KiB spans of a 1 GiB pool at 50-57% of its streaming read, and those of a 128 MiB pool at
+about the full rate; ``tools/span_read.py``). Transparent huge pages (2 MiB) cover the same
+pool with 512x fewer TLB entries. Neither PoCL nor Intel's CPU runtime asks for them, so
+under the kernel's usual THP mode (``madvise``) their buffers get none. For a CPU device,
+:func:`empty` maps the memory itself, 2 MiB aligned, advises huge pages and hands it to the
+device with ``CL_MEM_USE_HOST_PTR``. The decode then ran 1.00-1.20x faster on PoCL at 16k
+tokens (median 1.10x over five models, f16 and f32, B 1 and 8), 1.18-1.29x at 64k tokens and
+B = 8, and 0.97-1.13x (median 1.04x) on Intel's runtime (``tools/ab_decode.py --pools``).
 
 Other devices (GPUs, Oclgrind, which reports every device type), hosts without
 ``madvise(MADV_HUGEPAGE)`` and THP mode ``never`` get a plain ``pyopencl.array.empty``.
