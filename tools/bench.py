@@ -571,7 +571,7 @@ def _decode_row(args: argparse.Namespace, db: DeviceBench, row: dict, dec: Any,
     gbps = nbytes / r["kernel"] * 1e-9
     # the ceilings timed round-robin with the row: the machine's state of those moments
     read_gbps = db.read_bytes / res["read"]["s"] * 1e-9
-    fma_gflops = db.fma_flops / res["fma"]["s"] * 1e-9 if "fma" in res else None
+    fma_gflops = db.fma_flops / res["fma"]["s"] * 1e-9
     row.update(plan=short_plan(plan), plan_full=str(plan), page_sets=w.n_sets,
                kernel_ms=r["kernel"] * 1e3, decode_ms=r["decode"] * 1e3,
                merge_ms=r["merge"] * 1e3, hot_ms=h["kernel"] * 1e3,

@@ -98,9 +98,8 @@ def read_spans(rt: runtime.Runtime, span: int, pool_bytes: int, *, ahead_bytes: 
     n_spans = per_item * streams
     order = np.random.default_rng(seed).permutation(n_spans).astype(np.int32)
     flags = cl.mem_flags
-    if huge:
-        buf = cl.Buffer(rt.context, flags.READ_WRITE | flags.USE_HOST_PTR,
-                        hostbuf=host_memory.huge_page_bytes(n_spans * span))
+    if huge:   # the pool as clattn allocates one (the caller checked wants_huge_pages)
+        buf = host_memory.empty(rt.queue, (n_spans * span,), np.uint8).base_data
     else:
         buf = cl.Buffer(rt.context, flags.READ_WRITE, n_spans * span)
     ceilings.fill_random(rt, buf, dtype=np.float32, seed=0x5EED)
