@@ -87,11 +87,9 @@ class BatchDecode:
     def empty_pages(self, num_pages: int) -> Any:
         """An uninitialised page pool for this decoder, ``spec.pool_shape(num_pages)``.
 
-        On a CPU device it lies in huge pages of host memory (:mod:`clattn.host_memory`:
-        1.1-1.3x faster decode on PoCL over large pools); elsewhere it is a plain
-        device array. On the CPU backend, a numpy array. A pool in host memory waits for
-        this decoder's queue when it is dropped; work on another queue (``queue=``) that
-        reads it must finish before it is dropped.
+        A device array; on a CPU device, one of at least 2 MiB is advised huge pages
+        before first use (:mod:`clattn.host_memory`: 1.1-1.3x faster decode on PoCL over
+        large pools). On the CPU backend, a numpy array.
 
         Parameters
         ----------

@@ -7,19 +7,29 @@ KiB spans of a 1 GiB pool at 50-57% of its streaming read, and those of a 128 Mi
 about the full rate; ``tools/span_read.py``). Transparent huge pages (2 MiB) cover the same
 pool with 512x fewer TLB entries. Neither PoCL nor Intel's CPU runtime asks for them, so
 under the kernel's usual THP mode (``madvise``) their buffers get none. For a CPU device,
-:func:`empty` maps the memory itself, 2 MiB aligned, advises huge pages and hands it to the
-device with ``CL_MEM_USE_HOST_PTR``. The decode then ran 1.00-1.20x faster on PoCL at 16k
-tokens (median 1.10x over five models, f16 and f32, B 1 and 8), 1.18-1.29x at 64k tokens and
-B = 8, and 0.97-1.13x (median 1.04x) on Intel's runtime (``tools/ab_decode.py --pools``).
+:func:`empty` allocates the pool as the device's own buffer, maps it once to learn where the
+runtime put it (a CPU device maps a buffer in place), and advises huge pages for the 2 MiB
+aligned part of that range before anything touches it. The decode then ran 1.00-1.20x
+faster on PoCL at 16k tokens (median 1.10x over five models, f16 and f32, B 1 and 8),
+1.18-1.29x at 64k tokens and B = 8, and 0.97-1.13x (median 1.04x) on Intel's runtime
+(``tools/ab_decode.py --pools``).
+
+The memory stays the runtime's: it lives exactly as long as the buffer does, through every
+queued command, mapping and sub-buffer. (An earlier version mapped the memory itself and
+handed it over with ``CL_MEM_USE_HOST_PTR``; a mapping or sub-buffer of the pool then
+outlived its memory, and exiting with work in flight crashed.)
 
 Other devices (GPUs, Oclgrind, which reports every device type), hosts without
-``madvise(MADV_HUGEPAGE)`` and THP mode ``never`` get a plain ``pyopencl.array.empty``.
+``madvise(MADV_HUGEPAGE)`` and THP mode ``never`` get the plain ``pyopencl.array.empty``
+without advice.
 """
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import functools
 import mmap
-import weakref
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -27,7 +37,7 @@ from . import runtime
 
 #: where Linux states its transparent-huge-page mode
 THP_ENABLED = "/sys/kernel/mm/transparent_hugepage/enabled"
-#: the huge page size the mapping is aligned to (x86-64 and arm64 with 4 KiB base pages)
+#: the huge page size advised ranges are aligned to (x86-64 and arm64 with 4 KiB base pages)
 HUGE_PAGE = 2 << 20
 
 
@@ -46,7 +56,7 @@ def thp_mode(path: str = THP_ENABLED) -> str:
 
 
 def wants_huge_pages(device: Any, mode: str | None = None) -> bool:
-    """Whether :func:`empty` maps huge pages for ``device``'s pools.
+    """Whether :func:`empty` advises huge pages for ``device``'s pools.
 
     Only for a device that is a CPU and nothing else (Oclgrind reports every type), on a
     host with ``MADV_HUGEPAGE`` and a THP mode other than ``never``.
@@ -55,19 +65,45 @@ def wants_huge_pages(device: Any, mode: str | None = None) -> bool:
     if int(getattr(device, "type", 0) or 0) != int(cl.device_type.CPU):
         return False
     mode = thp_mode() if mode is None else mode
-    return hasattr(mmap, "MADV_HUGEPAGE") and mode in ("always", "madvise")
+    return hasattr(mmap, "MADV_HUGEPAGE") and mode in ("always", "madvise") \
+        and _libc_madvise() is not None
 
 
-def huge_page_bytes(nbytes: int) -> np.ndarray:
-    """``uint8 [nbytes]`` of fresh anonymous memory, 2 MiB aligned, advised huge pages.
+@functools.lru_cache(maxsize=None)
+def _libc_madvise() -> Callable[[int, int, int], int] | None:
+    """libc's ``madvise(addr, length, advice)`` (None where there is no libc)."""
+    name = ctypes.util.find_library("c")
+    try:
+        fn = ctypes.CDLL(name, use_errno=True).madvise
+    except (OSError, AttributeError, TypeError):
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
 
-    The array keeps its mapping alive; the pages are faulted in (zeroed) on first touch.
+
+def huge_page_range(address: int, nbytes: int) -> tuple[int, int]:
+    """``(start, length)`` of the whole huge pages inside ``[address, address + nbytes)``
+    (length 0 when none fits)."""
+    lo = -(-address // HUGE_PAGE) * HUGE_PAGE
+    hi = (address + nbytes) // HUGE_PAGE * HUGE_PAGE
+    return lo, max(0, hi - lo)
+
+
+def advise_huge_pages(address: int, nbytes: int) -> int:
+    """Advise huge pages for the whole huge pages inside ``[address, address + nbytes)``.
+
+    Returns
+    -------
+    int
+        The bytes advised: 0 when no huge page fits, or where the host has no
+        ``madvise(MADV_HUGEPAGE)`` or refused it.
     """
-    m = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    raw = np.frombuffer(m, np.uint8)
-    skip = (-raw.ctypes.data) % HUGE_PAGE
-    m.madvise(mmap.MADV_HUGEPAGE, skip, nbytes)
-    return raw[skip:skip + nbytes]
+    lo, length = huge_page_range(address, nbytes)
+    fn = _libc_madvise()
+    if not length or fn is None or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return 0
+    return length if fn(lo, length, mmap.MADV_HUGEPAGE) == 0 else 0
 
 
 def empty(queue: Any, shape: tuple, dtype: Any) -> Any:
@@ -82,34 +118,21 @@ def empty(queue: Any, shape: tuple, dtype: Any) -> Any:
     Returns
     -------
     pyopencl.array.Array
-        In huge pages of host memory (``CL_MEM_USE_HOST_PTR``) where
-        :func:`wants_huge_pages` and the pool holds at least one huge page, else
-        ``pyopencl.array.empty``.
+        ``pyopencl.array.empty``; where :func:`wants_huge_pages` and the pool holds at
+        least one huge page, its memory is advised huge pages before first use.
     """
     cl = runtime.cl()
-    dtype = np.dtype(dtype)
-    nbytes = int(np.prod(shape)) * dtype.itemsize
-    if nbytes < HUGE_PAGE or not wants_huge_pages(queue.device):
-        return cl.array.empty(queue, shape, dtype)
+    arr = cl.array.empty(queue, shape, np.dtype(dtype))
+    if arr.nbytes < HUGE_PAGE or not wants_huge_pages(queue.device):
+        return arr
+    try:  # the pool is uninitialised: invalidating it costs no copy
+        host, _ = cl.enqueue_map_buffer(queue, arr.base_data,
+                                        cl.map_flags.WRITE_INVALIDATE_REGION, 0,
+                                        (arr.nbytes,), np.uint8)
+    except cl.Error:  # no such mapping here: the pool works, without the advice
+        return arr
     try:
-        host = huge_page_bytes(nbytes)
-    except (OSError, ValueError):  # no such mapping here: the device's own memory
-        return cl.array.empty(queue, shape, dtype)
-    flags = cl.mem_flags.READ_WRITE | cl.mem_flags.USE_HOST_PTR
-    buf = cl.Buffer(queue.context, flags, hostbuf=host)
-    # The buffer holds `host` until it is released, but the device may still read the
-    # memory then (a released buffer lives on while commands use it), and dropping `host`
-    # unmaps it. So before `host` goes, its queue finishes (the callback runs as `host` is
-    # freed, before its mapping is). Work on other queues must end before the pool is
-    # dropped, as for any buffer over host memory.
-    done = weakref.finalize(host, _finish_quietly, queue)
-    done.atexit = False
-    return cl.array.Array(queue, shape, dtype, data=buf)
-
-
-def _finish_quietly(queue: Any) -> None:
-    """Wait for ``queue`` (a finalizer: any error is dropped, the queue may be gone)."""
-    try:
-        queue.finish()
-    except Exception:  # noqa: BLE001 - nothing to report to at this point
-        pass
+        advise_huge_pages(host.ctypes.data, arr.nbytes)
+    finally:
+        host.base.release(queue).wait()
+    return arr

@@ -66,41 +66,97 @@ def _vma_flags(address: int) -> dict:
     return fields
 
 
+def _thp_expected() -> bool:
+    return hasattr(mmap, "MADV_HUGEPAGE") and host_memory.thp_mode() in ("always", "madvise")
+
+
+@pytest.mark.parametrize("address, nbytes, expect", [
+    (0, 4 << 20, (0, 4 << 20)),                          # aligned: every huge page
+    (4096, 4 << 20, (2 << 20, 2 << 20)),                 # the one whole page inside
+    ((2 << 20) - 64, (4 << 20) + 128, (2 << 20, 4 << 20)),
+    (4096, (2 << 20), (2 << 20, 0)),                     # no whole huge page inside
+    (0, (2 << 20) - 1, (0, 0)),
+])
+def test_huge_page_range(address, nbytes, expect):
+    lo, length = host_memory.huge_page_range(address, nbytes)
+    assert (lo, length) == expect
+    assert lo % host_memory.HUGE_PAGE == 0 and length % host_memory.HUGE_PAGE == 0
+    if length:  # never past either end of the range
+        assert address <= lo and lo + length <= address + nbytes
+
+
+def test_advise_huge_pages_marks_the_range():
+    """The advice reaches the kernel: the whole huge pages of a range become eligible."""
+    m = mmap.mmap(-1, 8 << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        address = np.frombuffer(m, np.uint8).ctypes.data + 4096
+        lo, length = host_memory.huge_page_range(address, 6 << 20)
+        done = host_memory.advise_huge_pages(address, 6 << 20)
+        if not _thp_expected():
+            pytest.skip("no MADV_HUGEPAGE or THP mode 'never' here")
+        assert done == length >= 2 << 20
+        vma = _vma_flags(lo)
+        if "THPeligible" in vma:  # Linux >= 5.0 says whether the range may get huge pages
+            assert vma["THPeligible"] == "1", vma
+    finally:
+        m.close()
+
+
+def _pool_address(pages) -> int:
+    """Where the runtime keeps a pool (a CPU device maps its buffers in place)."""
+    host, _ = cl.enqueue_map_buffer(pages.queue, pages.base_data, cl.map_flags.READ, 0,
+                                    (pages.nbytes,), np.uint8)
+    try:
+        return host.ctypes.data
+    finally:
+        host.base.release(pages.queue).wait()
+
+
 def test_empty_pages_on_a_cpu_device(device, get_decoder):
-    """A CPU device's pool is host memory, 2 MiB aligned and advised huge pages; a decode
-    over it matches the float64 reference."""
+    """A CPU device's pool of at least one huge page is advised huge pages where it lies; a
+    decode over it matches the float64 reference."""
     spec = clattn.AttentionSpec(num_qo_heads=8, num_kv_heads=2, head_dim=64, page_size=16,
                                 dtype="float16")
     dec = get_decoder(spec, device)
-    pages = dec.empty_pages(512)   # 4 MiB: two huge pages
-    assert pages.shape == spec.pool_shape(512) and pages.dtype == spec.pool_dtype
-    huge = host_memory.wants_huge_pages(device)
-    flags = pages.base_data.get_info(cl.mem_info.FLAGS)
-    assert bool(flags & cl.mem_flags.USE_HOST_PTR) == huge
-    if huge:
-        host = pages.base_data.hostbuf
-        address = np.asarray(host).ctypes.data
-        assert address % host_memory.HUGE_PAGE == 0
-        vma = _vma_flags(address)
-        if "THPeligible" in vma:  # Linux >= 5.0 says whether the range may get huge pages
-            assert vma["THPeligible"] == "1", vma
+    pages = dec.empty_pages(1024)   # 8 MiB: at least three whole huge pages
+    assert pages.shape == spec.pool_shape(1024) and pages.dtype == spec.pool_dtype
+    if host_memory.wants_huge_pages(device):
+        assert _thp_expected()
+        lo, length = host_memory.huge_page_range(_pool_address(pages), pages.nbytes)
+        assert length >= 2 << 20
+        for at in (lo, lo + length - 1):
+            vma = _vma_flags(at)
+            if "THPeligible" in vma:
+                assert vma["THPeligible"] == "1", vma
     rng = np.random.default_rng(5)
     host_pages = rng.standard_normal(pages.shape).astype(pages.dtype)
     pages.set(host_pages)
     q = rng.standard_normal((2, 8, 64)).astype(np.float16)
     indptr = np.array([0, 30, 64], np.int32)
-    indices = rng.permutation(512)[:64].astype(np.int32)
+    indices = rng.permutation(1024)[:64].astype(np.int32)
     last = np.array([7, 16], np.int32)
     r = dec.run(q, pages, indptr, indices, last)
     ref_out, ref_lse = naive_decode(q, host_pages, indptr, indices, last)
     compare(r.out, r.lse, ref_out, ref_lse, np.float16)
 
 
-def test_a_pool_below_one_huge_page_is_plain(device, get_decoder):
+def test_which_pools_are_advised(device, get_decoder, monkeypatch):
+    """The advice covers the pool's own memory, and only pools of a huge page or more."""
+    calls = []
+    real = host_memory.advise_huge_pages
+    monkeypatch.setattr(host_memory, "advise_huge_pages",
+                        lambda address, nbytes: calls.append((address, nbytes)) or
+                        real(address, nbytes))
     spec = clattn.AttentionSpec(num_qo_heads=8, num_kv_heads=2, head_dim=64, page_size=16,
                                 dtype="float16")
-    pages = get_decoder(spec, device).empty_pages(64)   # 512 KiB
-    assert not pages.base_data.get_info(cl.mem_info.FLAGS) & cl.mem_flags.USE_HOST_PTR
+    dec = get_decoder(spec, device)
+    small = dec.empty_pages(64)   # 512 KiB
+    assert small.shape == spec.pool_shape(64) and not calls
+    big = dec.empty_pages(512)   # 4 MiB
+    if host_memory.wants_huge_pages(device):
+        assert calls == [(_pool_address(big), big.nbytes)]
+    else:
+        assert not calls
 
 
 def test_empty_pages_on_the_cpu_backend():
@@ -118,7 +174,7 @@ def test_empty_pages_rejects(bad):
         clattn.BatchDecode(spec, backend="cpu").empty_pages(bad)
 
 
-_DROP_SCRIPT = r"""
+_LIFETIME_SCRIPT = r"""
 import gc, sys
 import numpy as np, pyopencl as cl, pyopencl.array
 import clattn
@@ -139,23 +195,39 @@ indptr = np.arange(9, dtype=np.int32) * 256
 indices = rng.permutation(n).astype(np.int32)
 last = np.full(8, 16, np.int32)
 tables = [cl.array.to_device(queue, t) for t in (indptr, indices, last)]
+
+# 1. a decode still running when its pool is dropped
 r = dec.run(q, pages, *tables)
+mapped = pages.map_to_host()                       # 2. a mapping of the pool
+sub = pages.base_data.get_sub_region(0, 1 << 20)   # 3. a sub-buffer of it
 del pages
 gc.collect()
 ref_out, ref_lse = naive_decode(q.get()[:1], host_pages, indptr[:2], indices, last[:1])
 compare(r.out.get()[:1], r.lse.get()[:1], ref_out, ref_lse, np.float16)
+assert np.array_equal(mapped[:3], host_pages[:3])
+back = np.empty(1 << 19, np.float16)
+cl.enqueue_copy(queue, back, sub)
+assert np.array_equal(back, host_pages.reshape(-1)[:1 << 19])
+del mapped, sub
 print("same as the reference")
+
+# 4. exit with decodes in flight over a pool no one holds any more
+pages = dec.empty_pages(n)
+pages.set(host_pages)
+for _ in range(30):
+    dec.run(q, pages, *tables)
 """
 
 
-def test_dropping_a_pool_while_its_decode_runs(device_id):
-    """A pool in host memory dropped right after a launch that reads it: the memory stays
-    mapped until the queue is done (else the kernel reads unmapped memory and the process
-    dies). Run in a child process, so that such a death fails this test alone."""
+def test_a_pool_outlives_what_still_uses_it(device_id):
+    """A pool dropped while a decode reads it, while a mapping or a sub-buffer of it lives,
+    and a process exiting with decodes in flight: the memory lives as long as the buffer
+    (an earlier pool in memory clattn mapped itself crashed in each case). Run in a child
+    process, so that such a death fails this test alone."""
     tests = Path(__file__).resolve().parent
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [str(tests), str(tests.parent), os.environ.get("PYTHONPATH", "")]))
-    res = subprocess.run([sys.executable, "-c", _DROP_SCRIPT, device_id], env=env,
+    res = subprocess.run([sys.executable, "-c", _LIFETIME_SCRIPT, device_id], env=env,
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 0 and "same as the reference" in res.stdout, \
         f"exit {res.returncode}: {res.stderr[-2000:]}"

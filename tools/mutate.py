@@ -317,18 +317,18 @@ MUTANTS = [
         ["tests/test_nonfinite.py", "-k", "all_scores_minus_inf"],
         "split-KV: a sequence whose rows all score -inf reads as empty", "kernel", count=2),
     Mutant("pool-huge-pages-not-advised", "clattn/host_memory.py", [
-        ("    m.madvise(mmap.MADV_HUGEPAGE, skip, nbytes)\n", "")],
+        ("        advise_huge_pages(host.ctypes.data, arr.nbytes)\n", "        pass\n")],
         ["tests/test_host_memory.py"],
-        "a CPU device's page pool is mapped without asking for huge pages", "python"),
+        "a CPU device's page pool is allocated without asking for huge pages", "python"),
     Mutant("pool-misaligned", "clattn/host_memory.py", [
-        ("    skip = (-raw.ctypes.data) % HUGE_PAGE", "    skip = 4096")],
+        ("    lo = -(-address // HUGE_PAGE) * HUGE_PAGE", "    lo = address")],
         ["tests/test_host_memory.py"],
-        "a CPU device's page pool does not start on a huge page", "python"),
-    Mutant("pool-unmapped-while-read", "clattn/host_memory.py", [
-        ("    done = weakref.finalize(host, _finish_quietly, queue)\n    done.atexit = False\n",
-         "")],
-        ["tests/test_host_memory.py", "-k", "dropping"],
-        "a pool in host memory is unmapped while a kernel still reads it", "python"),
+        "huge pages are advised from an address that does not start one", "python"),
+    Mutant("pool-advised-past-its-end", "clattn/host_memory.py", [
+        ("    hi = (address + nbytes) // HUGE_PAGE * HUGE_PAGE",
+         "    hi = -(-(address + nbytes) // HUGE_PAGE) * HUGE_PAGE")],
+        ["tests/test_host_memory.py"],
+        "the advice reaches past the pool, into memory it does not own", "python"),
 ]
 
 

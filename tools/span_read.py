@@ -8,8 +8,8 @@ does with the data. This script measures both in one run, on one device:
 
 * the streaming read ceiling (:func:`clattn.tune.ceilings.read_bandwidth`);
 * for each pool size (by default the streaming read's working set and 1 GiB), each
-  memory (the device's own buffer, and on a CPU device huge pages of host memory as
-  :mod:`clattn.host_memory` maps a page pool) and span size, every span of the pool read
+  memory (the device's own buffer, and on a CPU device that buffer advised huge pages as
+  :mod:`clattn.host_memory` advises a page pool) and span size, every span of the pool read
   once per launch in a random order, one work-item per stream (``--streams-per-cu`` per compute unit), each
   reading its spans in turn, 64 bytes at a time. Where the device runs
   ``__builtin_prefetch`` (:func:`clattn.compiler_probe.prefetch_works`), each work-item
@@ -88,7 +88,7 @@ def read_spans(rt: runtime.Runtime, span: int, pool_bytes: int, *, ahead_bytes: 
 
     ``span`` bytes (a multiple of 64) each, in a random order split over
     ``streams_per_cu`` x compute units work-items; the pool in the device's own memory,
-    or (``huge``) in huge pages of host memory as :mod:`clattn.host_memory` maps it.
+    or (``huge``) advised huge pages as :mod:`clattn.host_memory` advises a page pool.
     """
     cl = runtime.cl()
     if span % LINE:
