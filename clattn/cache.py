@@ -24,7 +24,7 @@ from typing import Any, Hashable, Sequence
 
 import numpy as np
 
-from . import cpu_backend, host_memory, runtime, signatures
+from . import cpu_backend, host_memory, runtime, signatures, validate
 from .cache_tables import CacheFullError, PageTable, StepTables
 from .codegen import render_append
 from .decode import BatchDecode
@@ -32,7 +32,7 @@ from .fit import append_geometry
 from .quant import QUANTIZED, check_quantizable, quantize, region_views
 from .result import DecodeResult
 from .rope import parse_rope_scaling, rope_tables, rotate
-from .spec import LSE_DTYPE, AttentionSpec
+from .spec import INT32_MAX, LSE_DTYPE, AttentionSpec
 from .staging import Call
 from .validate import check_array, is_host
 
@@ -136,6 +136,7 @@ class PagedKVCache:
             raise ValueError(f"num_layers={num_layers!r}: must be a positive integer")
         if rope not in ROPE_MODES:
             raise ValueError(f"rope={rope!r}: allowed {ROPE_MODES}")
+        validate.check_scalars(sm_scale=sm_scale, rope_theta=rope_theta, rope_scale=rope_scale)
         self.spec = spec
         self.num_layers = int(num_layers)
         self.page_bytes = int(np.prod(spec.pool_shape(1))) * spec.pool_dtype.itemsize
@@ -738,7 +739,7 @@ def _pool_size(num_pages: Any, budget_bytes: Any, layers: int, page_bytes: int,
                              f"({layers} x {page_bytes} bytes)")
     if not _is_int(num_pages) or num_pages < 1:
         raise ValueError(f"num_pages={num_pages!r}: must be a positive integer")
-    if int(num_pages) * page_size > 2**31 - 1:
+    if int(num_pages) * page_size > INT32_MAX:
         raise ValueError(f"num_pages={num_pages}: slots (pages x page_size) must stay below "
                          f"2**31")
     return int(num_pages)

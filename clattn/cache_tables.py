@@ -23,10 +23,10 @@ from typing import Any, Hashable, Sequence
 
 import numpy as np
 
-from .spec import AttentionSpec
+from .spec import INT32_MAX, AttentionSpec
 
 I32 = np.int32
-_POS_LIMIT = 2**31 - 1
+_POS_LIMIT = INT32_MAX
 
 
 class CacheFullError(RuntimeError):

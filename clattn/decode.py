@@ -261,6 +261,13 @@ class BatchDecode:
                   q_pos=q_pos, k_pos_offset=k_pos_offset, rotary_mode=rotary_mode,
                   rope_scale=rope_scale, rope_theta=rope_theta, sm_scale=sm_scale)
         if not self.setup:
+            _check_split(split)
+            check_host_call(plan, Plan, "BatchDecode.plan()", queue, wait_for)
+            if plan is not None and hasattr(page_indptr, "shape") and \
+                    len(plan.part_indptr) != page_indptr.shape[0]:
+                raise ValueError(f"plan: made for {len(plan.part_indptr) - 1} sequences, the "
+                                 f"call has {page_indptr.shape[0] - 1}; plan again for this "
+                                 f"batch")
             return DecodeResult(*run_on_host(cpu_backend.batch_decode, spec, (
                 q, pages, page_indptr, page_indices, last_page_len), kw, out, lse))
         args = check_decode(spec, q, pages, page_indptr, page_indices, last_page_len,
@@ -425,6 +432,19 @@ def _host(a: Any) -> Any:
     """A device array fetched to the host; anything else, and a non-contiguous device
     array, as given (validation judges it)."""
     return a.get() if hasattr(a, "base_data") and a.flags.c_contiguous else a
+
+
+def check_host_call(plan: Any, plan_type: type, planner: str, queue: Any,
+                    wait_for: Any) -> None:
+    """The arguments of a CPU-backend call that only a device call uses: a plan of the
+    right kind or None (the host plans nothing), and no queue or events."""
+    if plan is not None and not isinstance(plan, plan_type):
+        raise TypeError(f"plan: expected a {plan_type.__name__} from {planner}, got "
+                        f"{type(plan).__name__}")
+    for name, value in (("queue", queue), ("wait_for", wait_for)):
+        if value is not None:
+            raise ValueError(f"{name}={value!r}: the CPU backend runs on the host, with no "
+                             f"queue or events; pass None")
 
 
 def run_on_host(fn: Any, spec: AttentionSpec, arrays: tuple, kw: dict, out: Any,

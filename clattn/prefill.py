@@ -17,7 +17,7 @@ import numpy as np
 
 from . import cpu_backend, runtime, signatures
 from .codegen import render_prefill
-from .decode import BatchDecode, run_on_host
+from .decode import BatchDecode, check_host_call, run_on_host
 from .decode_step import upload_tables
 from .device import DeviceSetup, build_fitted, open_backend
 from .fit import PrefillGeometry, prefill_geometry
@@ -288,6 +288,7 @@ class BatchPrefill:
                   causal=causal, rope_scale=rope_scale, rope_theta=rope_theta,
                   sm_scale=sm_scale)
         if not self.setup:
+            check_host_call(plan, PrefillPlan, "BatchPrefill.plan()", queue, wait_for)
             return DecodeResult(*run_on_host(cpu_backend.batch_prefill, spec, (
                 q, pages, qo_indptr, page_indptr, page_indices, last_page_len), kw, out, lse))
         args = check_prefill(spec, q, pages, qo_indptr, page_indptr, page_indices,

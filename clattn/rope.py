@@ -80,15 +80,39 @@ def parse_rope_scaling(scaling: Mapping[str, Any] | None,
         if key in _REQUIRED.get(rtype, ()) and not _positive_finite(v):
             raise ValueError(f"rope_scaling {key}={v!r} (type {rtype!r}): must be a positive "
                              f"finite number")
+    for key in ("attention_factor", "mscale", "mscale_all_dim", "beta_fast", "beta_slow"):
+        v = scaling.get(key)
+        if v is not None and not _positive_finite(v):
+            raise ValueError(f"rope_scaling {key}={v!r} (type {rtype!r}): must be a positive "
+                             f"finite number (or absent)")
+    orig = scaling.get("original_max_position_embeddings")
+    if orig is not None and not (_is_count(orig) and orig >= 2):
+        raise ValueError(f"rope_scaling original_max_position_embeddings={orig!r}: must be an "
+                         f"integer >= 2")
+    if rtype == "longrope":
+        for key in ("short_factor", "long_factor"):
+            v = scaling.get(key)
+            if isinstance(v, (str, bytes)) or not isinstance(v, (list, tuple)) or \
+                    not all(_positive_finite(x) for x in v):
+                raise ValueError(f"rope_scaling {key}={v!r}: must be a list of positive "
+                                 f"finite numbers")
     params = tuple(sorted((str(k), _hashable(v)) for k, v in scaling.items()))
     return RopeScaling(rtype, params)
 
 
 def _positive_finite(v: Any) -> bool:
+    """A number (not a string or a bool) that is positive and finite."""
+    if isinstance(v, (str, bytes, bool, np.bool_)):
+        return False
     try:
         return math.isfinite(float(v)) and float(v) > 0
     except (TypeError, ValueError):
         return False
+
+
+def _is_count(v: Any) -> bool:
+    """An integer (not a bool)."""
+    return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
 
 
 def _llama3(inv: np.ndarray, rs: RopeScaling) -> np.ndarray:
@@ -175,10 +199,20 @@ def rope_tables(rotary_dim: int, rope_theta: float, scaling: RopeScaling,
             factor = float(factor)
             att = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(orig))
         inv = np.stack([base_inv / short, base_inv / long_])
-        return inv, float(att), orig
+        return _checked(inv, float(att), orig, scaling, rope_theta)
     else:  # pragma: no cover - parse_rope_scaling refuses the rest
         raise ValueError(t)
-    return np.stack([inv, inv]), float(att), long_from
+    return _checked(np.stack([inv, inv]), float(att), long_from, scaling, rope_theta)
+
+
+def _checked(inv: np.ndarray, att: float, long_from: int, scaling: RopeScaling,
+             rope_theta: float) -> tuple[np.ndarray, float, int]:
+    """The tables, once every frequency and the attention factor are positive and finite."""
+    if not (np.isfinite(inv).all() and (inv > 0).all() and math.isfinite(att) and att > 0):
+        raise ValueError(f"rope_scaling of type {scaling.rope_type!r} with rope_theta="
+                         f"{rope_theta!r} gives non-finite or non-positive frequencies or "
+                         f"attention factor; check its parameters")
+    return inv, att, long_from
 
 
 def kernel_turns(inv_freq: np.ndarray, rope_scale: float) -> np.ndarray:

@@ -21,6 +21,8 @@ INDEX_DTYPE = np.dtype(np.int32)
 LSE_DTYPE = np.dtype(np.float32)
 #: default RoPE base when a call does not give one
 DEFAULT_ROPE_THETA = 10000.0
+#: the largest row, position or value index the kernels' 32-bit ints hold
+INT32_MAX = 2**31 - 1
 LOG2E = 1.4426950408889634
 
 
@@ -70,6 +72,13 @@ class AttentionSpec:
                 f"num_kv_heads={self.num_kv_heads}: GQA needs an integer group size")
         if self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim}: must be even (RoPE pairs dims)")
+        page_values = 2 * self.num_kv_heads * self.page_size * self.head_dim
+        if page_values > INT32_MAX or self.num_qo_heads * self.head_dim > INT32_MAX:
+            raise ValueError(
+                f"page_size={self.page_size}, num_kv_heads={self.num_kv_heads}, num_qo_heads="
+                f"{self.num_qo_heads}, head_dim={self.head_dim}: a page's values (2 x "
+                f"num_kv_heads x page_size x head_dim) and a token's query values must each "
+                f"stay below 2**31 (the kernels index them with 32-bit ints)")
         try:
             dt = str(np.dtype(self.dtype)) if self.dtype is not None else None
         except TypeError:  # a name numpy does not know (e.g. "bfloat16")
@@ -77,8 +86,11 @@ class AttentionSpec:
         if dt not in DTYPES:
             raise TypeError(f"dtype={self.dtype!r}: must be one of {sorted(DTYPES)}")
         object.__setattr__(self, "dtype", dt)
+        if not isinstance(self.sliding_window, (bool, np.bool_)):
+            raise TypeError(f"sliding_window={self.sliding_window!r}: must be True or False")
+        object.__setattr__(self, "sliding_window", bool(self.sliding_window))
         for name in ("k_format", "v_format"):
-            fmt = getattr(self, name) or dt
+            fmt = dt if getattr(self, name) is None else getattr(self, name)
             if fmt not in KV_FORMATS:
                 raise ValueError(f"{name}={fmt!r}: must be one of {list(KV_FORMATS)}")
             if fmt in QUANTIZED and self.head_dim % BLOCK:
@@ -91,16 +103,38 @@ class AttentionSpec:
                 f"rotary_dim={self.rotary_dim!r}: must be an even integer in [2, head_dim={self.head_dim}]")
         object.__setattr__(self, "rotary_dim", int(rd))
         if self.softcap is not None:
-            if not (float(self.softcap) > 0 and math.isfinite(float(self.softcap))):
-                raise ValueError(f"softcap={self.softcap!r}: must be a positive finite number or None")
-            object.__setattr__(self, "softcap", float(self.softcap))
+            cap = self.softcap
+            try:
+                ok = not isinstance(cap, (str, bytes, bool, np.bool_)) and \
+                    float(cap) > 0 and math.isfinite(float(cap))
+            except (TypeError, ValueError):
+                ok = False
+            if not ok:
+                raise ValueError(f"softcap={cap!r}: must be a positive finite number or None")
+            object.__setattr__(self, "softcap", float(cap))
+        mpe = self.max_position_embeddings
+        if mpe is not None:
+            if not isinstance(mpe, (int, np.integer)) or isinstance(mpe, (bool, np.bool_)) \
+                    or mpe < 1:
+                raise ValueError(f"max_position_embeddings={mpe!r}: must be a positive integer "
+                                 f"or None")
+            object.__setattr__(self, "max_position_embeddings", int(mpe))
+        if self.rope_scaling is not None and not isinstance(self.rope_scaling, Mapping):
+            raise TypeError(f"rope_scaling={self.rope_scaling!r}: must be a dict (HF config "
+                            f"'rope_scaling') or None")
         scaling = dict(self.rope_scaling) if self.rope_scaling else None
         object.__setattr__(self, "rope_scaling", scaling)
         # validates the scaling dict now (raises on unknown or dynamic types); the parsed,
         # hashable form is what equality and hashing compare
-        from .rope import parse_rope_scaling
-        object.__setattr__(self, "_rope_key",
-                           parse_rope_scaling(scaling, self.max_position_embeddings))
+        from .rope import parse_rope_scaling, rope_tables
+        key = parse_rope_scaling(scaling, self.max_position_embeddings)
+        object.__setattr__(self, "_rope_key", key)
+        # the tables at the usual base: list lengths and every derived value checked now,
+        # not at the first call with rotary_mode=1
+        try:
+            rope_tables(self.rotary_dim, DEFAULT_ROPE_THETA, key, self.max_position_embeddings)
+        except (ValueError, TypeError, ArithmeticError) as exc:
+            raise ValueError(f"rope_scaling={scaling!r}: {exc}") from None
 
     def __hash__(self) -> int:  # rope_scaling is a dict: hash its frozen form instead
         return hash((self.num_qo_heads, self.num_kv_heads, self.head_dim, self.page_size,

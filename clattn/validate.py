@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from .spec import DTYPES, INDEX_DTYPE, LSE_DTYPE, AttentionSpec
+from .spec import DTYPES, INDEX_DTYPE, INT32_MAX, LSE_DTYPE, AttentionSpec
 
 
 def is_host(a: Any) -> bool:
@@ -147,6 +147,10 @@ def check_tables(spec: AttentionSpec, B: int, P: int, page_indptr: Any, page_ind
     _ints("page_indptr", page_indptr, B + 1)
     check_array("page_indices", page_indices, ndim=1, dtypes=(INDEX_DTYPE,))
     nnz = _shape(page_indices)[0]
+    if nnz * spec.page_size > INT32_MAX:  # bounds every sequence's rows, whatever the tables
+        raise ValueError(f"page_indices: {nnz} entries x page_size={spec.page_size} is more "
+                         f"than 2**31 - 1 rows, which the kernels index with 32-bit ints; "
+                         f"run the batch in parts")
 
     if length_info is not None:
         if last_page_len is not None or window_offset is not None or sink_size is not None:
@@ -181,15 +185,8 @@ def check_tables(spec: AttentionSpec, B: int, P: int, page_indptr: Any, page_ind
             if arr is None:
                 raise ValueError(f"{nm}: required when rotary_mode=1")
             _ints(nm, arr, B)
-        try:
-            theta = float(rope_theta)
-        except (TypeError, ValueError):
-            raise TypeError(f"rope_theta={rope_theta!r}: must be a number") from None
-        if not (math.isfinite(theta) and theta > 0):
-            raise ValueError(f"rope_theta={rope_theta!r}: must be a positive finite number")
-        _f32_finite("rope_scale", rope_scale)
-    if sm_scale is not None:
-        _f32_finite("sm_scale", sm_scale, "(or None for 1/sqrt(head_dim))")
+        check_scalars(rope_theta=rope_theta, rope_scale=rope_scale)
+    check_scalars(sm_scale=sm_scale)
     stored = chunk = None
     tables = [page_indptr, page_indices, last_page_len] + (
         [window_offset, sink_size] if spec.sliding_window else [])
@@ -203,24 +200,45 @@ def check_tables(spec: AttentionSpec, B: int, P: int, page_indptr: Any, page_ind
 
 
 _F32_MAX = float(np.finfo(np.float32).max)
-_INT32_MAX = 2**31 - 1
+
+
+def _number(name: str, value: Any) -> float:
+    """``value`` as a float; a number only (not a string or a bool)."""
+    if isinstance(value, (str, bytes, bool, np.bool_)):
+        raise TypeError(f"{name}={value!r}: must be a number")
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"{name}={value!r}: must be a number") from None
 
 
 def _f32_finite(name: str, value: Any, hint: str = "") -> None:
     """A scalar the kernel takes as a float: finite as a float32 too."""
-    try:
-        v = float(value)
-    except (TypeError, ValueError):
-        raise TypeError(f"{name}={value!r}: must be a number") from None
+    v = _number(name, value)
     if not (math.isfinite(v) and abs(v) <= _F32_MAX):
         raise ValueError(f"{name}={value!r}: must be finite as a float32 (|x| <= {_F32_MAX:.3e})"
                          + (f" {hint}" if hint else ""))
 
 
+def check_scalars(*, sm_scale: Any = None, rope_theta: Any = None,
+                  rope_scale: Any = None) -> None:
+    """Check the attention scalars given (None: not given; ``sm_scale`` None means the
+    default 1/sqrt(head_dim)): ``sm_scale`` and ``rope_scale`` finite as float32,
+    ``rope_theta`` positive and finite."""
+    if rope_theta is not None:
+        theta = _number("rope_theta", rope_theta)
+        if not (math.isfinite(theta) and theta > 0):
+            raise ValueError(f"rope_theta={rope_theta!r}: must be a positive finite number")
+    if rope_scale is not None:
+        _f32_finite("rope_scale", rope_scale)
+    if sm_scale is not None:
+        _f32_finite("sm_scale", sm_scale, "(or None for 1/sqrt(head_dim))")
+
+
 def _check_positions(k_pos_offset: np.ndarray, chunk: np.ndarray) -> None:
     """Every key position k_pos_offset + r of the chunk fits an int32."""
     last = k_pos_offset.astype(np.int64) + np.maximum(chunk - 1, 0)
-    bad = last > _INT32_MAX
+    bad = last > INT32_MAX
     if bad.any():
         i = _first_bad(bad)
         raise ValueError(f"k_pos_offset[{i}]={int(k_pos_offset[i])}: the chunk's last key "
@@ -256,6 +274,10 @@ def _lengths(spec: AttentionSpec, npages: np.ndarray, last: np.ndarray, wo: Any,
         raise ValueError(f"last_page_len[{i}]={int(last[i])}: must be in 1..page_size="
                          f"{spec.page_size} for a sequence that owns pages")
     stored = np.where(owns, (npages - 1) * spec.page_size + last.astype(np.int64), 0)
+    if (stored > INT32_MAX).any():
+        i = _first_bad(stored > INT32_MAX)
+        raise ValueError(f"page_indptr/last_page_len: sequence {i} stores {int(stored[i])} "
+                         f"rows; at most 2**31 - 1 (the kernels index rows with 32-bit ints)")
     chunk = stored.copy()
     if spec.sliding_window:
         wo64, sink64 = np.asarray(wo).astype(np.int64), np.asarray(sink).astype(np.int64)
@@ -389,8 +411,8 @@ def check_prefill(spec: AttentionSpec, q: Any, pages: Any, qo_indptr: Any, page_
             _check_query_rows(spec, n_q, tables)
         if rotary_mode == 1 and q_pos is not None and is_host(q_pos):
             last = q_pos.astype(np.int64) + np.maximum(n_q - 1, 0)
-            if (last > _INT32_MAX).any():
-                i = _first_bad(last > _INT32_MAX)
+            if (last > INT32_MAX).any():
+                i = _first_bad(last > INT32_MAX)
                 raise ValueError(f"q_pos[{i}]={int(q_pos[i])}: the sequence's last query position "
                                  f"{int(last[i])} exceeds the int32 range")
     return PrefillArgs(tables, total_q, qo_indptr, n_q)

@@ -577,3 +577,22 @@ def test_a_step_never_waits_for_the_device(device_target):
         queue.finish()
         assert returned, "a step call waited for the device"
     faulthandler.cancel_dump_traceback_later()
+
+
+@pytest.mark.parametrize("kw, exc, match", [
+    (dict(sm_scale=float("nan")), ValueError, "sm_scale=nan"),
+    (dict(sm_scale=1e39), ValueError, "sm_scale=1e\\+39"),
+    (dict(sm_scale="0.5"), TypeError, "sm_scale='0.5'"),
+    (dict(rope="attend", rope_scale=float("inf")), ValueError, "rope_scale=inf"),
+    (dict(rope="append", rope_scale=float("nan")), ValueError, "rope_scale=nan"),
+    (dict(rope_scale="x"), TypeError, "rope_scale='x'"),
+    (dict(rope="attend", rope_theta=-1.0), ValueError, "rope_theta=-1.0"),
+    (dict(rope_theta=True), TypeError, "rope_theta=True"),
+])
+def test_cache_scalars_checked_at_construction(kw, exc, match):
+    """A scalar the kernels would take as NaN or inf is refused when the cache is built,
+    not found at attend (review: on OpenCL it gave NaN silently; rope="append" wrote NaN
+    keys into the pool)."""
+    spec = clattn.AttentionSpec(2, 1, 16, page_size=4, dtype="float32")
+    with pytest.raises(exc, match=match):
+        clattn.PagedKVCache(spec, 1, num_pages=4, backend="cpu", **kw)

@@ -52,8 +52,10 @@ def adversarial_blocks(fmt, seed=0):
     b[8:, 3], b[8:, 17] = -5.0, 5.0
     parts.append(b)
     # zero blocks, a single non-zero, and scales just around an f16 rounding boundary
-    z = np.zeros((8, 32), np.float32)
-    z[4:, 9] = np.float32(3e-3)
+    z = np.zeros((12, 32), np.float32)
+    z[4:8, 9] = np.float32(3e-3)
+    z[8:, 0] = np.float32(-0.0)   # signed zeros: the first value of largest magnitude is -0
+    z[10:, 5] = np.float32(-0.0)
     parts.append(z)
     edge = rng.standard_normal((16, 32)).astype(np.float32) * 0.1
     lim = 127 if fmt == "q8_0" else 8

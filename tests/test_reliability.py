@@ -66,6 +66,41 @@ def test_rope_scaling_factor_zero_is_refused(rtype):
                                                      "original_max_position_embeddings": 4096})
 
 
+_YARN = {"rope_type": "yarn", "factor": 2.0}
+_LONGROPE = {"rope_type": "longrope", "short_factor": [1.0] * 32, "long_factor": [1.0] * 32,
+             "original_max_position_embeddings": 16}
+
+
+@pytest.mark.parametrize("kw, exc, match", [
+    (dict(rope_scaling=dict(_LONGROPE, short_factor=[1.0] * 3)), ValueError,
+     "short_factor has 3 values; rotary_dim=64 needs 32"),
+    (dict(rope_scaling=dict(_LONGROPE, long_factor=[float("nan")] * 32)), ValueError,
+     "long_factor=.*positive finite"),
+    (dict(rope_scaling=dict(_LONGROPE, original_max_position_embeddings=1)), ValueError,
+     "original_max_position_embeddings=1"),
+    (dict(rope_scaling=_YARN, max_position_embeddings=-5), ValueError,
+     "max_position_embeddings=-5"),
+    (dict(rope_scaling=dict(_YARN, beta_fast=float("nan")), max_position_embeddings=64),
+     ValueError, "beta_fast=nan"),
+    (dict(rope_scaling=dict(_YARN, mscale="x", mscale_all_dim=1), max_position_embeddings=64),
+     ValueError, "mscale='x'"),
+    (dict(rope_scaling=dict(_YARN, attention_factor=float("inf")), max_position_embeddings=64),
+     ValueError, "attention_factor=inf"),
+    (dict(rope_scaling={"rope_type": "linear", "factor": True}), ValueError, "factor=True"),
+    (dict(rope_scaling="linear"), TypeError, "rope_scaling='linear': must be a dict"),
+    (dict(max_position_embeddings="abc"), ValueError, "max_position_embeddings='abc'"),
+    (dict(sliding_window="False"), TypeError, "sliding_window='False'"),
+    (dict(softcap=True), ValueError, "softcap=True"),
+    (dict(k_format=""), ValueError, "k_format=''"),
+    (dict(page_size=2**24), ValueError, "page_size=16777216.*must each stay below 2"),
+])
+def test_spec_refuses_what_a_run_would_fail_on(kw, exc, match):
+    """Each of these was accepted by AttentionSpec and failed (or gave NaN) only at a run
+    with rotary_mode=1, or was silently read as something else (review)."""
+    with pytest.raises(exc, match=match):
+        clattn.AttentionSpec(8, 2, 64, **kw)
+
+
 @pytest.mark.parametrize("where,prof", WHERE[:2])
 def test_read_only_lse_writes_nothing(where, prof):
     spec = clattn.AttentionSpec(8, 2, 64, page_size=16, dtype="float32")
@@ -220,3 +255,25 @@ def test_user_profile_dir_odd_files(tmp_path, monkeypatch):
     (tmp_path / "bad.json").write_bytes(b'{"name": "x\xff"}')
     with pytest.raises(ValueError, match=r"bad\.json: not UTF-8"):
         user_profiles()
+
+
+@pytest.mark.parametrize("kw, exc, match", [
+    (dict(plan="x"), TypeError, "plan: expected a Plan"),
+    (dict(split=-1), ValueError, "split=-1"),
+    (dict(queue="q"), ValueError, "queue='q': the CPU backend"),
+    (dict(wait_for=5), ValueError, "wait_for=5: the CPU backend"),
+])
+def test_cpu_backend_checks_the_device_arguments(kw, exc, match):
+    """The CPU backend refuses what the OpenCL one refuses, instead of ignoring it."""
+    spec = clattn.AttentionSpec(8, 2, 64, page_size=16, dtype="float32")
+    args, dkw = decode_args(make_case(spec, [5, 9], seed=1))
+    with pytest.raises(exc, match=match):
+        clattn.BatchDecode(spec, backend="cpu").run(*args, **dkw, **kw)
+    other = clattn.BatchDecode(spec, backend="cpu").plan(np.array([0, 1], np.int32),
+                                                        np.array([3], np.int32))
+    with pytest.raises(ValueError, match="plan: made for 1 sequences, the call has 2"):
+        clattn.BatchDecode(spec, backend="cpu").run(*args, **dkw, plan=other)
+    q, pages, *tables = args   # one query per sequence: the same call as a prefill
+    with pytest.raises(TypeError, match="plan: expected a PrefillPlan"):
+        clattn.BatchPrefill(spec, backend="cpu").run(
+            q, pages, np.array([0, 1, 2], np.int32), *tables, **dkw, plan=object())

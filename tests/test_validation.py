@@ -418,3 +418,23 @@ def test_merge_states_bad():
         merge_states(v, s.astype(np.float64))
     with pytest.raises(ERR, match=r"\bv\b"):
         merge_states(v.astype(np.float64), s)
+
+
+def test_more_rows_than_32_bit_ints_index():
+    """The kernels index a sequence's rows with 32-bit ints: a call whose page table could
+    name more than 2**31 - 1 rows is refused (review: it overflowed to an empty result on
+    PoCL, and a plan made from it read out of bounds), and so is planning for one."""
+    from clattn import BatchDecode
+    spec = AttentionSpec(1, 1, 2, page_size=1 << 20, dtype="float32")
+    pages = np.zeros((1, 2, 1, 1 << 20, 2), np.float32)
+    q = np.ones((1, 1, 2), np.float32)
+    for n in (2048, 2049):    # 2048 x 2**20 rows = 2**31
+        args = [q, pages, np.array([0, n], np.int32), np.zeros(n, np.int32),
+                np.array([1], np.int32)]
+        expect_raise(spec, args, {}, r"page_indices: %d entries x page_size" % n)
+    dec = BatchDecode(spec, backend="cpu")
+    with pytest.raises(ValueError, match=r"sequence 0 stores 2147483649 rows"):
+        dec.plan(np.array([0, 2049], np.int32), np.array([1], np.int32))
+    ok = [q, pages, np.array([0, 2047], np.int32), np.zeros(2047, np.int32),
+          np.array([1], np.int32)]
+    dec.plan(ok[2], ok[4])   # 2046 x 2**20 + 1 rows: allowed

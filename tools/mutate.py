@@ -316,6 +316,14 @@ MUTANTS = [
          "const int dead = 0;")],
         ["tests/test_nonfinite.py", "-k", "all_scores_minus_inf"],
         "split-KV: a sequence whose rows all score -inf reads as empty", "kernel", count=2),
+    Mutant("append-q4-signed-zero-scale", "clattn/kernels/append_bytes.clh.mako", [
+        ("    float m = x[0], am = fabs(x[0]);", "    float m = 0.0f, am = 0.0f;")],
+        ["tests/test_cache_quant.py", "-k", "bit_for_bit and pocl"],
+        "a q4_0 block of zeros led by -0 gets scale -0 (numpy stores +0)", "kernel"),
+    Mutant("rows-past-int32-accepted", "clattn/validate.py", [
+        ("    if nnz * spec.page_size > INT32_MAX:", "    if False:")],
+        ["tests/test_validation.py", "-k", "32_bit"],
+        "a page table naming more than 2**31 - 1 rows reaches the kernels", "python"),
     Mutant("pool-huge-pages-not-advised", "clattn/host_memory.py", [
         ("        advise_huge_pages(host.ctypes.data, arr.nbytes)\n", "        pass\n")],
         ["tests/test_host_memory.py"],

@@ -79,7 +79,7 @@ inline int clattn_rint_div(const float x, const float d)
 /* first value of largest magnitude, and whether every value is finite */
 inline float clattn_block_max(const float* x, int* finite)
 {
-    float m = 0.0f, am = 0.0f;
+    float m = x[0], am = fabs(x[0]);   /* x[0] itself when all are zero: -0 as numpy */
     int ok = 1;
     for (int i = 0; i < 32; ++i) {
         ok &= isfinite(x[i]);

@@ -33,8 +33,8 @@ def score(x, softcap):
     SEQ_WINDOW \
     const int chunk = stored - wo + sink; \
     const int nparts_b = split ? max(part_indptr[b + 1] - part_indptr[b], 1) : 1; \
-    const int r_lo = nparts_b > 1 ? min(part * part_rows, chunk) : 0; \
-    const int r_hi = (nparts_b > 1 && part < nparts_b - 1) ? min(r_lo + part_rows, chunk) : chunk; \
+    const int r_lo = nparts_b > 1 ? (int)min((long)part * part_rows, (long)chunk) : 0; \
+    const int r_hi = (nparts_b > 1 && part < nparts_b - 1) ? (int)min((long)r_lo + part_rows, (long)chunk) : chunk; \
     const int ws_at = nparts_b > 1 ? part_indptr[b] + part : -1; \
     const int direct = nparts_b <= 1; \
     const int valid_part = part < nparts_b && (direct || (ws_at >= 0 && ws_at < n_ws)); \
