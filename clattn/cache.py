@@ -136,7 +136,8 @@ class PagedKVCache:
             raise ValueError(f"num_layers={num_layers!r}: must be a positive integer")
         if rope not in ROPE_MODES:
             raise ValueError(f"rope={rope!r}: allowed {ROPE_MODES}")
-        validate.check_scalars(sm_scale=sm_scale, rope_theta=rope_theta, rope_scale=rope_scale)
+        validate.check_sm_scale(sm_scale)
+        validate.check_rope_scalars(rope_theta, rope_scale)
         self.spec = spec
         self.num_layers = int(num_layers)
         self.page_bytes = int(np.prod(spec.pool_shape(1))) * spec.pool_dtype.itemsize

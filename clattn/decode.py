@@ -18,7 +18,7 @@ from .profiles.record import Profile
 from .result import DecodeResult
 from .rope import kernel_turns, parse_rope_scaling, rope_tables
 from .spec import INDEX_DTYPE, LSE_DTYPE, AttentionSpec, default_sm_scale
-from .staging import Call, note_allocation
+from .staging import Call, events_list, note_allocation
 from .validate import check_array, check_decode, check_tables, chunk_lengths, is_host
 
 _CACHE_PLANS = 8  # plan tables kept on the device per BatchDecode
@@ -436,15 +436,19 @@ def _host(a: Any) -> Any:
 
 def check_host_call(plan: Any, plan_type: type, planner: str, queue: Any,
                     wait_for: Any) -> None:
-    """The arguments of a CPU-backend call that only a device call uses: a plan of the
-    right kind or None (the host plans nothing), and no queue or events."""
+    """The arguments of a CPU-backend call that only a device call uses, checked as a
+    device call checks them: a plan of the right kind or None (the host plans nothing), a
+    pyopencl queue or None (device inputs are read on their own queues), and events,
+    which are waited for before any input is read."""
     if plan is not None and not isinstance(plan, plan_type):
         raise TypeError(f"plan: expected a {plan_type.__name__} from {planner}, got "
                         f"{type(plan).__name__}")
-    for name, value in (("queue", queue), ("wait_for", wait_for)):
-        if value is not None:
-            raise ValueError(f"{name}={value!r}: the CPU backend runs on the host, with no "
-                             f"queue or events; pass None")
+    if queue is not None and not isinstance(queue, runtime.cl().CommandQueue):
+        raise TypeError(f"queue: expected a pyopencl.CommandQueue or None, got "
+                        f"{type(queue).__name__}")
+    waits = events_list(wait_for)
+    if waits:
+        runtime.cl().wait_for_events(waits)
 
 
 def run_on_host(fn: Any, spec: AttentionSpec, arrays: tuple, kw: dict, out: Any,

@@ -185,8 +185,8 @@ def check_tables(spec: AttentionSpec, B: int, P: int, page_indptr: Any, page_ind
             if arr is None:
                 raise ValueError(f"{nm}: required when rotary_mode=1")
             _ints(nm, arr, B)
-        check_scalars(rope_theta=rope_theta, rope_scale=rope_scale)
-    check_scalars(sm_scale=sm_scale)
+        check_rope_scalars(rope_theta, rope_scale)
+    check_sm_scale(sm_scale)
     stored = chunk = None
     tables = [page_indptr, page_indices, last_page_len] + (
         [window_offset, sink_size] if spec.sliding_window else [])
@@ -220,17 +220,16 @@ def _f32_finite(name: str, value: Any, hint: str = "") -> None:
                          + (f" {hint}" if hint else ""))
 
 
-def check_scalars(*, sm_scale: Any = None, rope_theta: Any = None,
-                  rope_scale: Any = None) -> None:
-    """Check the attention scalars given (None: not given; ``sm_scale`` None means the
-    default 1/sqrt(head_dim)): ``sm_scale`` and ``rope_scale`` finite as float32,
-    ``rope_theta`` positive and finite."""
-    if rope_theta is not None:
-        theta = _number("rope_theta", rope_theta)
-        if not (math.isfinite(theta) and theta > 0):
-            raise ValueError(f"rope_theta={rope_theta!r}: must be a positive finite number")
-    if rope_scale is not None:
-        _f32_finite("rope_scale", rope_scale)
+def check_rope_scalars(rope_theta: Any, rope_scale: Any) -> None:
+    """``rope_theta`` positive and finite, ``rope_scale`` finite as a float32."""
+    theta = _number("rope_theta", rope_theta)
+    if not (math.isfinite(theta) and theta > 0):
+        raise ValueError(f"rope_theta={rope_theta!r}: must be a positive finite number")
+    _f32_finite("rope_scale", rope_scale)
+
+
+def check_sm_scale(sm_scale: Any) -> None:
+    """``sm_scale`` finite as a float32, or None (1/sqrt(head_dim))."""
     if sm_scale is not None:
         _f32_finite("sm_scale", sm_scale, "(or None for 1/sqrt(head_dim))")
 

@@ -260,8 +260,9 @@ def test_user_profile_dir_odd_files(tmp_path, monkeypatch):
 @pytest.mark.parametrize("kw, exc, match", [
     (dict(plan="x"), TypeError, "plan: expected a Plan"),
     (dict(split=-1), ValueError, "split=-1"),
-    (dict(queue="q"), ValueError, "queue='q': the CPU backend"),
-    (dict(wait_for=5), ValueError, "wait_for=5: the CPU backend"),
+    (dict(queue="q"), TypeError, "queue: expected a pyopencl.CommandQueue"),
+    (dict(wait_for=5), TypeError, "wait_for: expected a list of pyopencl events"),
+    (dict(wait_for=[42]), TypeError, "wait_for: expected pyopencl events"),
 ])
 def test_cpu_backend_checks_the_device_arguments(kw, exc, match):
     """The CPU backend refuses what the OpenCL one refuses, instead of ignoring it."""
