@@ -102,8 +102,8 @@ MUTANTS = [
         ["tests/test_hf_config.py"],
         "AttentionSpec.from_hf_config rotates all of GPT-J's 256 dims instead of 64"),
     Mutant("last-split-partition-clipped", DECODE, [
-        ("const int r_hi = (nparts_b > 1 && part < nparts_b - 1) ? min(r_lo + part_rows, chunk) : chunk;",
-         "const int r_hi = nparts_b > 1 ? min(r_lo + part_rows, chunk) : chunk;")],
+        ("const int r_hi = (nparts_b > 1 && part < nparts_b - 1) ? (int)min((long)r_lo + part_rows, (long)chunk) : chunk;",
+         "const int r_hi = nparts_b > 1 ? (int)min((long)r_lo + part_rows, (long)chunk) : chunk;")],
         ["tests/test_kernel_numerics.py", "-k", "stale_plan"],
         "the last partition stops at part_rows (rows of a grown table are dropped)", "kernel"),
     Mutant("q-f16-before-scoring-rows", DECODE, [
