@@ -80,11 +80,15 @@ def parse_rope_scaling(scaling: Mapping[str, Any] | None,
         if key in _REQUIRED.get(rtype, ()) and not _positive_finite(v):
             raise ValueError(f"rope_scaling {key}={v!r} (type {rtype!r}): must be a positive "
                              f"finite number")
-    for key in ("attention_factor", "mscale", "mscale_all_dim", "beta_fast", "beta_slow"):
+    v = scaling.get("attention_factor")
+    if v is not None and not _positive_finite(v):
+        raise ValueError(f"rope_scaling attention_factor={v!r} (type {rtype!r}): must be a "
+                         f"positive finite number (or absent)")
+    for key in ("mscale", "mscale_all_dim", "beta_fast", "beta_slow"):  # 0: as absent (HF)
         v = scaling.get(key)
-        if v is not None and not _positive_finite(v):
+        if v is not None and v != 0 and not _positive_finite(v):
             raise ValueError(f"rope_scaling {key}={v!r} (type {rtype!r}): must be a positive "
-                             f"finite number (or absent)")
+                             f"finite number (or 0 or absent: the default)")
     orig = scaling.get("original_max_position_embeddings")
     if orig is not None and not (_is_count(orig) and orig >= 2):
         raise ValueError(f"rope_scaling original_max_position_embeddings={orig!r}: must be an "

@@ -278,3 +278,11 @@ def test_cpu_backend_checks_the_device_arguments(kw, exc, match):
     with pytest.raises(TypeError, match="plan: expected a PrefillPlan"):
         clattn.BatchPrefill(spec, backend="cpu").run(
             q, pages, np.array([0, 1, 2], np.int32), *tables, **dkw, plan=object())
+
+
+def test_spec_keeps_hf_zero_defaults():
+    """HF reads yarn's mscale, mscale_all_dim and beta_* of 0 as absent: still accepted."""
+    spec = clattn.AttentionSpec(8, 2, 64, max_position_embeddings=64, rope_scaling={
+        "rope_type": "yarn", "factor": 4.0, "mscale": 0.707, "mscale_all_dim": 0,
+        "beta_fast": 0, "beta_slow": 0})
+    assert spec.rope_scaling["mscale_all_dim"] == 0
