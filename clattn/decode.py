@@ -17,7 +17,7 @@ from .plan import Plan, make_plan
 from .profiles.record import Profile
 from .result import DecodeResult
 from .rope import kernel_turns, parse_rope_scaling, rope_tables
-from .spec import INDEX_DTYPE, LSE_DTYPE, AttentionSpec, default_sm_scale
+from .spec import INDEX_DTYPE, INT32_MAX, LSE_DTYPE, AttentionSpec, default_sm_scale
 from .staging import Call, events_list, note_allocation
 from .validate import check_array, check_decode, check_tables, chunk_lengths, is_host
 
@@ -328,8 +328,9 @@ class BatchDecode:
         """
         if not self.setup:
             raise RuntimeError("prepare: the CPU backend has no device step; call run()")
-        if not isinstance(num_pages, (int, np.integer)) or num_pages < 0:
-            raise ValueError(f"num_pages={num_pages!r}: the pool size, an int >= 0")
+        if not isinstance(num_pages, (int, np.integer)) or isinstance(num_pages, (bool, np.bool_)) \
+                or not 0 <= num_pages <= INT32_MAX:
+            raise ValueError(f"num_pages={num_pages!r}: the pool size, an int in 0..2**31 - 1")
         spec = self.spec
         check_array("page_indptr", page_indptr, ndim=1, dtypes=(INDEX_DTYPE,))
         B = int(page_indptr.shape[0]) - 1
