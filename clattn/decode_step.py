@@ -106,9 +106,9 @@ class DecodeStep:
         if self.batch > 0:
             with self._lock:
                 waits = call.wait_list(*self._table_events, self._ws_event)
-                self._table_events = []
                 events.append(self._decode.launch(call.queue, *self._sizes, waits, q=dq,
                                                   pages=dpages, out=dout, lse=dlse))
+                self._table_events = []  # once a launch waited for them (it may raise)
                 if self._merge is not None:
                     events.append(self._merge.launch(call.queue, *self._merge_sizes, [events[-1]],
                                                      out=dout, lse=dlse))
@@ -125,11 +125,10 @@ class DecodeStep:
             if a.events:
                 waits.extend(a.events)
         with self._lock:
-            if self._table_events:
-                waits.extend(self._table_events)
-                self._table_events = []
+            waits.extend(self._table_events)
             evt = self._decode.launch(self._rt.queue, *self._sizes, waits, q=q, pages=pages,
                                       out=out, lse=lse)
+            self._table_events = []  # once a launch waited for them (it may raise)
         # the launch waited for every earlier event of out and lse: its own event now
         # stands for all of them (pyopencl's add_event would block on old ones instead)
         out.events[:] = [evt]

@@ -98,3 +98,32 @@ def test_step_from_threads(device):
         sys.setswitchinterval(old)
     for w, g in zip(want, got):
         assert np.array_equal(w.out, g.out) and np.array_equal(w.lse, g.lse)
+
+
+def test_a_failed_launch_keeps_the_tables_upload_events(device):
+    """A step whose launch is refused (an out view at a byte offset no element starts at,
+    caught when the arguments are bound) still waits for its tables' uploads next time."""
+    cl = runtime.cl()
+    spec = clattn.AttentionSpec(8, 2, 64, page_size=16, dtype="float32")
+    case = make_case(spec, [5, 9], seed=1)
+    args, kw = decode_args(case)
+    dec = clattn.BatchDecode(spec, device)
+    queue = dec.setup.runtime.queue
+    tables = [cl.array.to_device(queue, t) for t in args[2:5]]
+    for t in tables:   # the tables' producers, still pending as far as the step knows
+        t.add_event(cl.enqueue_marker(queue))
+    step = dec.prepare(*tables, num_pages=case["pages"].shape[0], **kw)
+    pending = list(step._table_events)
+    assert pending
+    q, pages = (cl.array.to_device(queue, a) for a in args[:2])
+    buf = cl.Buffer(queue.context, cl.mem_flags.READ_WRITE, 4 * 2 * 8 * 64 + 64)
+    bad_out = cl.array.Array(queue, (2, 8, 64), np.float32, data=buf, offset=2)
+    lse = cl.array.zeros(queue, (2, 8), np.float32)
+    with pytest.raises(Exception):
+        step.run(q, pages, out=bad_out, lse=lse)
+    assert step._table_events == pending
+    out = cl.array.zeros(queue, (2, 8, 64), np.float32)
+    r = step.run(q, pages, out=out, lse=lse)
+    assert not step._table_events
+    ref_out, ref_lse = naive_decode(args[0], args[1], *args[2:5])
+    compare(r.out.get(), r.lse.get(), ref_out, ref_lse, np.float32)
