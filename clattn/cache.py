@@ -32,7 +32,7 @@ from .fit import append_geometry
 from .quant import QUANTIZED, check_quantizable, quantize, region_views
 from .result import DecodeResult
 from .rope import parse_rope_scaling, rope_tables, rotate
-from .spec import INT32_MAX, LSE_DTYPE, AttentionSpec
+from .spec import INT32_MAX, LSE_DTYPE, AttentionSpec, is_int
 from .staging import Call
 from .validate import check_array, is_host
 
@@ -132,7 +132,7 @@ class PagedKVCache:
                  rollback: int = 0) -> None:
         if not isinstance(spec, AttentionSpec):
             raise TypeError(f"spec: expected an AttentionSpec, got {type(spec).__name__}")
-        if not _is_int(num_layers) or num_layers < 1:
+        if not is_int(num_layers) or num_layers < 1:
             raise ValueError(f"num_layers={num_layers!r}: must be a positive integer")
         if rope not in ROPE_MODES:
             raise ValueError(f"rope={rope!r}: allowed {ROPE_MODES}")
@@ -151,7 +151,7 @@ class PagedKVCache:
         if rope is not None:  # checks theta/scale now (the kernel tables are built once)
             self._rope = rope_tables(spec.rotary_dim, self.rope_theta, parse_rope_scaling(
                 spec.rope_scaling, spec.max_position_embeddings), spec.max_position_embeddings)
-        if not _is_int(rollback) or rollback < 0:
+        if not is_int(rollback) or rollback < 0:
             raise ValueError(f"rollback={rollback!r}: must be an integer >= 0")
         self.table = PageTable(spec, self.num_pages, int(rollback))
         self._lock = threading.RLock()
@@ -337,7 +337,7 @@ class PagedKVCache:
         return self._step
 
     def _layer(self, layer: int) -> None:
-        if not _is_int(layer) or not 0 <= layer < self.num_layers:
+        if not is_int(layer) or not 0 <= layer < self.num_layers:
             raise LayerIndexError(f"layer={layer!r}: the cache has layers 0..{self.num_layers - 1}")
 
 
@@ -717,10 +717,6 @@ def _stored(x: np.ndarray, fmt: str, name: str) -> tuple[np.ndarray, np.ndarray 
     return np.ascontiguousarray(x.astype(fmt)).view(np.uint8), None
 
 
-def _is_int(x: Any) -> bool:
-    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
-
-
 def _short(items: Sequence) -> str:
     items = list(items)
     return str(items) if len(items) <= 8 else f"[{', '.join(map(str, items[:8]))}, ...]"
@@ -732,13 +728,13 @@ def _pool_size(num_pages: Any, budget_bytes: Any, layers: int, page_bytes: int,
         raise ValueError("PagedKVCache: give exactly one of num_pages= (pages per layer) and "
                          "budget_bytes= (bytes for every layer's pool)")
     if num_pages is None:
-        if not _is_int(budget_bytes) or budget_bytes < 0:
+        if not is_int(budget_bytes) or budget_bytes < 0:
             raise ValueError(f"budget_bytes={budget_bytes!r}: must be a non-negative integer")
         num_pages = int(budget_bytes) // (layers * page_bytes)
         if num_pages < 1:
             raise ValueError(f"budget_bytes={budget_bytes}: less than one page per layer "
                              f"({layers} x {page_bytes} bytes)")
-    if not _is_int(num_pages) or num_pages < 1:
+    if not is_int(num_pages) or num_pages < 1:
         raise ValueError(f"num_pages={num_pages!r}: must be a positive integer")
     if int(num_pages) * page_size > INT32_MAX:
         raise ValueError(f"num_pages={num_pages}: slots (pages x page_size) must stay below "

@@ -19,11 +19,11 @@ so a prompt chunk of ``n`` tokens is ``n`` causal decode rows in one launch.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Hashable, Sequence
+from typing import Hashable, Sequence
 
 import numpy as np
 
-from .spec import INT32_MAX, AttentionSpec
+from .spec import INT32_MAX, AttentionSpec, is_int
 
 I32 = np.int32
 _POS_LIMIT = INT32_MAX
@@ -174,14 +174,14 @@ class PageTable:
             if not self.spec.sliding_window:
                 raise ValueError(f"add: window={window} needs a spec built with "
                                  f"sliding_window=True (the decode kernel compiles it in)")
-            if not _is_int(window) or window < 1:
+            if not is_int(window) or window < 1:
                 raise ValueError(f"add: window={window!r} must be a positive integer")
-        if not _is_int(sink) or sink < 0:
+        if not is_int(sink) or sink < 0:
             raise ValueError(f"add: sink={sink!r} must be an integer >= 0")
         if sink and window is None:
             raise ValueError(f"add: sink={sink} without a window; sinks are the tokens kept "
                              f"besides a window")
-        if not _is_int(pos_offset) or not 0 <= pos_offset <= _POS_LIMIT:
+        if not is_int(pos_offset) or not 0 <= pos_offset <= _POS_LIMIT:
             raise ValueError(f"add: pos_offset={pos_offset!r} must be an int32 >= 0")
         self.seqs[seq_id] = _Seq(None if window is None else int(window), int(sink),
                                  int(pos_offset))
@@ -200,7 +200,7 @@ class PageTable:
 
     def pop(self, seq_id: Hashable, n: int) -> None:
         s = self.seq(seq_id)
-        if not _is_int(n) or n < 0:
+        if not is_int(n) or n < 0:
             raise ValueError(f"pop: n={n!r} must be an integer >= 0")
         most = s.length
         if s.dropped:  # the shorter window must not reach pages given back
@@ -327,7 +327,7 @@ class PageTable:
             raise DuplicateSequenceError(f"begin: sequence {i!r} appears twice in seq_ids")
         if lengths is not None:
             for i, n in zip(ids, ns):
-                if not _is_int(n) or n < 1:
+                if not is_int(n) or n < 1:
                     raise ValueError(f"begin: lengths for sequence {i!r} is {n!r}; each must "
                                      f"be an integer >= 1 (new tokens of the step)")
             ns = tuple(int(n) for n in ns)
@@ -407,10 +407,6 @@ class PageTable:
             window_offset=wo if windowed else None, sink_size=sink if windowed else None,
             q_pos=qpos, k_pos_offset=kpo, slots=slots, k_pos=kpos, copies=np.zeros(0, I32),
             chunk=chunk, reserved=0)
-
-
-def _is_int(x: Any) -> bool:
-    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
 
 
 def _ids(seqs: dict) -> str:

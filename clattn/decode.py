@@ -17,7 +17,7 @@ from .plan import Plan, make_plan
 from .profiles.record import Profile
 from .result import DecodeResult
 from .rope import kernel_turns, parse_rope_scaling, rope_tables
-from .spec import INDEX_DTYPE, INT32_MAX, LSE_DTYPE, AttentionSpec, default_sm_scale
+from .spec import INDEX_DTYPE, INT32_MAX, LSE_DTYPE, AttentionSpec, default_sm_scale, is_int
 from .staging import Call, events_list, note_allocation
 from .validate import check_array, check_decode, check_tables, chunk_lengths, is_host
 
@@ -100,8 +100,7 @@ class BatchDecode:
         -------
         pyopencl.array.Array or numpy.ndarray
         """
-        if isinstance(num_pages, bool) or not isinstance(num_pages, (int, np.integer)) \
-                or num_pages < 1:
+        if not is_int(num_pages) or num_pages < 1:
             raise ValueError(f"num_pages={num_pages!r}: must be an integer >= 1")
         shape = self.spec.pool_shape(int(num_pages))
         if not self.setup:
@@ -263,11 +262,8 @@ class BatchDecode:
         if not self.setup:
             _check_split(split)
             check_host_call(plan, Plan, "BatchDecode.plan()", queue, wait_for)
-            if plan is not None and hasattr(page_indptr, "shape") and \
-                    len(plan.part_indptr) != page_indptr.shape[0]:
-                raise ValueError(f"plan: made for {len(plan.part_indptr) - 1} sequences, the "
-                                 f"call has {page_indptr.shape[0] - 1}; plan again for this "
-                                 f"batch")
+            if plan is not None and hasattr(page_indptr, "shape"):
+                _check_plan_batch(plan, page_indptr.shape[0] - 1)
             return DecodeResult(*run_on_host(cpu_backend.batch_decode, spec, (
                 q, pages, page_indptr, page_indices, last_page_len), kw, out, lse))
         args = check_decode(spec, q, pages, page_indptr, page_indices, last_page_len,
@@ -328,8 +324,7 @@ class BatchDecode:
         """
         if not self.setup:
             raise RuntimeError("prepare: the CPU backend has no device step; call run()")
-        if not isinstance(num_pages, (int, np.integer)) or isinstance(num_pages, (bool, np.bool_)) \
-                or not 0 <= num_pages <= INT32_MAX:
+        if not is_int(num_pages) or not 0 <= num_pages <= INT32_MAX:
             raise ValueError(f"num_pages={num_pages!r}: the pool size, an int in 0..2**31 - 1")
         spec = self.spec
         check_array("page_indptr", page_indptr, ndim=1, dtypes=(INDEX_DTYPE,))
@@ -367,9 +362,7 @@ class BatchDecode:
         if not isinstance(plan, Plan):
             raise TypeError(f"plan: expected a Plan from BatchDecode.plan(), got "
                             f"{type(plan).__name__}")
-        if len(plan.part_indptr) != B + 1:
-            raise ValueError(f"plan: made for {len(plan.part_indptr) - 1} sequences, the call "
-                             f"has {B}; plan again for this batch")
+        _check_plan_batch(plan, B)
         if args.chunk is not None and plan.split and \
                 np.any(np.maximum(1, -(-args.chunk // plan.part_rows)) > np.diff(plan.part_indptr)):
             raise ValueError("plan: the page table grew since the plan was made; plan again")
@@ -417,6 +410,13 @@ class BatchDecode:
                     raise
                 hit = self._turns[key] = (buf, int(long_from), float(att))
             return hit
+
+
+def _check_plan_batch(plan: Plan, B: int) -> None:
+    """``plan`` was made for a batch of ``B`` sequences."""
+    if len(plan.part_indptr) != B + 1:
+        raise ValueError(f"plan: made for {len(plan.part_indptr) - 1} sequences, the call "
+                         f"has {B}; plan again for this batch")
 
 
 def _check_split(split: Any) -> None:

@@ -14,6 +14,8 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from .spec import is_int, is_positive_finite
+
 #: rope types clattn implements (HF ``rope_type`` values plus GPT-J's pairing)
 ROPE_TYPES = ("default", "linear", "llama3", "llama4", "longrope", "yarn", "gptj")
 #: types that need the run-time sequence length and are refused
@@ -77,46 +79,31 @@ def parse_rope_scaling(scaling: Mapping[str, Any] | None,
                          "(HF keeps it at the config's top level: AttentionSpec.from_hf_config copies it)")
     for key in ("factor", "low_freq_factor", "high_freq_factor"):
         v = scaling.get(key)
-        if key in _REQUIRED.get(rtype, ()) and not _positive_finite(v):
+        if key in _REQUIRED.get(rtype, ()) and not is_positive_finite(v):
             raise ValueError(f"rope_scaling {key}={v!r} (type {rtype!r}): must be a positive "
                              f"finite number")
     v = scaling.get("attention_factor")
-    if v is not None and not _positive_finite(v):
+    if v is not None and not is_positive_finite(v):
         raise ValueError(f"rope_scaling attention_factor={v!r} (type {rtype!r}): must be a "
                          f"positive finite number (or absent)")
     for key in ("mscale", "mscale_all_dim", "beta_fast", "beta_slow"):  # 0: as absent (HF)
         v = scaling.get(key)
-        if v is not None and v != 0 and not _positive_finite(v):
+        if v is not None and v != 0 and not is_positive_finite(v):
             raise ValueError(f"rope_scaling {key}={v!r} (type {rtype!r}): must be a positive "
                              f"finite number (or 0 or absent: the default)")
     orig = scaling.get("original_max_position_embeddings")
-    if orig is not None and not (_is_count(orig) and orig >= 2):
+    if orig is not None and not (is_int(orig) and orig >= 2):
         raise ValueError(f"rope_scaling original_max_position_embeddings={orig!r}: must be an "
                          f"integer >= 2")
     if rtype == "longrope":
         for key in ("short_factor", "long_factor"):
             v = scaling.get(key)
             if isinstance(v, (str, bytes)) or not isinstance(v, (list, tuple)) or \
-                    not all(_positive_finite(x) for x in v):
+                    not all(is_positive_finite(x) for x in v):
                 raise ValueError(f"rope_scaling {key}={v!r}: must be a list of positive "
                                  f"finite numbers")
     params = tuple(sorted((str(k), _hashable(v)) for k, v in scaling.items()))
     return RopeScaling(rtype, params)
-
-
-def _positive_finite(v: Any) -> bool:
-    """A number (not a string or a bool) that is positive and finite."""
-    if isinstance(v, (str, bytes, bool, np.bool_)):
-        return False
-    try:
-        return math.isfinite(float(v)) and float(v) > 0
-    except (TypeError, ValueError):
-        return False
-
-
-def _is_count(v: Any) -> bool:
-    """An integer (not a bool)."""
-    return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
 
 
 def _llama3(inv: np.ndarray, rs: RopeScaling) -> np.ndarray:

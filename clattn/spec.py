@@ -23,6 +23,27 @@ LSE_DTYPE = np.dtype(np.float32)
 DEFAULT_ROPE_THETA = 10000.0
 #: the largest row, position or value index the kernels' 32-bit ints hold
 INT32_MAX = 2**31 - 1
+
+
+def is_int(x: Any) -> bool:
+    """An integer (Python or numpy), not a bool."""
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
+def is_number(x: Any) -> bool:
+    """A real number that ``float()`` takes (not a string, bytes or a bool)."""
+    if isinstance(x, (str, bytes, bool, np.bool_)):
+        return False
+    try:
+        float(x)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+def is_positive_finite(x: Any) -> bool:
+    """A number (:func:`is_number`) that is positive and finite."""
+    return is_number(x) and math.isfinite(float(x)) and float(x) > 0
 LOG2E = 1.4426950408889634
 
 
@@ -63,7 +84,7 @@ class AttentionSpec:
     def __post_init__(self) -> None:
         for name in ("num_qo_heads", "num_kv_heads", "head_dim", "page_size"):
             v = getattr(self, name)
-            if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 1:
+            if not is_int(v) or v < 1:
                 raise ValueError(f"{name}={v!r}: must be a positive integer")
             object.__setattr__(self, name, int(v))
         if self.num_qo_heads % self.num_kv_heads:
@@ -103,19 +124,13 @@ class AttentionSpec:
                 f"rotary_dim={self.rotary_dim!r}: must be an even integer in [2, head_dim={self.head_dim}]")
         object.__setattr__(self, "rotary_dim", int(rd))
         if self.softcap is not None:
-            cap = self.softcap
-            try:
-                ok = not isinstance(cap, (str, bytes, bool, np.bool_)) and \
-                    float(cap) > 0 and math.isfinite(float(cap))
-            except (TypeError, ValueError):
-                ok = False
-            if not ok:
-                raise ValueError(f"softcap={cap!r}: must be a positive finite number or None")
-            object.__setattr__(self, "softcap", float(cap))
+            if not is_positive_finite(self.softcap):
+                raise ValueError(f"softcap={self.softcap!r}: must be a positive finite number "
+                                 f"or None")
+            object.__setattr__(self, "softcap", float(self.softcap))
         mpe = self.max_position_embeddings
         if mpe is not None:
-            if not isinstance(mpe, (int, np.integer)) or isinstance(mpe, (bool, np.bool_)) \
-                    or mpe < 1:
+            if not is_int(mpe) or mpe < 1:
                 raise ValueError(f"max_position_embeddings={mpe!r}: must be a positive integer "
                                  f"or None")
             object.__setattr__(self, "max_position_embeddings", int(mpe))

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from .spec import DTYPES, INDEX_DTYPE, INT32_MAX, LSE_DTYPE, AttentionSpec
+from .spec import DTYPES, INDEX_DTYPE, INT32_MAX, LSE_DTYPE, AttentionSpec, is_number
 
 
 def is_host(a: Any) -> bool:
@@ -204,12 +204,9 @@ _F32_MAX = float(np.finfo(np.float32).max)
 
 def _number(name: str, value: Any) -> float:
     """``value`` as a float; a number only (not a string or a bool)."""
-    if isinstance(value, (str, bytes, bool, np.bool_)):
+    if not is_number(value):
         raise TypeError(f"{name}={value!r}: must be a number")
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        raise TypeError(f"{name}={value!r}: must be a number") from None
+    return float(value)
 
 
 def _f32_finite(name: str, value: Any, hint: str = "") -> None:
