@@ -8,12 +8,12 @@ from .merge import merge_state, merge_state_, merge_states
 from .plan import Plan
 from .prefill import BatchPrefill, PrefillPlan
 from .profiles.record import Profile
-from .runtime import BuildError, NoDeviceError, ensure_icd, select_device
+from .runtime import BuildError, DeviceUnusableError, NoDeviceError, ensure_icd, select_device
 from .spec import AttentionSpec
 
 ensure_icd()
 
 __all__ = ["AttentionSpec", "BatchDecode", "BatchPrefill", "CacheFullError", "DecodeResult",
            "PagedKVCache", "Plan", "PrefillPlan",
-           "Profile", "BuildError", "NoDeviceError", "merge_state", "merge_state_", "merge_states", "select_device"]
+           "Profile", "BuildError", "DeviceUnusableError", "NoDeviceError", "merge_state", "merge_state_", "merge_states", "select_device"]
 __version__ = "0.1.0"

@@ -13,10 +13,22 @@
 Each answer is found once per device and process; any failure means no. The simulator
 (Oclgrind) is not asked: it cannot run ``__builtin_prefetch``, and its kernels should be
 the plain ones.
+
+A compiler may die on a builtin it does not know instead of reporting a build error (Mesa's
+rusticl aborts the process in its SPIR-V writer on ``__builtin_prefetch``). So the probes run
+in the caller's process only on the platforms listed in :data:`IN_PROCESS_PLATFORMS`, whose
+compilers are known to report failures; on every other platform they run in a child Python
+process (``python -m clattn.compiler_probe``), where a crash or a hang means "no" and one
+warning names the device.
 """
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import threading
+import warnings
 from typing import Any
 
 import numpy as np
@@ -25,6 +37,11 @@ from .runtime import cl as _cl, is_simulator
 
 _RESULTS: dict = {}  # (what, device pointer) -> bool
 _LOCK = threading.Lock()
+#: platform names (lower case, prefixes) whose compilers report a failed probe as a build
+#: error instead of ending the process; probes on any other platform run in a child process
+IN_PROCESS_PLATFORMS = ("portable computing language", "intel(r) opencl")
+#: seconds a child probe may take (start-up, one context, a few small builds and runs)
+CHILD_TIMEOUT_S = 120.0
 #: the widths the kernels convert at (each probed up to the device's widest, see
 #: :func:`storage_half_works`)
 PROBE_LANES = (1, 2, 4, 8, 16)
@@ -107,15 +124,77 @@ def _check_prefetch(runtime: Any) -> bool:
     return bool(np.array_equal(x, y))
 
 
-def _answer(what: str, runtime: Any, check) -> bool:
-    key = (what, runtime.device.int_ptr)
+def _storage_half_check(runtime: Any, max_lanes: int) -> bool:
+    return all(check_half(runtime, n) for n in PROBE_LANES if n <= max_lanes)
+
+
+#: probe name -> check(runtime, max_lanes); what a child process runs by name
+_CHECKS = {
+    "storage_half": _storage_half_check,
+    "prefetch": lambda runtime, max_lanes: _check_prefetch(runtime),
+}
+
+
+def runs_in_process(device: Any) -> bool:
+    """Whether the probes run in the caller's process on ``device`` (its platform is one of
+    :data:`IN_PROCESS_PLATFORMS`) rather than in a child process."""
+    return device.platform.name.strip().lower().startswith(IN_PROCESS_PLATFORMS)
+
+
+def device_key(device: Any) -> list:
+    """What names ``device`` to a child process: platform name and version, device name
+    and driver version (a child enumerates the same ICDs, maybe in another order)."""
+    return [device.platform.name, device.platform.version, device.name, device.driver_version]
+
+
+def _find_device(key: list) -> Any:
+    from .runtime import all_devices
+
+    for dev in all_devices():
+        if device_key(dev) == key:
+            return dev
+    raise LookupError(f"no OpenCL device {key!r} in the child process")
+
+
+def _in_child(what: str, device: Any, max_lanes: int) -> tuple[bool, str]:
+    """Run probe ``what`` in a child process: ``(answer, why not)``; a crash, a hang or
+    any output but the answer means no."""
+    cmd = [sys.executable, "-m", "clattn.compiler_probe", what, str(max_lanes),
+           json.dumps(device_key(device))]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S,
+                              env=dict(os.environ), stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        return False, f"the probe did not finish within {CHILD_TIMEOUT_S:.0f} s"
+    except OSError as exc:
+        return False, f"no child process could be started ({exc})"
+    lines = done.stdout.strip().splitlines()
+    if done.returncode == 0 and lines and lines[-1] in ("yes", "no"):
+        return lines[-1] == "yes", ""
+    tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
+    return False, f"the compiler ended the probe's process (status {done.returncode}: {tail[0]})"
+
+
+def _answer(what: str, runtime: Any, max_lanes: int = 16) -> bool:
+    device = runtime.device
+    key = (what, max_lanes, device.int_ptr)
     with _LOCK:
         if key in _RESULTS:
             return _RESULTS[key]
-    try:
-        ok = not is_simulator(runtime.device) and bool(check())
-    except Exception:  # noqa: BLE001 - the compiler lacks it: the standard code
+    why = ""
+    if is_simulator(device):
         ok = False
+    elif runs_in_process(device):
+        try:
+            ok = bool(_CHECKS[what](runtime, max_lanes))
+        except Exception:  # noqa: BLE001 - the compiler lacks it: the standard code
+            ok = False
+    else:
+        ok, why = _in_child(what, device, max_lanes)
+    if why:
+        warnings.warn(f"clattn: {device.platform.name.strip()} / {device.name.strip()}: the "
+                      f"{what} probe failed ({why}); the kernels use the standard form",
+                      RuntimeWarning, stacklevel=4)
     with _LOCK:
         _RESULTS[key] = ok
     return ok
@@ -124,11 +203,27 @@ def _answer(what: str, runtime: Any, check) -> bool:
 def storage_half_works(runtime: Any, max_lanes: int = 16) -> bool:
     """Whether ``runtime``'s device builds the ``__fp16`` conversions and gets every case
     right, at every width up to ``max_lanes`` (the widest its rows kernels use)."""
-    lanes = tuple(n for n in PROBE_LANES if n <= max_lanes)
-    return _answer(f"storage_half/{max_lanes}", runtime,
-                   lambda: all(check_half(runtime, n) for n in lanes))
+    return _answer("storage_half", runtime, max_lanes)
 
 
 def prefetch_works(runtime: Any) -> bool:
     """Whether ``runtime``'s device builds and runs a kernel with ``__builtin_prefetch``."""
-    return _answer("prefetch", runtime, lambda: _check_prefetch(runtime))
+    return _answer("prefetch", runtime)
+
+
+def _child_main(argv: list[str]) -> int:
+    """``python -m clattn.compiler_probe WHAT MAX_LANES DEVICE_KEY_JSON``: prints yes or no."""
+    from .runtime import Runtime
+
+    what, max_lanes, key = argv[0], int(argv[1]), json.loads(argv[2])
+    runtime = Runtime(_find_device(key))
+    try:
+        ok = bool(_CHECKS[what](runtime, max_lanes))
+    except Exception:  # noqa: BLE001 - a build error: no
+        ok = False
+    print("yes" if ok else "no", flush=True)
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover - run in a child by _in_child
+    sys.exit(_child_main(sys.argv[1:]))

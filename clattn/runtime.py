@@ -8,6 +8,11 @@
   ``platform:device`` convention), else the first GPU, else PoCL's CPU device, else any
   device but the Oclgrind simulator. No device at all -> None (callers fall back to
   the CPU and say so once).
+* A device whose compiler cannot build and run a one-line kernel (PoCL built against an
+  LLVM that does not know the host CPU answers "unknown target CPU 'generic'") is not
+  usable: :func:`device_problem` says why, the default choice passes over it, a name
+  matching several devices picks a usable one, and :func:`check_usable` refuses one
+  named explicitly with :class:`DeviceUnusableError`.
 * Programs are built once per (context, source, options), thread-safely, through
   pyopencl's on-disk binary cache; build failures raise :class:`BuildError` with the
   compiler log.
@@ -35,6 +40,10 @@ class BuildError(RuntimeError):
 
 class NoDeviceError(RuntimeError):
     """No OpenCL device matches the request."""
+
+
+class DeviceUnusableError(NoDeviceError):
+    """The device exists but its driver cannot build and run a kernel."""
 
 
 def _cache_root() -> Path:
@@ -114,6 +123,58 @@ def is_simulator(dev: Any) -> bool:
     return "oclgrind" in dev.platform.name.lower()
 
 
+_PROBLEMS: dict = {}  # device pointer -> None (usable) or why not
+_HEALTH_SOURCE = "__kernel void clattn_health(__global int* x) { x[get_global_id(0)] = 7; }"
+
+
+def device_problem(dev: Any) -> str | None:
+    """None when ``dev`` builds and runs a one-line kernel, else the driver's reason
+    (its build log's first error line). Checked once per device and process."""
+    key = dev.int_ptr
+    if key in _PROBLEMS:
+        return _PROBLEMS[key]
+    import numpy as np
+    pcl = cl()
+    why = None
+    try:
+        ctx = pcl.Context([dev])
+        queue = pcl.CommandQueue(ctx)
+        buf = pcl.Buffer(ctx, pcl.mem_flags.WRITE_ONLY, 16)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            prg = pcl.Program(ctx, _HEALTH_SOURCE).build()
+        prg.clattn_health(queue, (4,), None, buf)
+        got = np.zeros(4, np.int32)
+        pcl.enqueue_copy(queue, got, buf)
+        queue.finish()
+        if not (got == 7).all():
+            why = "a one-line kernel ran but wrote wrong values"
+    except Exception as exc:  # noqa: BLE001 - any failure makes the device unusable
+        lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+        errors = [ln for ln in lines if "error" in ln.lower() and "clbuildprogram" not in ln.lower()]
+        why = (errors or lines or [type(exc).__name__])[0]
+    _PROBLEMS[key] = why
+    return why
+
+
+def check_usable(dev: Any) -> None:
+    """Raise :class:`DeviceUnusableError` naming ``dev``, the driver's reason and what to
+    do instead, when :func:`device_problem` finds it cannot run kernels."""
+    why = device_problem(dev)
+    if why is None:
+        return
+    others = [f"{d.platform.name} / {d.name}" for d in all_devices()
+              if d.int_ptr != dev.int_ptr and not is_simulator(d) and device_problem(d) is None]
+    hint = (f"choose another device ({'; '.join(others)})" if others else
+            "install another OpenCL driver (e.g. Debian's pocl-opencl-icd, or pip install "
+            "'clattn[intel]'), or pass backend='cpu'")
+    raise DeviceUnusableError(
+        f"the OpenCL device {dev.platform.name.strip()} / {dev.name.strip()} (driver "
+        f"{dev.driver_version}) cannot build a kernel: {why}. This is the driver's fault "
+        f"(PoCL says \"unknown target CPU 'generic'\" when its LLVM does not know this CPU); "
+        f"{hint}")
+
+
 def _match_string(spec: str, devices: list) -> Any:
     pcl = cl()
     if ":" in spec or spec.isdigit():
@@ -128,9 +189,9 @@ def _match_string(spec: str, devices: list) -> Any:
     low = spec.lower()
     aliases = {"pocl": "portable computing language", "intel": "intel(r) opencl"}
     low = aliases.get(low, low)
-    for d in devices:
-        if low in d.platform.name.lower() or low in d.name.lower():
-            return d
+    hits = [d for d in devices if low in d.platform.name.lower() or low in d.name.lower()]
+    if hits:  # a usable one first: one of two PoCL builds may not know the host CPU
+        return next((d for d in hits if is_simulator(d) or device_problem(d) is None), hits[0])
     names = [f"{d.platform.name} / {d.name}" for d in devices] or ["(none)"]
     raise NoDeviceError(f"device={spec!r} matches no OpenCL device; present: {'; '.join(names)}. "
                         f"Use a platform or device name fragment, 'pocl', 'intel', 'oclgrind' "
@@ -157,10 +218,11 @@ def select_device(device: Any = None) -> Any:
         return _match_string(env, devices)
     if not devices:
         return None
-    real = [d for d in devices if not is_simulator(d)]
+    real = [d for d in devices if not is_simulator(d) and device_problem(d) is None]
     gpus = [d for d in real if d.type & pcl.device_type.GPU]
     pocl = [d for d in real if "portable computing language" in d.platform.name.lower()]
-    return (gpus or pocl or real or devices)[0]
+    usable = gpus or pocl or real or [d for d in devices if is_simulator(d)]
+    return usable[0] if usable else None
 
 
 class Runtime:

@@ -5,7 +5,13 @@
   drivers) and each device running the GPU kernel (``pocl-tiled``, ``intel-tiled``: the
   ``tiled`` strategy forced by ``GPU_PROFILE``). The value is a :class:`Target`.
 * ``device_target``: the same without ``cpu`` (tests of device arrays, events, queues).
-* ``device``: every OpenCL device but the Oclgrind simulator (``pyopencl.Device``).
+* ``device``: every OpenCL device the whole suite runs on (``pyopencl.Device``): GPUs,
+  Intel's CPU runtime (``intel``) and the first usable PoCL (``pocl`` from PyPI, else a
+  distribution's, ``pocl-debian``).
+* ``any_device``: every usable device, the further CPU stacks too (a second PoCL build,
+  Mesa's rusticl on llvmpipe, ``rusticl``): tests/test_portability.py runs each kernel
+  family there. A device whose compiler cannot build a kernel is not a target; the
+  refusal clattn gives for it is tested instead (``UNUSABLE``).
 * ``oclgrind_device``: the Oclgrind simulator's device.
 * ``get_decoder(spec, where, profile=None)``: one :class:`clattn.BatchDecode` per
   (spec, device or target, profile) for the whole session, so that a kernel is compiled
@@ -63,17 +69,23 @@ def _slug(text: str) -> str:
 
 
 def _device_id(dev) -> str:
+    """``pocl`` (PyPI's PoCL), ``pocl-debian`` (a distribution's build: the tag after '+'
+    in its driver version), ``intel`` (Intel's CPU runtime), else the platform's slug
+    (``rusticl``, ``nvidia-cuda``, ...)."""
     plat = dev.platform.name.lower()
     if "portable computing language" in plat or "pocl" in plat:
-        return "pocl"
+        _, plus, tag = dev.driver_version.partition("+")
+        return f"pocl-{_slug(tag)}" if plus else "pocl"
     if plat.startswith("intel(r) opencl") and dev.type & runtime.cl().device_type.CPU:
         return "intel"
     return _slug(dev.platform.name)
 
 
-def _discover() -> tuple[dict, object]:
-    """({id: Device} for real devices, the Oclgrind device or None)."""
-    real: dict = {}
+def _discover() -> tuple[dict, dict, object]:
+    """({id: Device} of usable real devices, {id: (Device, why)} of devices whose compiler
+    cannot build a kernel, the Oclgrind device or None)."""
+    usable: dict = {}
+    unusable: dict = {}
     grind = None
     for dev in runtime.all_devices():
         if runtime.is_simulator(dev):
@@ -81,19 +93,47 @@ def _discover() -> tuple[dict, object]:
             continue
         base = _device_id(dev)
         key, n = base, 1
-        while key in real:
+        while key in usable or key in unusable:
             n += 1
             key = f"{base}-{n}"
-        real[key] = dev
-    return real, grind
+        why = runtime.device_problem(dev)
+        if why is None:
+            usable[key] = dev
+        else:
+            unusable[key] = (dev, why)
+    return usable, unusable, grind
 
 
-ALL_DEVICES, OCLGRIND = _discover()
-#: devices selected by CLATTN_TEST_DEVICES themselves or through one of their targets
+def _is_second_cpu_stack(key: str, dev, usable: dict) -> bool:
+    """Whether ``dev`` is a further OpenCL stack on the host CPU: a PoCL other than the
+    first usable one (PyPI's preferred), or Mesa's llvmpipe (rusticl, Clover)."""
+    if "llvmpipe" in dev.name.lower():
+        return True
+    if not key.startswith("pocl"):
+        return False
+    poclish = sorted((k for k in usable if k.startswith("pocl")), key=lambda k: (k != "pocl", k))
+    return key != poclish[0]
+
+
+#: usable devices, devices present whose compiler fails, the simulator
+ALL_DEVICES, UNUSABLE, OCLGRIND = _discover()
+#: the whole suite runs on these: GPUs, Intel's CPU runtime, the first usable PoCL; the
+#: further CPU stacks (a second PoCL build, Mesa's llvmpipe) run tests/test_portability.py
+#: (every kernel family) unless CLATTN_TEST_DEVICES names them. With nothing else present,
+#: the first of them takes the whole suite.
+_FULL = {k: d for k, d in ALL_DEVICES.items() if not _is_second_cpu_stack(k, d, ALL_DEVICES)}
+if not _FULL and ALL_DEVICES:
+    _first = next(iter(ALL_DEVICES))
+    _FULL = {_first: ALL_DEVICES[_first]}
 DEVICES = {k: d for k, d in ALL_DEVICES.items()
-           if _selected(k) or any(s.startswith(k + "-") for s in SELECTED)}
+           if (k in _FULL and (_selected(k) or any(s.startswith(k + "-") for s in SELECTED)))
+           or k in SELECTED}
 DEVICE_IDS = list(DEVICES)
-MISSING = [r for r in REQUIRED if r != "oclgrind" and r not in ALL_DEVICES] + \
+#: every usable device selected: the portability tests run on each
+STACK_DEVICES = {k: d for k, d in ALL_DEVICES.items() if _selected(k)}
+#: a required device counts as present when installed, usable or not (a PoCL whose LLVM
+#: does not know the host CPU is present; its refusal is tested instead)
+MISSING = [r for r in REQUIRED if r != "oclgrind" and r not in ALL_DEVICES and r not in UNUSABLE] + \
     (["oclgrind"] if "oclgrind" in REQUIRED and OCLGRIND is None else [])
 
 
@@ -135,8 +175,8 @@ def _targets(with_cpu: bool) -> list:
     return out
 
 
-def _device_params():
-    out = [pytest.param(dev, id=key) for key, dev in DEVICES.items()]
+def _device_params(devices: dict | None = None):
+    out = [pytest.param(dev, id=key) for key, dev in (DEVICES if devices is None else devices).items()]
     out += [pytest.param(Missing(key), id=f"{key}-missing") for key in MISSING if key != "oclgrind"]
     if not out:
         out.append(pytest.param(None, id="no-device", marks=pytest.mark.skip(
@@ -172,6 +212,13 @@ def device_target(request) -> Target:
 @pytest.fixture(params=_device_params(), scope="session")
 def device(request):
     """A real OpenCL device (``pyopencl.Device``): every one present but Oclgrind."""
+    return _fail_if_missing(request.param)
+
+
+@pytest.fixture(params=_device_params(STACK_DEVICES), scope="session")
+def any_device(request):
+    """Every usable OpenCL device present and selected, the further CPU stacks included
+    (Debian's PoCL, Mesa's rusticl on llvmpipe): the portability tests' devices."""
     return _fail_if_missing(request.param)
 
 
@@ -276,6 +323,8 @@ def pytest_runtest_makereport(item, call):
 
 def pytest_report_header(config):
     return (f"clattn targets: {[p.id for p in _targets(True)]}; "
+            f"portability devices: {list(STACK_DEVICES) or 'none'}; "
+            f"unusable: {({k: why for k, (_, why) in UNUSABLE.items()}) or 'none'}; "
             f"required: {REQUIRED or 'none'}; missing: {MISSING or 'none'}")
 
 

@@ -84,12 +84,12 @@ NEW_TOKENS = 32
 PROMPTS = (5, 11, 20)  # the batch's prompt lengths (left padded)
 
 
-def shrink(name: str) -> dict:
-    """The published config with 2 layers, hidden 256, a small vocabulary (special token
-    ids inside it) and the explicit head_dim of the published model."""
+def shrink(name: str, layers: int = 2) -> dict:
+    """The published config with ``layers`` layers, hidden 256, a small vocabulary (special
+    token ids inside it) and the explicit head_dim of the published model."""
     cfg = dict(CONFIGS[name])
     cfg["head_dim"] = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    cfg.update(num_hidden_layers=2, hidden_size=256, intermediate_size=512, vocab_size=VOCAB,
+    cfg.update(num_hidden_layers=layers, hidden_size=256, intermediate_size=512, vocab_size=VOCAB,
                bos_token_id=1, eos_token_id=2, pad_token_id=0)
     if name in WINDOWS:
         cfg["sliding_window"] = WINDOWS[name]
@@ -100,10 +100,10 @@ _MODELS: dict = {}
 _EAGER: dict = {}
 
 
-def model(name: str):
-    """The 2-layer model (random f32 weights, seeded), built once."""
-    if name not in _MODELS:
-        cfg = transformers.AutoConfig.for_model(**shrink(name))
+def model(name: str, layers: int = 2):
+    """The model with ``layers`` layers (random f32 weights, seeded), built once."""
+    if (name, layers) not in _MODELS:
+        cfg = transformers.AutoConfig.for_model(**shrink(name, layers))
         torch.manual_seed(0)
         m = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager",
                                              dtype=torch.float32).eval()
@@ -113,8 +113,8 @@ def model(name: str):
                     layer.self_attn.q_proj.weight.mul_(SOFTCAP_GAIN)
                     layer.self_attn.k_proj.weight.mul_(SOFTCAP_GAIN)
         m.generation_config.pad_token_id = 0
-        _MODELS[name] = m
-    return _MODELS[name]
+        _MODELS[name, layers] = m
+    return _MODELS[name, layers]
 
 
 def inputs(batch: bool) -> dict:
@@ -130,8 +130,8 @@ def inputs(batch: bool) -> dict:
     return {"input_ids": ids, "attention_mask": mask}
 
 
-def run(name: str, batch: bool, **kw):
-    m = model(name)
+def run(name: str, batch: bool, layers: int = 2, **kw):
+    m = model(name, layers)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # Gemma-2's "hybrid" cache_implementation notice
         return m.generate(**inputs(batch), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
