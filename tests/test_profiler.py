@@ -27,10 +27,12 @@ from clattn.tune.workloads import FULL_POINTS, Shape, shapes_for
 
 
 def _pocl():
-    for d in runtime.all_devices():
-        if "portable computing language" in d.platform.name.lower():
-            return d
-    return None
+    """A usable PoCL device (a PoCL build whose compiler fails is passed over), or None."""
+    try:
+        dev = runtime.select_device("pocl")
+    except runtime.NoDeviceError:
+        return None
+    return dev if runtime.device_problem(dev) is None else None
 
 
 POCL = _pocl()
@@ -447,6 +449,47 @@ def _tiny_tuner():
     info = device_info(POCL)
     base = match(info, user=False).profile
     return Tuner(rt, info, base, settings, search.Progress(60, enabled=False))
+
+
+def _sized_tuner(monkeypatch, cold: int, host_available: int):
+    """The quick tuner's shapes on PoCL with a cold-pool wish and a host that has
+    ``host_available`` bytes free (what a machine with a large L3 and little free memory
+    gives: PoCL reports its L3 as the global cache, 4x that is the cold wish)."""
+    from clattn.tune.workloads import QUICK_POINTS
+
+    monkeypatch.setattr(search, "sizing", lambda dev: Sizing(cold))
+    monkeypatch.setattr(search, "host_available_bytes", lambda: host_available)
+    settings = Settings(quick=True, budget_s=60, points=QUICK_POINTS)
+    rt = runtime.Runtime.for_device(POCL)
+    info = dict(device_info(POCL), global_mem_size_bytes=64 << 30, max_mem_alloc_size_bytes=16 << 30)
+    base = match(info, user=False).profile
+    return Tuner(rt, info, base, settings, search.Progress(60, enabled=False))
+
+
+@needs_pocl
+def test_pools_shrink_before_any_shape_is_dropped(monkeypatch):
+    """A 300 MiB L3 (cold wish 4 x 480 MiB per model) on a host with 3 GiB free: every quick
+    shape is kept, the pools shrink alike to fit half the free memory, and the report says so."""
+    t = _sized_tuner(monkeypatch, cold=1920 << 20, host_available=3 << 30)
+    assert not t.skipped_shapes and len(t.shapes) == len(shapes_for(t.settings.points, t.models))
+    room = (3 << 30) // 2
+    used = sum(n * t.specs[m].layout.page_bytes for m, n in t._pool_pages.items())
+    assert used <= room
+    assert t.memory_notes and "shrunk" in t.memory_notes[0]
+    for s in t.shapes:
+        assert t._pool_pages[s.model] >= s.num_pages
+
+
+@needs_pocl
+def test_shapes_drop_only_when_their_pages_do_not_fit(monkeypatch):
+    """With less free memory than the page sets need, the largest shapes go first, each
+    with its reason, and what is kept fits."""
+    t = _sized_tuner(monkeypatch, cold=1920 << 20, host_available=64 << 20)
+    assert t.skipped_shapes and t.shapes
+    assert all("do not fit" in why for why in t.skipped_shapes.values())
+    kept_max = max(s.pages_bytes for s in t.shapes)
+    assert all(s.pages_bytes >= kept_max for s in shapes_for(t.settings.points, t.models)
+               if s.key in t.skipped_shapes)
 
 
 @needs_pocl

@@ -160,18 +160,6 @@ def gib(n: float) -> str:
     return f"{n / GiB:.2f} GiB"
 
 
-def host_available_bytes() -> int:
-    """The host memory available now (``MemAvailable``; free pages where /proc is absent)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
 def short_plan(plan: Any) -> str:
     """``split 512 x8`` or ``no split``."""
     return f"split {plan.part_rows} x{plan.num_parts}" if plan.split else "no split"
@@ -494,7 +482,7 @@ class DeviceBench:
         # pool), and the pool itself when the device is the host's CPU
         host = kv + (ctx * 8 * spec.num_kv_heads * spec.head_dim * 3 if spec.byte_pool else 0)
         host += pool if self.dev.type & runtime.cl().device_type.CPU else 0
-        avail = host_available_bytes()
+        avail = ceil.host_available_bytes()
         if host > 0.8 * avail:
             return f"needs {gib(host)} of host memory (pool, the check's copy), " \
                    f"{gib(avail)} available"

@@ -249,6 +249,34 @@ def host_caches(root: str = HOST_CACHE_DIR) -> list[Cache]:
     return out
 
 
+def host_available_bytes() -> int:
+    """The host memory available now (``MemAvailable``; free pages where /proc is absent)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        return 0
+
+
+def memory_room(device: Any) -> tuple[int, str]:
+    """Bytes of pools a measurement may hold on ``device`` at once, and what limits it:
+    half of ``global_mem_size``, and for a CPU device (whose buffers are host memory, and
+    whose reported global memory may follow the host's free memory from one process to
+    the next) half of the host memory available now. 0: nothing known."""
+    cl = runtime.cl()
+    limits = [(int(getattr(device, "global_mem_size", 0) or 0) // 2, "half of global_mem_size")]
+    if int(getattr(device, "type", 0) or 0) & cl.device_type.CPU:
+        limits.append((host_available_bytes() // 2, "half of the host's available memory"))
+    known = [(n, why) for n, why in limits if n > 0]
+    return min(known) if known else (0, "")
+
+
 def sizing(device: Any, *, factor: int = COLD_FACTOR, minimum: int = MIN_WORKING_SET,
            host_root: str = HOST_CACHE_DIR) -> Sizing:
     """A working set past every cache of ``device`` (and of the host when it is a CPU).
@@ -266,8 +294,9 @@ def sizing(device: Any, *, factor: int = COLD_FACTOR, minimum: int = MIN_WORKING
     Returns
     -------
     Sizing
-        Capped by ``max_mem_alloc_size`` (one buffer holds a read's working set) and by a
-        quarter of ``global_mem_size``; the cap is said.
+        Capped by ``max_mem_alloc_size`` (one buffer holds a read's working set), by a
+        quarter of ``global_mem_size`` and, on a CPU device, by a quarter of the host
+        memory available now; the cap is said.
     """
     cl = runtime.cl()
     caches = []
@@ -280,6 +309,8 @@ def sizing(device: Any, *, factor: int = COLD_FACTOR, minimum: int = MIN_WORKING
     want = max(minimum, factor * largest)
     caps = [(int(getattr(device, "max_mem_alloc_size", 0) or 0), "max_mem_alloc_size"),
             (int(getattr(device, "global_mem_size", 0) or 0) // 4, "a quarter of global_mem_size")]
+    if int(getattr(device, "type", 0) or 0) & cl.device_type.CPU:
+        caps.append((host_available_bytes() // 4, "a quarter of the host's available memory"))
     size, cap = want, ""
     for limit, what in caps:
         if 0 < limit < size:

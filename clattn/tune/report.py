@@ -216,6 +216,8 @@ def _candidate_lines(t: TuningResult) -> list[str]:
              + (f"; stopped: {t.stopped}" if t.stopped else "")]
     for k, why in t.skipped_shapes.items():
         lines.append(f"  shape {k} not measured: {why}")
+    for note in t.memory_notes:
+        lines.append(f"  memory: {note}")
     best_id = t.chosen.id if t.chosen else None
     rows = [["*" if cd.id == best_id else "", f"#{cd.id}", cd.origin, params_text(cd.profile),
              cell(cd.score, ".2f"), cd.status + (f": {cd.reason}" if cd.reason else "")]

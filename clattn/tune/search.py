@@ -24,7 +24,7 @@ from ..decode import BatchDecode
 from ..fit import Limits, decode_geometry, merge_geometry
 from ..profiles import fit as fit_profile
 from ..profiles.record import STRATEGIES, Profile
-from .ceilings import sizing
+from .ceilings import host_available_bytes, sizing
 from .checks import VERIFY_LENGTHS, check_decode, decoder, make_case
 from .timing import event_seconds, first_line, sample
 from .workloads import FULL_POINTS, MODELS, QUICK_POINTS, PagePool, Shape, Workload, \
@@ -252,6 +252,8 @@ class TuningResult:
     chosen: Candidate | None = None
     default: Candidate | None = None
     per_shape: list[ShapeResult] = field(default_factory=list)
+    #: how the pools were sized where memory was short (shrunk cold pools)
+    memory_notes: list[str] = field(default_factory=list)
 
 
 class _Pruned(Exception):
@@ -287,6 +289,7 @@ class Tuner:
         self.specs = {m.name: spec_for(m) for m in self.models}
         self.cold_bytes = sizing(rt.device).working_set_bytes
         self.skipped_shapes: dict[str, str] = {}
+        self.memory_notes: list[str] = []
         self._pool_pages: dict[str, int] = {}
         self.shapes = self._fit_shapes(shapes_for(settings.points, self.models))
         self.base = base
@@ -309,24 +312,62 @@ class Tuner:
         self.confirmation: Confirmation | None = None
         self.t0 = time.perf_counter()
 
-    # ---- memory: one pool per model, past every cache
-    def _fit_shapes(self, shapes: list[Shape]) -> list[Shape]:
-        max_alloc = int(self.info.get("max_mem_alloc_size_bytes") or 0)
+    # ---- memory: one pool per model, past every cache where memory allows
+    def _room(self) -> int:
+        """Bytes all pools may take: half the device's global memory and, for a CPU device
+        (its buffers are host memory; PoCL reports a global memory that follows the host's
+        free memory), half the host memory available now. 0: unknown."""
         room = int(self.info.get("global_mem_size_bytes") or 0) // 2
+        if int(getattr(self.rt.device, "type", 0) or 0) & runtime.cl().device_type.CPU:
+            host = host_available_bytes() // 2
+            room = min(room, host) if room and host else (room or host)
+        return room
+
+    def _fit_shapes(self, shapes: list[Shape]) -> list[Shape]:
+        """Keep every shape whose page set fits, then size each model's pool: one page set
+        of its largest shape, grown toward :attr:`cold_bytes` (past every cache) as far as
+        the room allows, every model's pool shrunk alike before any shape is dropped.
+        Shapes are dropped only when their page sets alone do not fit (largest first), and
+        each drop is said in ``skipped_shapes``."""
+        max_alloc = int(self.info.get("max_mem_alloc_size_bytes") or 0)
+        room = self._room()
         keep = []
         for s in shapes:
             if max_alloc and s.pages_bytes > max_alloc:
                 self.skipped_shapes[s.key] = (f"KV pool {s.pages_bytes >> 20} MiB > max allocation "
                                               f"{max_alloc >> 20} MiB")
-                continue
-            cold = min(self.cold_bytes, max_alloc) if max_alloc else self.cold_bytes
-            want = max(self._pool_pages.get(s.model, 0), pool_pages(s.num_pages, s.page_bytes, cold))
-            total = sum(n * s.page_bytes for m, n in self._pool_pages.items() if m != s.model)
-            if room and total + want * s.page_bytes > room:
-                self.skipped_shapes[s.key] = "the device's memory is too small for all shapes"
-                continue
-            self._pool_pages[s.model] = want
-            keep.append(s)
+            else:
+                keep.append(s)
+
+        def sets(kept: list[Shape]) -> dict[str, tuple[int, int]]:
+            out: dict[str, tuple[int, int]] = {}  # model -> (set pages, page bytes)
+            for s in kept:
+                out[s.model] = (max(out.get(s.model, (0, 0))[0], s.num_pages), s.page_bytes)
+            return out
+
+        while room and keep and sum(n * b for n, b in sets(keep).values()) > room:
+            big = max(keep, key=lambda s: (s.pages_bytes, s.key))
+            keep.remove(big)
+            self.skipped_shapes[big.key] = (
+                f"its pages ({big.pages_bytes >> 20} MiB) and the other shapes' do not fit "
+                f"the {room >> 20} MiB this device and host can hold")
+        need = sets(keep)
+        cold = min(self.cold_bytes, max_alloc) if max_alloc else self.cold_bytes
+
+        def total(c: int) -> int:
+            return sum(pool_pages(n, b, c) * b for n, b in need.values())
+
+        if room and total(cold) > room:
+            lo, hi = 0, cold  # the largest cold size whose pools fit the room
+            while hi - lo > (1 << 20):
+                mid = (lo + hi) // 2
+                lo, hi = (mid, hi) if total(mid) <= room else (lo, mid)
+            self.memory_notes.append(
+                f"pools shrunk to {lo >> 20} MiB each (wanted {cold >> 20} MiB, past every cache) "
+                f"to fit the {room >> 20} MiB this device and host can hold: timings of small "
+                f"shapes may include cached reads")
+            cold = lo
+        self._pool_pages = {m: pool_pages(n, b, cold) for m, (n, b) in need.items()}
         return keep
 
     def _workload(self, shape: Shape) -> Workload:
@@ -638,7 +679,7 @@ class Tuner:
                             list(self.candidates), self.elapsed(),
                             self.stop_reason or self.kernel_stop, self.confirmation,
                             chosen if default is not None and default.status == "ok" else None,
-                            default, per_shape)
+                            default, per_shape, list(self.memory_notes))
 
 
 __all__ = ["Candidate", "Confirmation", "Parameter", "Progress", "SEARCH_SPACE", "Settings",
