@@ -222,6 +222,17 @@ def any_device(request):
     return _fail_if_missing(request.param)
 
 
+def device_indices(dev) -> str:
+    """``"P:D"``, the platform and device indices of ``dev``: what a child process with the
+    same ICDs passes as ``device=`` to find the same device (names can be substrings of
+    one another: Intel's "AMD EPYC" and PoCL's "pthread-AMD EPYC")."""
+    for p, plat in enumerate(runtime.cl().get_platforms()):
+        for d, other in enumerate(plat.get_devices()):
+            if other.int_ptr == dev.int_ptr:
+                return f"{p}:{d}"
+    raise LookupError(f"{dev.name!r} is not among the platforms' devices")
+
+
 @pytest.fixture(scope="session")
 def device_id(device) -> str:
     for key, dev in DEVICES.items():

@@ -14,6 +14,7 @@ import pytest
 import clattn
 from clattn import host_memory
 from cases import compare
+from conftest import device_indices
 from naive import naive_decode
 
 
@@ -219,7 +220,7 @@ for _ in range(30):
 """
 
 
-def test_a_pool_outlives_what_still_uses_it(device_id):
+def test_a_pool_outlives_what_still_uses_it(device):
     """A pool dropped while a decode reads it, while a mapping or a sub-buffer of it lives,
     and a process exiting with decodes in flight: the memory lives as long as the buffer
     (an earlier pool in memory clattn mapped itself crashed in each case). Run in a child
@@ -227,7 +228,7 @@ def test_a_pool_outlives_what_still_uses_it(device_id):
     tests = Path(__file__).resolve().parent
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [str(tests), str(tests.parent), os.environ.get("PYTHONPATH", "")]))
-    res = subprocess.run([sys.executable, "-c", _LIFETIME_SCRIPT, device_id], env=env,
+    res = subprocess.run([sys.executable, "-c", _LIFETIME_SCRIPT, device_indices(device)], env=env,
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 0 and "same as the reference" in res.stdout, \
         f"exit {res.returncode}: {res.stderr[-2000:]}"
