@@ -6,7 +6,7 @@ both the template parameters and the launch grid come from it, so they cannot di
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
 from .profiles.device_info import extension_names, subgroup_support
@@ -63,6 +63,10 @@ class Limits:
     prefetch: bool = False
     #: widest float vector the rows kernels may use (see ROWS_VEC_CAPS)
     rows_max_vec: int = 16
+    #: the driver runs the tiled prefill kernel right: not Mesa's llvmpipe, whose first
+    #: launch of it left query rows unwritten (rusticl 22.3; Oclgrind, both PoCL builds and
+    #: Intel's runtime agree with the float64 oracle on the same launch)
+    tiled_prefill: bool = True
 
     @classmethod
     def from_info(cls, info: Mapping[str, Any]) -> "Limits":
@@ -90,6 +94,7 @@ class Limits:
             rows_max_vec=ROWS_VEC_CAPS.get(str(info.get("platform_name")), 16),
             has_fp16=bool(info.get("has_fp16")),
             subgroups=kind, subgroup_sizes=sizes, khr_subgroups="cl_khr_subgroups" in names,
+            tiled_prefill="llvmpipe" not in str(info.get("device_name") or "").lower(),
         )
 
 
@@ -538,6 +543,11 @@ def prefill_geometry(spec: AttentionSpec, profile: Profile, limits: Limits) -> P
     native = bool(profile.native_fp16 and limits.has_fp16 and spec.dtype == "float16")
     if profile.strategy == "rows":
         return _prefill_rows(spec, profile, limits, native)
+    if not limits.tiled_prefill:
+        rows = _prefill_rows(spec, profile, limits, native)
+        return replace(rows, notes=tuple(rows.notes) + (
+            "strategy tiled -> rows (prefill): Mesa's llvmpipe gives wrong results with the "
+            "tiled prefill kernel",))
     notes: list[str] = []
     if profile.reduction == "subgroup":
         notes.append("reduction subgroup -> local: the prefill kernel reduces through local "

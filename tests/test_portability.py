@@ -75,6 +75,8 @@ def test_prefill_over_a_cached_prefix(any_device, profile):
     sc = _scenario(F16)
     pre = _quiet(lambda: clattn.BatchPrefill(sc.spec, any_device, backend="opencl",
                                              profile=profile))
+    if profile and "llvmpipe" in any_device.name.lower():
+        assert pre.geometry.strategy == "rows", "the fit keeps llvmpipe off the tiled prefill"
     case = prefill_case(sc.spec, [20, 0, 33], [5, 9, 1], seed=6, rope=True,
                         window=[3, 0, 10], sinks=[2, 0, 1])
     res = run_prefill(pre, case, rotary_mode=1)
@@ -124,6 +126,22 @@ def test_cache_append_quantized_pages(any_device, profile):
     want = naive_decode(q, dense, np.array([0, len(pages)]), pages.astype(np.int32),
                         np.array([last]))
     compare(res.out, res.lse, *want, F16, what=f"{any_device.name} quantized decode: ")
+
+
+def test_prefill_fit_passes_over_the_llvmpipe_fault():
+    """Mesa's llvmpipe gets the rows prefill kernel even under a GPU profile, with a note;
+    every other device keeps the tiled one."""
+    from clattn.fit import Limits, prefill_geometry
+    from clattn.profiles import get_profile
+
+    spec = _scenario(F16).spec
+    prof = get_profile(GPU_PROFILE)
+    info = {"device_name": "llvmpipe (LLVM 15.0.6, 256 bits)", "platform_name": "rusticl",
+            "max_work_group_size": 1024, "local_mem_size_bytes": 32768}
+    geom = prefill_geometry(spec, prof, Limits.from_info(info))
+    assert geom.strategy == "rows" and any("llvmpipe" in n for n in geom.notes)
+    info["device_name"] = "Adreno (TM) 740"
+    assert prefill_geometry(spec, prof, Limits.from_info(info)).strategy == "tiled"
 
 
 # ---------------------------------------------------------------------------- unusable devices
