@@ -72,7 +72,8 @@ def test_host_caches_read_sysfs_without_instruction_caches(tmp_path):
         ("host L1", 32 << 10), ("host L2", 512 << 10), ("host L3", 300 << 20)]
 
 
-def test_working_set_is_4x_the_largest_cache_of_device_or_host(tmp_path):
+def test_working_set_is_4x_the_largest_cache_of_device_or_host(tmp_path, monkeypatch):
+    monkeypatch.setattr(ceilings, "host_available_bytes", lambda: 64 << 30)
     root = _host_cache_dir(tmp_path, [(3, "Unified", "300M")])
     # the CI machine: PoCL reports 32 MiB, the host's L3 is 300 MiB -> 1200 MiB
     s = ceilings.sizing(_device(32 << 20), host_root=root)
@@ -87,13 +88,25 @@ def test_working_set_is_4x_the_largest_cache_of_device_or_host(tmp_path):
     assert big.working_set_bytes == 256 << 20
 
 
-def test_working_set_capped_by_allocation_and_memory(tmp_path):
+def test_working_set_capped_by_allocation_and_memory(tmp_path, monkeypatch):
+    monkeypatch.setattr(ceilings, "host_available_bytes", lambda: 64 << 30)
     root = _host_cache_dir(tmp_path, [(3, "Unified", "300M")])
     s = ceilings.sizing(_device(0, max_alloc=512 << 20), host_root=root)
     assert s.working_set_bytes == 512 << 20 and "max_mem_alloc_size" in s.cap
     s = ceilings.sizing(_device(0, glob=2 << 30), host_root=root)
     assert s.working_set_bytes == 512 << 20 and "global_mem_size" in s.cap
     assert "capped by" in s.summary()
+
+
+def test_working_set_capped_by_the_host_memory_available(tmp_path, monkeypatch):
+    """A CPU device's buffers are host memory: a 300 MiB L3 on a host with 2 GiB free gets
+    a quarter of what is free, not 1.2 GiB; a GPU's does not depend on the host."""
+    monkeypatch.setattr(ceilings, "host_available_bytes", lambda: 2 << 30)
+    root = _host_cache_dir(tmp_path, [(3, "Unified", "300M")])
+    s = ceilings.sizing(_device(480 << 20), host_root=root)
+    assert s.working_set_bytes == 512 << 20 and "host's available memory" in s.cap
+    gpu = ceilings.sizing(_device(480 << 20, cpu=False), host_root=root)
+    assert gpu.working_set_bytes == 4 * (480 << 20) and not gpu.cap
 
 
 # -- the timing helper ----------------------------------------------------------------------------
@@ -281,8 +294,11 @@ def _decode_ok(data, rows):
     for r in d:  # the roofline of the row's shape, and the achieved fraction of it
         assert r["roof_bound"] in ("memory", "compute") and r["roof_ms"] > 0
         assert r["roof_frac"] == pytest.approx(r["roof_ms"] / r["kernel_ms"])
+    # past every cache, unless the sizing says what capped it (the device's allocation or
+    # memory, or the host memory available: a large L3 on a host with little free memory)
     assert data["ceilings"]["cold_bytes"] >= 4 * max(c["size_bytes"]
-                                                     for c in data["ceilings"]["caches"])
+                                                     for c in data["ceilings"]["caches"]) \
+        or data["ceilings"]["cold_cap"].startswith("capped by")
     if data["args"]["formats"]:  # every format on the row, each timed against float16 pages
         assert sorted(r["format"] for r in d) == sorted(data["args"]["formats"])
         assert all(r["vs_f16"] > 0 for r in d)

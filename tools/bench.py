@@ -435,7 +435,7 @@ class DeviceBench:
         out = {k: asdict(m) for k, m in (("read", self.read), ("copy", self.copy),
                                          ("latency", self.latency), ("fma", self.fma))
                if m is not None}
-        return dict(out, cold_bytes=self.cold_bytes,
+        return dict(out, cold_bytes=self.cold_bytes, cold_cap=self.sizing.cap,
                     caches=[asdict(c) for c in self.sizing.caches])
 
     def header(self) -> list[str]:
