@@ -125,6 +125,8 @@ _FULL = {k: d for k, d in ALL_DEVICES.items() if not _is_second_cpu_stack(k, d, 
 if not _FULL and ALL_DEVICES:
     _first = next(iter(ALL_DEVICES))
     _FULL = {_first: ALL_DEVICES[_first]}
+#: ids of the devices the whole suite runs on, before CLATTN_TEST_DEVICES narrows them
+FULL_DEVICE_IDS = list(_FULL)
 DEVICES = {k: d for k, d in ALL_DEVICES.items()
            if (k in _FULL and (_selected(k) or any(s.startswith(k + "-") for s in SELECTED)))
            or k in SELECTED}
