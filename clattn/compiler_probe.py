@@ -156,11 +156,16 @@ def _find_device(key: list) -> Any:
     raise LookupError(f"no OpenCL device {key!r} in the child process")
 
 
+def child_command(what: str, device: Any, max_lanes: int) -> list[str]:
+    """The command line of a child process that runs probe ``what`` on ``device``."""
+    return [sys.executable, "-m", "clattn.compiler_probe", what, str(max_lanes),
+            json.dumps(device_key(device))]
+
+
 def _in_child(what: str, device: Any, max_lanes: int) -> tuple[bool, str]:
     """Run probe ``what`` in a child process: ``(answer, why not)``; a crash, a hang or
     any output but the answer means no."""
-    cmd = [sys.executable, "-m", "clattn.compiler_probe", what, str(max_lanes),
-           json.dumps(device_key(device))]
+    cmd = child_command(what, device, max_lanes)
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S,
                               env=dict(os.environ), stdin=subprocess.DEVNULL)

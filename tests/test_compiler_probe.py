@@ -91,3 +91,55 @@ def test_decode_with_the_probed_features_off(device, sc, monkeypatch):
         res = dec.run(*args, **call, **sc.call, **mode)
         compare(res.out, res.lse, *oracle(sc, case, **mode), sc.spec.dtype,
                 what=f"{sc} rope={rope}: ")
+
+
+def _fresh_answers(monkeypatch):
+    monkeypatch.setattr(compiler_probe, "_RESULTS", {})
+
+
+@pytest.mark.parametrize("what", ["prefetch", "storage_half"])
+def test_a_probe_in_a_child_process_answers_as_in_process(device, what, monkeypatch):
+    """On a platform outside the allow-list the probe runs in a child Python process that
+    finds the same device by its names and versions; its answer is the in-process one."""
+    rt = Runtime.for_device(device)
+    probe = {"prefetch": compiler_probe.prefetch_works,
+             "storage_half": lambda r: compiler_probe.storage_half_works(r, 8)}[what]
+    _fresh_answers(monkeypatch)
+    monkeypatch.setattr(compiler_probe, "runs_in_process", lambda dev: True)
+    here = probe(rt)
+    _fresh_answers(monkeypatch)
+    monkeypatch.setattr(compiler_probe, "runs_in_process", lambda dev: False)
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a child that answers is no warning
+        assert probe(rt) == here
+
+
+def test_a_compiler_that_kills_its_process_means_no_and_one_warning(device, monkeypatch):
+    """A child that dies (as rusticl's SPIR-V writer ends the process on
+    ``__builtin_prefetch``) or prints no answer: the feature is off, the caller's process
+    goes on, and one warning names the device and the exit status."""
+    import sys
+    rt = Runtime.for_device(device)
+    _fresh_answers(monkeypatch)
+    monkeypatch.setattr(compiler_probe, "runs_in_process", lambda dev: False)
+    monkeypatch.setattr(compiler_probe, "child_command", lambda *a: [
+        sys.executable, "-c", "import os, sys; sys.stderr.write('Unexpected llvm intrinsic\\n');"
+        " sys.stderr.flush(); os._exit(8)"])
+    with pytest.warns(RuntimeWarning, match=r"prefetch probe failed .*status 8.*intrinsic"):
+        assert compiler_probe.prefetch_works(rt) is False
+    assert compiler_probe.prefetch_works(rt) is False  # answered once per process
+
+
+def test_the_allow_list_names_the_cpu_drivers():
+    """PoCL and Intel's CPU runtime run the probes in process; any other platform in a
+    child (rusticl, Clover, GPU drivers)."""
+    from types import SimpleNamespace as NS
+
+    def dev(platform):
+        return NS(platform=NS(name=platform))
+
+    assert compiler_probe.runs_in_process(dev("Portable Computing Language"))
+    assert compiler_probe.runs_in_process(dev("Intel(R) OpenCL"))
+    for other in ("rusticl", "Clover", "NVIDIA CUDA", "QUALCOMM Snapdragon(TM)", "ARM Platform"):
+        assert not compiler_probe.runs_in_process(dev(other)), other

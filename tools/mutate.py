@@ -337,6 +337,39 @@ MUTANTS = [
          "    hi = -(-(address + nbytes) // HUGE_PAGE) * HUGE_PAGE")],
         ["tests/test_host_memory.py"],
         "the advice reaches past the pool, into memory it does not own", "python"),
+    # ---- other machines and OpenCL stacks ---------------------------------------------
+    Mutant("probe-in-process-everywhere", "clattn/compiler_probe.py", [
+        ("    return device.platform.name.strip().lower().startswith(IN_PROCESS_PLATFORMS)",
+         "    return True")],
+        ["tests/test_compiler_probe.py", "-k", "allow_list"],
+        "compiler probes run in the caller's process on every platform (rusticl's compiler "
+        "ends the process on __builtin_prefetch)", "python"),
+    Mutant("probe-crash-means-yes", "clattn/compiler_probe.py", [
+        ('    if done.returncode == 0 and lines and lines[-1] in ("yes", "no"):',
+         '    if done.returncode or lines and lines[-1] in ("yes", "no"):'),
+        ('        return lines[-1] == "yes", ""', '        return True, ""')],
+        ["tests/test_compiler_probe.py", "-k", "kills"],
+        "a child probe that died is read as a working feature", "python"),
+    Mutant("unusable-device-used", "clattn/device.py", [
+        ("    if not runtime.is_simulator(dev):\n        runtime.check_usable(dev)\n", "")],
+        ["tests/test_portability.py", "-k", "refused_by_name"],
+        "a device whose compiler cannot build a kernel is used (every kernel then fails to "
+        "build)", "python"),
+    Mutant("unusable-device-chosen-by-default", "clattn/runtime.py", [
+        ("    real = [d for d in devices if not is_simulator(d) and device_problem(d) is None]",
+         "    real = [d for d in devices if not is_simulator(d)]")],
+        ["tests/test_portability.py", "-k", "refused_by_name"],
+        "the default device choice takes a device whose compiler fails", "python"),
+    Mutant("tuner-drops-before-shrinking", "clattn/tune/search.py", [
+        ("        if room and total(cold) > room:", "        if False:")],
+        ["tests/test_profiler.py", "-k", "shrink"],
+        "the tuner's pools are not shrunk to the memory there is (shapes dropped instead)",
+        "python"),
+    Mutant("llvmpipe-tiled-prefill", "clattn/fit.py", [
+        ('            tiled_prefill="llvmpipe" not in str(info.get("device_name") or "").lower(),\n',
+         "")],
+        ["tests/test_portability.py", "-k", "llvmpipe_fault"],
+        "Mesa's llvmpipe is given the tiled prefill kernel it gets wrong", "python"),
 ]
 
 
