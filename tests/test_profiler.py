@@ -9,6 +9,7 @@ import io
 import json
 import math
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -548,10 +549,14 @@ def test_tuner_times_kernel_events_over_rotating_page_sets(monkeypatch):
     real_run = BatchDecode.run
     sets = []
 
+    host = []
+
     def slow_host(self, *a, **kw):
         sets.append(a[3].offset)  # page_indices: a view of the page set
         res = real_run(self, *a, **kw)
-        sum(range(200_000))  # ~5 ms of host time per call
+        t0 = time.perf_counter()
+        sum(range(200_000))  # milliseconds of host time per call, timed here
+        host.append(time.perf_counter() - t0)
         return res
 
     tuner = _tiny_tuner()
@@ -564,7 +569,8 @@ def test_tuner_times_kernel_events_over_rotating_page_sets(monkeypatch):
         t = tuner._time(dec, w, plan, shape, prune=False)
     finally:
         tuner.release()
-    assert isinstance(t, float) and 0 < t < 2e-3
+    # a kernel over 64 rows takes microseconds: the score is well below the host time added
+    assert isinstance(t, float) and 0 < t < min(host) / 2
     assert w.n_sets > 1 and len(set(sets)) == len(sets) >= 4  # a new page set every call
 
 
