@@ -351,14 +351,8 @@ def test_rope_at_append(target):
         t = cache._step.tables
         cache.end()
         pool = pool_host(cache, 0)
-        inv, af = naive_inv_freq(16, 5e5, LLAMA3, 4096)
-        for i, (slot, pos) in enumerate(zip(t.slots, t.k_pos)):
-            stored = pool[slot // 4, 0, :, slot % 4].astype(np.float64)
-            for h in range(2):
-                want = naive_rotate(ks[0][i, h].astype(np.float64), pos, inv, af, 16, False)
-                ulp = np.spacing(np.abs(want).astype(spec.np_dtype)).astype(np.float64)
-                assert np.all(np.abs(stored[h] - want) <= ulp + 1e-5 * np.abs(want).max()), \
-                    (dtype, i, h)
+        _check_rotated_keys(pool, t.slots, ks[0], t.k_pos, naive_inv_freq(16, 5e5, LLAMA3, 4096),
+                            16, dtype)
         # attend over the stored (rotated) keys, no rotation in the kernel
         pages = np.stack([pool[t.slots // 4, 0, :, t.slots % 4],
                           pool[t.slots // 4, 1, :, t.slots % 4]], axis=1)[:, :, :, None]
@@ -368,6 +362,81 @@ def test_rope_at_append(target):
                                    np.array([0, i + 1], np.int32),
                                    np.arange(i + 1, dtype=np.int32), np.ones(1, np.int32))
                 compare(res.out[lo + i:lo + i + 1], res.lse[lo + i:lo + i + 1], *ref, dtype)
+
+
+def _check_rotated_keys(pool, slots, k, positions, inv_att, rotary_dim, dtype):
+    """The pool's keys at ``slots`` (one page axis of a float pool) are ``k [T, H, D]``
+    rotated at ``positions`` (float64 rotation within the storage rounding and the f32
+    rotation's error)."""
+    ps = pool.shape[3]
+    inv, af = inv_att
+    for i, (slot, pos) in enumerate(zip(slots, positions)):
+        stored = pool[slot // ps, 0, :, slot % ps].astype(np.float64)
+        for h in range(k.shape[1]):
+            want = naive_rotate(k[i, h].astype(np.float64), int(pos), inv, af, rotary_dim,
+                                False)
+            ulp = np.spacing(np.abs(want).astype(dtype)).astype(np.float64)
+            assert np.all(np.abs(stored[h] - want) <= ulp + 1e-5 * np.abs(want).max()), \
+                (dtype, i, h, int(pos))
+
+
+def test_rope_append_positions_continue_after_a_chunk(target):
+    """rope="append", pos_offset 100: a 3-token chunk, then decode steps of a batch (one
+    new token each): token i of a sequence is at pos_offset + i, whatever step wrote it
+    (positions, the keys the pool holds), and attend reads the rotated keys."""
+    spec = clattn.AttentionSpec(2, 1, 16, page_size=4, dtype="float32")
+    cache = make_cache(spec, target, layers=1, num_pages=8, rope="append", rope_theta=1e4)
+    rng = np.random.default_rng(6)
+    cache.add("a", pos_offset=100)
+    cache.add("b", pos_offset=7)
+    _step(cache, ["a"], [3], rng)
+    assert cache.positions.tolist() == [100, 101, 102]
+    cache.end()
+    for n, ids in enumerate((["a"], ["a", "b"], ["b", "a"])):
+        want = [(100 if s == "a" else 7) + cache.length(s) for s in ids]
+        ks, _ = _step(cache, ids, [1] * len(ids), rng)
+        assert cache.positions.tolist() == want, f"decode step {n}"
+        t = cache._step.tables
+        q = rng.standard_normal((len(ids), 2, 16)).astype(np.float32)
+        res = cache.attend(0, q)
+        cache.end()
+        pool = pool_host(cache, 0)
+        _check_rotated_keys(pool, t.slots, ks[0], want, naive_inv_freq(16, 1e4, None), 16,
+                            np.float32)
+        for i, s in enumerate(ids):  # attend: q over the sequence's stored keys as given
+            pages = cache.table.seqs[s].pages[:cache.table.seqs[s].npages]
+            n_rows = cache.length(s)
+            rows = np.concatenate([pool[p] for p in pages], axis=2)[:, :, :n_rows]
+            ref = naive_decode(q[i:i + 1], rows.transpose(2, 0, 1, 3)[:, :, :, None],
+                               np.array([0, n_rows], np.int32), np.arange(n_rows, dtype=np.int32),
+                               np.ones(1, np.int32))
+            compare(res.out[i:i + 1], res.lse[i:i + 1], *ref, "float32", what=f"{s} step {n}: ")
+
+
+def test_positions_past_int32_refused_for_every_token_of_a_step(target):
+    """A step whose last token would sit past int32 is refused before anything changes,
+    whichever token of the step crosses; a step that ends exactly at 2**31 - 1 is
+    accepted, and its keys are rotated at the int32 extremes."""
+    spec = clattn.AttentionSpec(2, 1, 16, page_size=4, dtype="float32")
+    cache = make_cache(spec, target, layers=1, num_pages=6, rope="append", rope_theta=1e4)
+    rng = np.random.default_rng(7)
+    top = 2**31 - 1
+    cache.add("a", pos_offset=top - 2)
+    cache.add("b")
+    snap = _snapshot(cache)
+    for ids, ns in ((["a"], [5]), (["a"], [4]), (["b", "a"], [2, 4])):
+        with pytest.raises(ValueError, match=f"sequence 'a' would reach position {top + ns[-1] - 3}"):
+            cache.begin(ids, ns)
+        _same(_snapshot(cache), snap)
+    ks, _ = _step(cache, ["b", "a"], [1, 3], rng)
+    assert cache.positions.tolist() == [0, top - 2, top - 1, top]
+    t = cache._step.tables
+    cache.end()
+    _check_rotated_keys(pool_host(cache, 0), t.slots, ks[0], [0, top - 2, top - 1, top],
+                        naive_inv_freq(16, 1e4, None), 16, np.float32)
+    with pytest.raises(ValueError, match="beyond int32"):
+        cache.begin(["b", "a"])  # a decode step: its one token would be at 2**31
+    assert cache.length("a") == 3
 
 
 def test_device_arrays_and_events(device_target):

@@ -212,6 +212,49 @@ def test_quantized_pages(target):
     compare(res.out, res.lse, *naive_prefill(fsc, case), F16, what="quantized: ")
 
 
+#: longrope switching at position 64 (short factors 1, long 4): chunks straddle it
+LONGROPE = spec_scenario("longrope-64", 4, 2, 32, dtype=F32, max_position_embeddings=256,
+                         rope_scaling={"rope_type": "longrope", "short_factor": [1.0] * 16,
+                                       "long_factor": [4.0] * 16,
+                                       "original_max_position_embeddings": 64})
+
+
+def test_longrope_switch_inside_a_chunk(target):
+    """A sequence's queries at positions 60-69 straddle longrope's switch: its last query
+    (69 + 1 > 64) selects the long factors for all its queries and keys (docs/prefill.md);
+    queries 54-63 keep the short ones, and 64-73 are long throughout."""
+    pre = get_prefill(LONGROPE.spec, target)
+    case = prefill_case(LONGROPE.spec, [20, 14, 24], [10, 10, 10], seed=11, rope=True,
+                        pos_offset=[40, 40, 40])
+    first = case["k_pos_offset"] + case["rows"] - case["chunks"]
+    assert first.tolist() == [60, 54, 64]
+    check(pre, LONGROPE, case, what="longrope switch: ", rotary_mode=1)
+
+
+def test_causal_queries_must_be_rows_inside_the_window(target):
+    """Causal queries are the last rows of the attended chunk: 12 stored rows with
+    window_offset 9 and 2 sinks (a chunk of 5 rows with a gap) take at most 3 queries, so
+    4 are refused before anything runs although they fit the chunk's 5 rows; 3 queries,
+    4 not causal, and 11 over a chunk without a gap (window_offset == sink_size) run."""
+    sc = SCENARIOS["Llama-3.1-8B"]
+    pre = get_prefill(sc.spec, target)
+    call = {"sm_scale": sc.call.get("sm_scale")}
+    for n, wo, causal in ((4, 9, None), (3, 9, True), (4, 9, False), (11, 2, True)):
+        case = prefill_case(sc.spec, [12 - n], [n], seed=n, window=[wo], sinks=[2])
+        if causal is not None:
+            check(pre, sc, case, causal=causal, what=f"{n} queries, wo {wo}: ", **call)
+            continue
+        out = np.full(case["q"].shape, 7, case["q"].dtype)
+        kept = {k: np.copy(v) for k, v in case.items() if isinstance(v, np.ndarray)}
+        with pytest.raises(ValueError, match=r"sequence 0 has 4 queries but its attended chunk "
+                                             r"has 5 rows \(stored 12, window_offset 9, "
+                                             r"sink_size 2\).*inside the window"):
+            run(pre, case, out=out, **call)
+        assert (out == 7).all(), "a refused call wrote out"
+        for k, v in kept.items():
+            assert np.array_equal(case[k], v, equal_nan=True), f"the call changed {k}"
+
+
 # ---------------------------------------------------------------------------- API
 def test_plan_units_and_checks():
     pre = clattn.BatchPrefill(SCENARIOS["Qwen2.5-0.5B"].spec, backend="cpu")

@@ -337,6 +337,31 @@ MUTANTS = [
          "    hi = -(-(address + nbytes) // HUGE_PAGE) * HUGE_PAGE")],
         ["tests/test_host_memory.py"],
         "the advice reaches past the pool, into memory it does not own", "python"),
+    # ---- format limits, rules one input reaches, growing state, integration sequences --
+    Mutant("append-decode-position-late", "clattn/cache_tables.py", [
+        ("s.pos_offset + chunk - 1, s.pos_offset, slot, s.pos_offset + s.length,",
+         "s.pos_offset + chunk - 1, s.pos_offset, slot, s.pos_offset + s.length + 1,")],
+        ["tests/test_cache.py", "-k", k("rope_append_positions", "cpu or intel")],
+        'rope="append": a decode step after a chunk rotates its key one position late'),
+    Mutant("position-overflow-first-token-only", "clattn/cache_tables.py", [
+        ("if s.pos_offset + s.length + n - 1 > _POS_LIMIT:",
+         "if s.pos_offset + s.length > _POS_LIMIT:")],
+        ["tests/test_cache.py", "-k", k("past_int32", "cpu or intel")],
+        "begin checks the step's first new position only: the last ones wrap past int32"),
+    Mutant("prefill-longrope-by-first-query", "clattn/kernels/prefill_common.clh.mako", [
+        ("(rotary_mode && (long)qpos_b + n_q - 1 >= long_from)",
+         "(rotary_mode && (long)qpos_b >= long_from)")],
+        ["tests/test_prefill.py", "-k", k("longrope_switch", "intel")],
+        "the prefill kernels choose longrope's factors by a sequence's first query", "kernel"),
+    Mutant("prefill-longrope-by-first-query-cpu", "clattn/cpu_backend.py", [
+        ("inv = inv2[1] if qpos + n - 1 >= long_from else inv2[0]",
+         "inv = inv2[1] if qpos >= long_from else inv2[0]")],
+        ["tests/test_prefill.py", "-k", k("longrope_switch", "cpu")],
+        "the CPU prefill chooses longrope's factors by a sequence's first query"),
+    Mutant("prefill-queries-before-window-accepted", "clattn/validate.py", [
+        ("        over |= (n_q > t.stored - wo) & (wo != sink) & (n_q > 0)\n", "")],
+        ["tests/test_prefill.py", "-k", k("inside_the_window", "cpu or intel")],
+        "causal prefill queries before a window's start run (meaningless results)"),
 ]
 
 
