@@ -223,6 +223,51 @@ def simulate(cache, steps, seed, rope):
     return counts
 
 
+#: a device's own profile told to split every step into partitions of one page
+SPLIT_EVERY_STEP = {"min_partition_rows": 4, "split_min_rows": 0, "wgs_per_cu": 4096}
+
+
+def growing_split_steps(cache):
+    """Steps whose split plans need more workspace states than the cache's first (a
+    short prompt, then longer prompts of more sequences, decode steps between), each
+    attend checked against the oracle; returns the workspace states each step needed."""
+    spec = cache.spec
+    rng = np.random.default_rng(8)
+    hist = History(spec, 1)
+    n_ws = []
+    for sid in "abc":
+        cache.add(sid)
+        hist.add(sid)
+    for ids, ns in ((["a"], [5]), (["a", "b"], [1, 14]), (["b", "a"], [1, 1]),
+                    (["c", "b", "a"], [30, 1, 20])):
+        cache.begin(ids, ns)
+        T = sum(ns)
+        k, v = (rng.standard_normal((1, T, spec.num_kv_heads, spec.head_dim))
+                .astype(spec.np_dtype) for _ in range(2))
+        q = rng.standard_normal((T, spec.num_qo_heads, spec.head_dim)).astype(spec.np_dtype)
+        cache.append(0, k[0], v[0])
+        res = cache.attend(0, q)
+        plan = getattr(getattr(cache, "_device", None), "plan", None)
+        n_ws.append(plan.n_ws if plan is not None else 0)
+        compare(res.out, res.lse, *hist.oracle(0, list(zip(ids, ns)), k[0], v[0], q, False,
+                                               cache), spec.dtype, what=f"{ids} {ns}: ")
+        cache.end()
+        hist.commit(k, v, list(zip(ids, ns)))
+    return n_ws
+
+
+def test_cache_grows_its_split_workspace(device):
+    """The cache's split workspace grows with its steps' plans (a device's own profile
+    told to split every step into one-page partitions)."""
+    spec = clattn.AttentionSpec(2, 1, 16, page_size=4, dtype="float32")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        cache = clattn.PagedKVCache(spec, 1, device=device, profile=SPLIT_EVERY_STEP,
+                                    backend="opencl", num_pages=24)
+    n_ws = growing_split_steps(cache)
+    assert n_ws[0] > 0 and max(n_ws[1:]) > n_ws[0], n_ws
+
+
 SIM_SPECS = {
     # windows with sinks, in-kernel RoPE (llama3 scaling)
     "window-rope": (dict(sliding_window=True, rope_scaling=LLAMA3,

@@ -362,6 +362,22 @@ MUTANTS = [
         ("        over |= (n_q > t.stored - wo) & (wo != sink) & (n_q > 0)\n", "")],
         ["tests/test_prefill.py", "-k", k("inside_the_window", "cpu or intel")],
         "causal prefill queries before a window's start run (meaningless results)"),
+    Mutant("append-check-f16-limit-65504", "clattn/kernels/append_bytes.clh.mako", [
+        ("fabs(clattn_scale32(m, q4)) >= 65520.0f", "fabs(clattn_scale32(m, q4)) > 65504.0f")],
+        ["tests/test_cache_quant.py", "-k", k("top_of_float16", "intel")],
+        "the device check refuses blocks whose scale f16 stores as 65504", "kernel"),
+    Mutant("append-check-accepts-65520", "clattn/kernels/append_bytes.clh.mako", [
+        ("fabs(clattn_scale32(m, q4)) >= 65520.0f", "fabs(clattn_scale32(m, q4)) > 65520.0f")],
+        ["tests/test_cache_quant.py", "-k", k("top_of_float16", "intel")],
+        "the device check lets a scale of 65520 through: f16 stores it as inf", "kernel"),
+    Mutant("decoder-workspace-never-grows", "clattn/decode.py", [
+        ("if self._ws is None or self._ws[0] < n_ws:", "if self._ws is None:")],
+        ["tests/test_oclgrind.py", "-k", "rows-growing-split-workspace"],
+        "BatchDecode keeps the split workspace of its first plan (later plans write past it)"),
+    Mutant("cache-workspace-never-grows", "clattn/cache.py", [
+        ("if self.ws[0] < plan.n_ws:", "if self.ws[1] is None:")],
+        ["tests/test_cache_oclgrind.py", "-k", "cache-rows-growing-split"],
+        "the cache keeps the split workspace of its first split step"),
 ]
 
 
