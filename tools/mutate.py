@@ -378,6 +378,11 @@ MUTANTS = [
         ("if self.ws[0] < plan.n_ws:", "if self.ws[1] is None:")],
         ["tests/test_cache_oclgrind.py", "-k", "cache-rows-growing-split"],
         "the cache keeps the split workspace of its first split step"),
+    Mutant("later-padding-accepted-with-windows", "clattn/integrations/transformers.py", [
+        ("late = (held[:, None] > 0) | (np.cumsum(new, axis=1) > 0)",
+         "late = np.cumsum(new, axis=1) > 0")],
+        ["tests/test_transformers.py", "-k", k("later_forward_refused", "cpu")],
+        "a sliding-window model accepts padding in a later forward (the window counts it)"),
 ]
 
 
