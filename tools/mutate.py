@@ -381,8 +381,12 @@ MUTANTS = [
     Mutant("later-padding-accepted-with-windows", "clattn/integrations/transformers.py", [
         ("late = (held[:, None] > 0) | (np.cumsum(new, axis=1) > 0)",
          "late = np.cumsum(new, axis=1) > 0")],
-        ["tests/test_transformers.py", "-k", k("later_forward_refused", "cpu")],
+        ["tests/test_transformers.py", "-k", k("later_forward_refused", "intel")],
         "a sliding-window model accepts padding in a later forward (the window counts it)"),
+    Mutant("windowed-crop-pages-given-back", "clattn/integrations/hf_cache.py", [
+        ("if layer.record_past else 0)", "if False else 0)")],
+        ["tests/test_transformers.py", "-k", k("assisted_decoding", "intel")],
+        "assisted decoding: a sliding-window layer gives back pages a crop needs"),
 ]
 
 
