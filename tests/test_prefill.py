@@ -231,6 +231,23 @@ def test_longrope_switch_inside_a_chunk(target):
     check(pre, LONGROPE, case, what="longrope switch: ", rotary_mode=1)
 
 
+def test_query_positions_up_to_the_int32_limit(target):
+    """q_pos places a sequence's queries at q_pos + i: a last query at 2**31 - 1 runs (the
+    oracle's positions are exact), one past it is refused before anything runs, whichever
+    query of the sequence crosses."""
+    sc = SCENARIOS["Qwen2.5-0.5B"]
+    pre = get_prefill(sc.spec, target)
+    case = prefill_case(sc.spec, [4, 2], [1, 5], seed=12, rope=True)
+    call = dict(sc.call, rotary_mode=1, causal=False)
+    top = 2**31 - 1
+    check(pre, sc, case, what="int32 limit: ", q_pos=np.array([top, top - 4], np.int32), **call)
+    out = np.full(case["q"].shape, 7, case["q"].dtype)
+    with pytest.raises(ValueError, match=r"q_pos\[1\]=2147483644: the sequence's last query "
+                                         r"position 2147483648 exceeds the int32 range"):
+        run(pre, case, q_pos=np.array([0, top - 3], np.int32), out=out, **call)
+    assert (out == 7).all(), "a refused call wrote out"
+
+
 def test_causal_queries_must_be_rows_inside_the_window(target):
     """Causal queries are the last rows of the attended chunk: 12 stored rows with
     window_offset 9 and 2 sinks (a chunk of 5 rows with a gap) take at most 3 queries, so

@@ -362,6 +362,10 @@ MUTANTS = [
         ("        over |= (n_q > t.stored - wo) & (wo != sink) & (n_q > 0)\n", "")],
         ["tests/test_prefill.py", "-k", k("inside_the_window", "cpu or intel")],
         "causal prefill queries before a window's start run (meaningless results)"),
+    Mutant("prefill-query-position-overflow-unchecked", "clattn/validate.py", [
+        ("            if (last > INT32_MAX).any():", "            if False:")],
+        ["tests/test_prefill.py", "-k", k("int32_limit", "cpu or intel")],
+        "prefill: queries placed by q_pos past int32 run (their positions wrap)"),
     Mutant("append-check-f16-limit-65504", "clattn/kernels/append_bytes.clh.mako", [
         ("fabs(clattn_scale32(m, q4)) >= 65520.0f", "fabs(clattn_scale32(m, q4)) > 65504.0f")],
         ["tests/test_cache_quant.py", "-k", k("top_of_float16", "intel")],
