@@ -18,6 +18,7 @@ import clattn
 from clattn import signatures
 from clattn.codegen import render_prefill
 from clattn.fit import Limits, prefill_geometry
+from clattn.prefill import make_prefill_plan
 from clattn.profiles import builtin_profiles
 
 from cases import compare, config_scenario, lse_bound, out_bound, spec_scenario
@@ -282,6 +283,8 @@ def test_plan_units_and_checks():
     assert "10 work units" in str(plan) and not plan.units.flags.writeable
     with pytest.raises(ValueError, match="never decrease"):
         pre.plan(np.array([0, 3, 2], np.int32))
+    with pytest.raises(ValueError, match="page_indptr: 1 sequences, qo_indptr has 3"):
+        pre.plan(qo, np.array([0, 2], np.int32), np.array([3], np.int32))
 
 
 def test_validation_names_the_problem():
@@ -309,6 +312,10 @@ def test_validation_names_the_problem():
     # the queries must lie in the window (or the chunk must have no gap)
     bad("keep them inside the window", window_offset=np.array([6, 0], np.int32),
         sink_size=np.array([1, 0], np.int32))
+    with pytest.raises(TypeError, match="spec: expected an AttentionSpec, got dict"):
+        clattn.BatchPrefill({"num_qo_heads": 8}, backend="cpu")
+    with pytest.raises(RuntimeError, match="the CPU backend runs numpy code"):
+        pre.source()
 
 
 def test_numpy_out_lse_and_device_arrays(device_target):
@@ -322,6 +329,14 @@ def test_numpy_out_lse_and_device_arrays(device_target):
                                                         case["last_page_len"]))
     assert res.out is out and res.lse is lse
     compare(out, lse, *naive_prefill(sc, case), sc.spec.dtype, what="numpy out: ")
+    # plans made elsewhere are refused before anything runs
+    other = make_prefill_plan(np.array([4, 6]), None, pre.geometry.qb + 1)
+    for plan, exc, match in ((case["qo_indptr"], TypeError, "plan: expected a PrefillPlan"),
+                             (other, ValueError, "queries per unit, this kernel takes"),
+                             (pre.plan(np.array([0, 4, 5, 10], np.int32)), ValueError,
+                              "made for 3 sequences and 10 queries")):
+        with pytest.raises(exc, match=match):
+            run(pre, case, out=out, plan=plan)
     # device arrays, the pool as a view one page into a larger buffer: returns at once
     queue = pre.setup.runtime.queue
     d = lambda a: cl.array.to_device(queue, np.ascontiguousarray(a))  # noqa: E731
