@@ -285,6 +285,8 @@ def test_plan_units_and_checks():
         pre.plan(np.array([0, 3, 2], np.int32))
     with pytest.raises(ValueError, match="page_indptr: 1 sequences, qo_indptr has 3"):
         pre.plan(qo, np.array([0, 2], np.int32), np.array([3], np.int32))
+    with pytest.raises(ValueError, match="^last_page_len: required"):
+        pre.plan(qo, np.array([0, 1, 1, 2], np.int32))
 
 
 def test_validation_names_the_problem():
