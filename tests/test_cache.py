@@ -223,6 +223,51 @@ def simulate(cache, steps, seed, rope):
     return counts
 
 
+#: a device's own profile told to split every step into partitions of one page
+SPLIT_EVERY_STEP = {"min_partition_rows": 4, "split_min_rows": 0, "wgs_per_cu": 4096}
+
+
+def growing_split_steps(cache):
+    """Steps whose split plans need more workspace states than the cache's first (a
+    short prompt, then longer prompts of more sequences, decode steps between), each
+    attend checked against the oracle; returns the workspace states each step needed."""
+    spec = cache.spec
+    rng = np.random.default_rng(8)
+    hist = History(spec, 1)
+    n_ws = []
+    for sid in "abc":
+        cache.add(sid)
+        hist.add(sid)
+    for ids, ns in ((["a"], [5]), (["a", "b"], [1, 14]), (["b", "a"], [1, 1]),
+                    (["c", "b", "a"], [30, 1, 20])):
+        cache.begin(ids, ns)
+        T = sum(ns)
+        k, v = (rng.standard_normal((1, T, spec.num_kv_heads, spec.head_dim))
+                .astype(spec.np_dtype) for _ in range(2))
+        q = rng.standard_normal((T, spec.num_qo_heads, spec.head_dim)).astype(spec.np_dtype)
+        cache.append(0, k[0], v[0])
+        res = cache.attend(0, q)
+        plan = getattr(getattr(cache, "_device", None), "plan", None)
+        n_ws.append(plan.n_ws if plan is not None else 0)
+        compare(res.out, res.lse, *hist.oracle(0, list(zip(ids, ns)), k[0], v[0], q, False,
+                                               cache), spec.dtype, what=f"{ids} {ns}: ")
+        cache.end()
+        hist.commit(k, v, list(zip(ids, ns)))
+    return n_ws
+
+
+def test_cache_grows_its_split_workspace(device):
+    """The cache's split workspace grows with its steps' plans (a device's own profile
+    told to split every step into one-page partitions)."""
+    spec = clattn.AttentionSpec(2, 1, 16, page_size=4, dtype="float32")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        cache = clattn.PagedKVCache(spec, 1, device=device, profile=SPLIT_EVERY_STEP,
+                                    backend="opencl", num_pages=24)
+    n_ws = growing_split_steps(cache)
+    assert n_ws[0] > 0 and max(n_ws[1:]) > n_ws[0], n_ws
+
+
 SIM_SPECS = {
     # windows with sinks, in-kernel RoPE (llama3 scaling)
     "window-rope": (dict(sliding_window=True, rope_scaling=LLAMA3,
@@ -351,14 +396,8 @@ def test_rope_at_append(target):
         t = cache._step.tables
         cache.end()
         pool = pool_host(cache, 0)
-        inv, af = naive_inv_freq(16, 5e5, LLAMA3, 4096)
-        for i, (slot, pos) in enumerate(zip(t.slots, t.k_pos)):
-            stored = pool[slot // 4, 0, :, slot % 4].astype(np.float64)
-            for h in range(2):
-                want = naive_rotate(ks[0][i, h].astype(np.float64), pos, inv, af, 16, False)
-                ulp = np.spacing(np.abs(want).astype(spec.np_dtype)).astype(np.float64)
-                assert np.all(np.abs(stored[h] - want) <= ulp + 1e-5 * np.abs(want).max()), \
-                    (dtype, i, h)
+        _check_rotated_keys(pool, t.slots, ks[0], t.k_pos, naive_inv_freq(16, 5e5, LLAMA3, 4096),
+                            16, dtype)
         # attend over the stored (rotated) keys, no rotation in the kernel
         pages = np.stack([pool[t.slots // 4, 0, :, t.slots % 4],
                           pool[t.slots // 4, 1, :, t.slots % 4]], axis=1)[:, :, :, None]
@@ -368,6 +407,81 @@ def test_rope_at_append(target):
                                    np.array([0, i + 1], np.int32),
                                    np.arange(i + 1, dtype=np.int32), np.ones(1, np.int32))
                 compare(res.out[lo + i:lo + i + 1], res.lse[lo + i:lo + i + 1], *ref, dtype)
+
+
+def _check_rotated_keys(pool, slots, k, positions, inv_att, rotary_dim, dtype):
+    """The pool's keys at ``slots`` (one page axis of a float pool) are ``k [T, H, D]``
+    rotated at ``positions`` (float64 rotation within the storage rounding and the f32
+    rotation's error)."""
+    ps = pool.shape[3]
+    inv, af = inv_att
+    for i, (slot, pos) in enumerate(zip(slots, positions)):
+        stored = pool[slot // ps, 0, :, slot % ps].astype(np.float64)
+        for h in range(k.shape[1]):
+            want = naive_rotate(k[i, h].astype(np.float64), int(pos), inv, af, rotary_dim,
+                                False)
+            ulp = np.spacing(np.abs(want).astype(dtype)).astype(np.float64)
+            assert np.all(np.abs(stored[h] - want) <= ulp + 1e-5 * np.abs(want).max()), \
+                (dtype, i, h, int(pos))
+
+
+def test_rope_append_positions_continue_after_a_chunk(target):
+    """rope="append", pos_offset 100: a 3-token chunk, then decode steps of a batch (one
+    new token each): token i of a sequence is at pos_offset + i, whatever step wrote it
+    (positions, the keys the pool holds), and attend reads the rotated keys."""
+    spec = clattn.AttentionSpec(2, 1, 16, page_size=4, dtype="float32")
+    cache = make_cache(spec, target, layers=1, num_pages=8, rope="append", rope_theta=1e4)
+    rng = np.random.default_rng(6)
+    cache.add("a", pos_offset=100)
+    cache.add("b", pos_offset=7)
+    _step(cache, ["a"], [3], rng)
+    assert cache.positions.tolist() == [100, 101, 102]
+    cache.end()
+    for n, ids in enumerate((["a"], ["a", "b"], ["b", "a"])):
+        want = [(100 if s == "a" else 7) + cache.length(s) for s in ids]
+        ks, _ = _step(cache, ids, [1] * len(ids), rng)
+        assert cache.positions.tolist() == want, f"decode step {n}"
+        t = cache._step.tables
+        q = rng.standard_normal((len(ids), 2, 16)).astype(np.float32)
+        res = cache.attend(0, q)
+        cache.end()
+        pool = pool_host(cache, 0)
+        _check_rotated_keys(pool, t.slots, ks[0], want, naive_inv_freq(16, 1e4, None), 16,
+                            np.float32)
+        for i, s in enumerate(ids):  # attend: q over the sequence's stored keys as given
+            pages = cache.table.seqs[s].pages[:cache.table.seqs[s].npages]
+            n_rows = cache.length(s)
+            rows = np.concatenate([pool[p] for p in pages], axis=2)[:, :, :n_rows]
+            ref = naive_decode(q[i:i + 1], rows.transpose(2, 0, 1, 3)[:, :, :, None],
+                               np.array([0, n_rows], np.int32), np.arange(n_rows, dtype=np.int32),
+                               np.ones(1, np.int32))
+            compare(res.out[i:i + 1], res.lse[i:i + 1], *ref, "float32", what=f"{s} step {n}: ")
+
+
+def test_positions_past_int32_refused_for_every_token_of_a_step(target):
+    """A step whose last token would sit past int32 is refused before anything changes,
+    whichever token of the step crosses; a step that ends exactly at 2**31 - 1 is
+    accepted, and its keys are rotated at the int32 extremes."""
+    spec = clattn.AttentionSpec(2, 1, 16, page_size=4, dtype="float32")
+    cache = make_cache(spec, target, layers=1, num_pages=6, rope="append", rope_theta=1e4)
+    rng = np.random.default_rng(7)
+    top = 2**31 - 1
+    cache.add("a", pos_offset=top - 2)
+    cache.add("b")
+    snap = _snapshot(cache)
+    for ids, ns in ((["a"], [5]), (["a"], [4]), (["b", "a"], [2, 4])):
+        with pytest.raises(ValueError, match=f"sequence 'a' would reach position {top + ns[-1] - 3}"):
+            cache.begin(ids, ns)
+        _same(_snapshot(cache), snap)
+    ks, _ = _step(cache, ["b", "a"], [1, 3], rng)
+    assert cache.positions.tolist() == [0, top - 2, top - 1, top]
+    t = cache._step.tables
+    cache.end()
+    _check_rotated_keys(pool_host(cache, 0), t.slots, ks[0], [0, top - 2, top - 1, top],
+                        naive_inv_freq(16, 1e4, None), 16, np.float32)
+    with pytest.raises(ValueError, match="beyond int32"):
+        cache.begin(["b", "a"])  # a decode step: its one token would be at 2**31
+    assert cache.length("a") == 3
 
 
 def test_device_arrays_and_events(device_target):
@@ -425,6 +539,16 @@ def test_errors_change_nothing(target):
         (DuplicateSequenceError, "twice", lambda: cache.begin(["a", "a"])),
         (PopTooLongError, "holds 5", lambda: cache.pop("a", 6)),
         (ValueError, "lengths", lambda: cache.begin(["a"], [0])),
+        (ValueError, r"add: window=0 must be a positive integer", lambda: cache.add("x", window=0)),
+        (ValueError, r"add: window=2.5 must be a positive", lambda: cache.add("x", window=2.5)),
+        (ValueError, r"add: sink=-1 must be an integer >= 0",
+         lambda: cache.add("x", window=3, sink=-1)),
+        (ValueError, r"add: sink=2 without a window", lambda: cache.add("x", sink=2)),
+        (ValueError, r"add: pos_offset=2147483648 must be an int32 >= 0",
+         lambda: cache.add("x", pos_offset=2**31)),
+        (ValueError, r"add: pos_offset=-1 must be", lambda: cache.add("x", pos_offset=-1)),
+        (ValueError, r"pop: n=-1 must be an integer >= 0", lambda: cache.pop("a", -1)),
+        (ValueError, r"begin: seq_ids is empty", lambda: cache.begin([])),
         (ValueError, "2 lengths", lambda: cache.begin(["a"], [1, 1])),
         (ValueError, "sliding_window", lambda: make_cache(
             clattn.AttentionSpec(2, 1, 16, page_size=4), target, num_pages=2).add("x", window=3)),

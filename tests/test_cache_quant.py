@@ -70,8 +70,10 @@ def adversarial_blocks(fmt, seed=0):
     return np.concatenate(parts)
 
 
-def _append_blocks(target, blocks_k, blocks_v, dtype="float32", kf="q8_0", vf="q4_0"):
-    """Write the blocks as tokens of a 1-head, head_dim-64 cache; return its pool."""
+def _append_blocks(target, blocks_k, blocks_v, dtype="float32", kf="q8_0", vf="q4_0",
+                   device_arrays=False):
+    """Write the blocks as tokens of a 1-head, head_dim-64 cache (numpy k/v, or device
+    arrays: checked on the device); return its pool."""
     T = len(blocks_k) // 2
     spec = clattn.AttentionSpec(1, 1, 64, page_size=16, dtype=dtype, k_format=kf, v_format=vf)
     cache = make_cache(spec, target, layers=1, num_pages=-(-T // 16))
@@ -79,7 +81,11 @@ def _append_blocks(target, blocks_k, blocks_v, dtype="float32", kf="q8_0", vf="q
     cache.begin(["s"], [T])
     k = blocks_k[:2 * T].reshape(T, 1, 64).astype(dtype)
     v = blocks_v[:2 * T].reshape(T, 1, 64).astype(dtype)
-    cache.append(0, k, v)
+    if device_arrays:
+        queue = cache._rt.queue
+        cache.append(0, *(runtime.cl().array.to_device(queue, a) for a in (k, v)))
+    else:
+        cache.append(0, k, v)
     cache.end()
     return spec, pool_host(cache, 0), k, v
 
@@ -88,7 +94,12 @@ def _append_blocks(target, blocks_k, blocks_v, dtype="float32", kf="q8_0", vf="q
 def test_device_quantizer_equals_numpy_bit_for_bit(device_target, kf, vf):
     bk, bv = adversarial_blocks(kf, 1), adversarial_blocks(vf, 2)
     n = min(len(bk), len(bv)) // 2 * 2
-    spec, pool, k, v = _append_blocks(device_target, bk[:n], bv[:n], kf=kf, vf=vf)
+    _check_bytes(*_append_blocks(device_target, bk[:n], bv[:n], kf=kf, vf=vf))
+
+
+def _check_bytes(spec, pool, k, v):
+    """The pool holds k and v [T, 1, 64] quantized by numpy, bit for bit."""
+    kf, vf = spec.k_format, spec.v_format
     want = quant.pack_pool(_paged(k, spec), _paged(v, spec), spec.layout)
     T = len(k)
     for kind, fmt in ((0, kf), (1, vf)):
@@ -111,6 +122,46 @@ def _paged(x, spec):
     out = np.zeros((P * ps, H, D), np.float32)
     out[:T] = x
     return out.reshape(P, ps, H, D).transpose(0, 2, 1, 3)
+
+
+def _top_blocks(fmt, over=False):
+    """float32 [8, 32] blocks at the top of ``fmt``'s range: the first value of largest
+    magnitude m (both signs) gives an f32 scale in (65504, 65520), which f16 rounds to
+    65504, up to the largest such f32; ``over``: a scale of exactly 65520 in half of them
+    (f16 rounds it to inf: the block cannot be stored)."""
+    lim = np.float32(127 if fmt == "q8_0" else 8)
+    top = np.float32(65520) * lim
+    m = np.array([65504.25 * lim, 65510 * lim, np.nextafter(top, np.float32(0)),
+                  np.nextafter(np.nextafter(top, np.float32(0)), np.float32(0))], np.float32)
+    if over:
+        m[::2] = top
+    m = np.concatenate([m, -m])
+    d32 = (np.abs(m) / lim).astype(np.float32)
+    assert ((d32 > 65504) & (d32 < 65520) | (over & (d32 == 65520))).all()
+    rng = np.random.default_rng(int(lim))
+    blocks = (rng.uniform(-1, 1, (8, 32)) * np.abs(m)[:, None]).astype(np.float32)
+    blocks[:, 5] = m
+    return blocks
+
+
+@pytest.mark.parametrize("kf,vf", FORMATS)
+def test_scales_at_the_top_of_float16(target, kf, vf):
+    """Blocks whose f32 scale lies in (65504, 65520) are stored with the f16 scale 65504,
+    bit for bit as numpy, from numpy k/v and (device targets) from device arrays, which
+    the device checks; a scale of 65520 rounds to f16 inf and is refused either way with
+    nothing written."""
+    bk, bv = _top_blocks(kf), _top_blocks(vf)
+    _check_bytes(*_append_blocks(target, bk, bv, kf=kf, vf=vf))
+    if not target.is_cpu:
+        _check_bytes(*_append_blocks(target, bk, bv, kf=kf, vf=vf, device_arrays=True))
+    for over_k in (True, False):
+        blocks = (_top_blocks(kf, True), bv) if over_k else (bk, _top_blocks(vf, True))
+        with pytest.raises(ValueError, match=f"^{'k' if over_k else 'v'}: a block's scale "
+                                             f"overflows float16"):
+            _append_blocks(target, *blocks, kf=kf, vf=vf)
+        if not target.is_cpu:
+            with pytest.raises(ValueError, match=r"end: .*layers \[0\].*nothing was written"):
+                _append_blocks(target, *blocks, kf=kf, vf=vf, device_arrays=True)
 
 
 @pytest.mark.parametrize("dtype", ["float16", "float32"])
@@ -194,7 +245,27 @@ def test_device_arrays_are_checked_on_the_device(device_target):
     assert np.array_equal(k1[page, :, :2], want.transpose(1, 0, 2))
 
 
-def test_keys_rotated_at_append_then_quantized(target):
+def test_rope_append_checks_keys_after_their_rotation(target):
+    """rope="append" quantizes rotated keys, so numpy k/v are checked as they are stored:
+    on the CPU backend append raises naming k; on a device the check kernel refuses the
+    layer and end() reports it. Either way nothing is written."""
+    spec = clattn.AttentionSpec(2, 1, 32, page_size=4, dtype="float32", k_format="q8_0",
+                                v_format="q4_0")
+    cache = make_cache(spec, target, layers=1, num_pages=2, rope="append", rope_theta=1e4)
+    cache.add("s", pos_offset=3)
+    cache.begin(["s"], [2])
+    k = np.random.default_rng(9).standard_normal((2, 1, 32)).astype(np.float32)
+    k[1, 0, 4] = np.nan
+    before = pool_host(cache, 0).copy()
+    if target.is_cpu:
+        with pytest.raises(ValueError, match="^k: "):
+            cache.append(0, k, np.zeros_like(k))
+    else:
+        cache.append(0, k, np.zeros_like(k))
+        with pytest.raises(ValueError, match=r"end: .*layers \[0\].*nothing was written"):
+            cache.end()
+    assert np.array_equal(pool_host(cache, 0), before, equal_nan=True), "a refused append wrote"
+
     """rope="append" with q8_0 keys: what is stored is the rotated key within half a
     quantization step of its block (the scale the pool holds)."""
     spec = clattn.AttentionSpec(2, 2, 64, page_size=8, dtype="float32", k_format="q8_0",

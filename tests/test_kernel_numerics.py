@@ -135,6 +135,29 @@ def test_stale_plan_with_device_tables_still_attends_every_row(device, cl_queue)
     compare(res.out.get(), res.lse.get(), *naive_decode(*args, **kw), "float32")
 
 
+def test_one_decoder_grows_its_split_workspace(device):
+    """A fresh decoder given split plans needing 4, then 16, then 28 workspace states
+    (more than its first) attends every row of each batch."""
+    import warnings
+
+    import clattn
+    from cases import compare, decode_args, make_case
+    from naive import naive_decode
+
+    spec = AttentionSpec(2, 1, 16, page_size=4, dtype="float32")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # profile fitting notes
+        dec = clattn.BatchDecode(spec, device, backend="opencl")  # its own workspace
+    n_ws = []
+    for lengths in ([13], [9, 30, 17], [40, 33, 5, 28]):
+        args, kw = decode_args(make_case(spec, lengths, seed=len(lengths)))
+        plan = dec.plan(args[2], args[4], split=4)
+        n_ws.append(plan.n_ws)
+        res = dec.run(*args, **kw, plan=plan)
+        compare(res.out, res.lse, *naive_decode(*args, **kw), "float32", what=f"{lengths}: ")
+    assert n_ws == [4, 16, 28]
+
+
 def test_host_lse_with_device_q_is_written(device, cl_queue):
     import pyopencl.array as cla
 

@@ -18,6 +18,7 @@ import clattn
 from clattn import signatures
 from clattn.codegen import render_prefill
 from clattn.fit import Limits, prefill_geometry
+from clattn.prefill import make_prefill_plan
 from clattn.profiles import builtin_profiles
 
 from cases import compare, config_scenario, lse_bound, out_bound, spec_scenario
@@ -212,6 +213,66 @@ def test_quantized_pages(target):
     compare(res.out, res.lse, *naive_prefill(fsc, case), F16, what="quantized: ")
 
 
+#: longrope switching at position 64 (short factors 1, long 4): chunks straddle it
+LONGROPE = spec_scenario("longrope-64", 4, 2, 32, dtype=F32, max_position_embeddings=256,
+                         rope_scaling={"rope_type": "longrope", "short_factor": [1.0] * 16,
+                                       "long_factor": [4.0] * 16,
+                                       "original_max_position_embeddings": 64})
+
+
+def test_longrope_switch_inside_a_chunk(target):
+    """A sequence's queries at positions 60-69 straddle longrope's switch: its last query
+    (69 + 1 > 64) selects the long factors for all its queries and keys (docs/prefill.md);
+    queries 54-63 keep the short ones, and 64-73 are long throughout."""
+    pre = get_prefill(LONGROPE.spec, target)
+    case = prefill_case(LONGROPE.spec, [20, 14, 24], [10, 10, 10], seed=11, rope=True,
+                        pos_offset=[40, 40, 40])
+    first = case["k_pos_offset"] + case["rows"] - case["chunks"]
+    assert first.tolist() == [60, 54, 64]
+    check(pre, LONGROPE, case, what="longrope switch: ", rotary_mode=1)
+
+
+def test_query_positions_up_to_the_int32_limit(target):
+    """q_pos places a sequence's queries at q_pos + i: a last query at 2**31 - 1 runs (the
+    oracle's positions are exact), one past it is refused before anything runs, whichever
+    query of the sequence crosses."""
+    sc = SCENARIOS["Qwen2.5-0.5B"]
+    pre = get_prefill(sc.spec, target)
+    case = prefill_case(sc.spec, [4, 2], [1, 5], seed=12, rope=True)
+    call = dict(sc.call, rotary_mode=1, causal=False)
+    top = 2**31 - 1
+    check(pre, sc, case, what="int32 limit: ", q_pos=np.array([top, top - 4], np.int32), **call)
+    out = np.full(case["q"].shape, 7, case["q"].dtype)
+    with pytest.raises(ValueError, match=r"q_pos\[1\]=2147483644: the sequence's last query "
+                                         r"position 2147483648 exceeds the int32 range"):
+        run(pre, case, q_pos=np.array([0, top - 3], np.int32), out=out, **call)
+    assert (out == 7).all(), "a refused call wrote out"
+
+
+def test_causal_queries_must_be_rows_inside_the_window(target):
+    """Causal queries are the last rows of the attended chunk: 12 stored rows with
+    window_offset 9 and 2 sinks (a chunk of 5 rows with a gap) take at most 3 queries, so
+    4 are refused before anything runs although they fit the chunk's 5 rows; 3 queries,
+    4 not causal, and 11 over a chunk without a gap (window_offset == sink_size) run."""
+    sc = SCENARIOS["Llama-3.1-8B"]
+    pre = get_prefill(sc.spec, target)
+    call = {"sm_scale": sc.call.get("sm_scale")}
+    for n, wo, causal in ((4, 9, None), (3, 9, True), (4, 9, False), (11, 2, True)):
+        case = prefill_case(sc.spec, [12 - n], [n], seed=n, window=[wo], sinks=[2])
+        if causal is not None:
+            check(pre, sc, case, causal=causal, what=f"{n} queries, wo {wo}: ", **call)
+            continue
+        out = np.full(case["q"].shape, 7, case["q"].dtype)
+        kept = {k: np.copy(v) for k, v in case.items() if isinstance(v, np.ndarray)}
+        with pytest.raises(ValueError, match=r"sequence 0 has 4 queries but its attended chunk "
+                                             r"has 5 rows \(stored 12, window_offset 9, "
+                                             r"sink_size 2\).*inside the window"):
+            run(pre, case, out=out, **call)
+        assert (out == 7).all(), "a refused call wrote out"
+        for k, v in kept.items():
+            assert np.array_equal(case[k], v, equal_nan=True), f"the call changed {k}"
+
+
 # ---------------------------------------------------------------------------- API
 def test_plan_units_and_checks():
     pre = clattn.BatchPrefill(SCENARIOS["Qwen2.5-0.5B"].spec, backend="cpu")
@@ -222,6 +283,10 @@ def test_plan_units_and_checks():
     assert "10 work units" in str(plan) and not plan.units.flags.writeable
     with pytest.raises(ValueError, match="never decrease"):
         pre.plan(np.array([0, 3, 2], np.int32))
+    with pytest.raises(ValueError, match="page_indptr: 1 sequences, qo_indptr has 3"):
+        pre.plan(qo, np.array([0, 2], np.int32), np.array([3], np.int32))
+    with pytest.raises(ValueError, match="^last_page_len: required"):
+        pre.plan(qo, np.array([0, 1, 1, 2], np.int32))
 
 
 def test_validation_names_the_problem():
@@ -249,6 +314,10 @@ def test_validation_names_the_problem():
     # the queries must lie in the window (or the chunk must have no gap)
     bad("keep them inside the window", window_offset=np.array([6, 0], np.int32),
         sink_size=np.array([1, 0], np.int32))
+    with pytest.raises(TypeError, match="spec: expected an AttentionSpec, got dict"):
+        clattn.BatchPrefill({"num_qo_heads": 8}, backend="cpu")
+    with pytest.raises(RuntimeError, match="the CPU backend runs numpy code"):
+        pre.source()
 
 
 def test_numpy_out_lse_and_device_arrays(device_target):
@@ -262,6 +331,14 @@ def test_numpy_out_lse_and_device_arrays(device_target):
                                                         case["last_page_len"]))
     assert res.out is out and res.lse is lse
     compare(out, lse, *naive_prefill(sc, case), sc.spec.dtype, what="numpy out: ")
+    # plans made elsewhere are refused before anything runs
+    other = make_prefill_plan(np.array([4, 6]), None, pre.geometry.qb + 1)
+    for plan, exc, match in ((case["qo_indptr"], TypeError, "plan: expected a PrefillPlan"),
+                             (other, ValueError, "queries per unit, this kernel takes"),
+                             (pre.plan(np.array([0, 4, 5, 10], np.int32)), ValueError,
+                              "made for 3 sequences and 10 queries")):
+        with pytest.raises(exc, match=match):
+            run(pre, case, out=out, plan=plan)
     # device arrays, the pool as a view one page into a larger buffer: returns at once
     queue = pre.setup.runtime.queue
     d = lambda a: cl.array.to_device(queue, np.ascontiguousarray(a))  # noqa: E731

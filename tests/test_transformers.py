@@ -337,6 +337,99 @@ def test_refusals_name_the_feature():
         layer_windows(cfg)
 
 
+def _forwards(name, steps, pads=(), **cache_kw):
+    """Forwards of a batch of 2 over one cache: ``steps[i]`` new tokens each, positions
+    ``pads`` (row, position) padding. Returns, per forward, the largest |logit - eager|
+    over the positions that are not padding (None when all are), eager running the same
+    forwards over a DynamicCache; raises what clattn raises."""
+    m = model(name)
+    g = torch.Generator().manual_seed(3)
+    ids = [torch.randint(3, VOCAB, (2, n), generator=g) for n in steps]
+
+    def run_all(cache):
+        outs, mask = [], torch.ones(2, 0, dtype=torch.long)
+        with torch.no_grad():
+            for x in ids:
+                new = torch.ones_like(x)
+                for r, pos in pads:
+                    if 0 <= pos - mask.shape[1] < x.shape[1]:
+                        new[r, pos - mask.shape[1]] = 0
+                mask = torch.cat([mask, new], 1)
+                outs.append((m(x, attention_mask=mask, cache=cache, use_cache=True).logits,
+                             new.bool()))
+        return outs
+
+    ref = run_all(transformers.DynamicCache(config=m.config))
+    m.set_attn_implementation("clattn")
+    try:
+        cache = ClattnCache(m, **cache_kw)
+        got = run_all(cache)
+    finally:
+        m.set_attn_implementation("eager")
+    return [float((a - b)[keep].abs().max()) if keep.any() else None
+            for (a, keep), (b, _) in zip(got, ref)], cache
+
+
+def test_later_forwards_of_several_tokens_and_padding_match_eager(device):
+    """Forwards after the prompt that add several tokens (assisted decoding, prompts in
+    chunks), across the windows, and, without windows, a later position that is padding
+    in one row or in every row: the logits of every position that is not padding are
+    eager's within 1e-4."""
+    for name, steps, pads in (("Mistral-7B-v0.1", [8, 3, 1, 5, 1], ()),
+                              ("Llama-3.2-1B", [8, 2, 1, 1], [(1, 8), (0, 10), (1, 10)])):
+        diffs, cache = _forwards(name, steps, pads, device=device, max_cache_len=64)
+        assert all(d is None or d <= 1e-4 for d in diffs), (name, diffs)
+        stored = [sum(steps) - sum(r == row for r, _ in pads) for row in (0, 1)]
+        assert cache.get_seq_length() == sum(steps)
+        for g in cache.groups.values():  # padding is not stored
+            assert [g.cache.length(r) for r in cache.rows] == stored, name
+
+
+def test_assisted_decoding_crops_across_windows(device, name="Gemma-2-2B"):
+    """Prompt-lookup (assisted) decoding past the sliding windows: every verification
+    forward adds several tokens and crop() takes the rejected ones back, including
+    tokens whose window has moved on; tokens and logits are eager's."""
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(3, 40, (1, 6), generator=g).repeat(1, 5)  # candidates to look up
+    kw = dict(input_ids=ids, max_new_tokens=24, do_sample=False, prompt_lookup_num_tokens=3,
+              output_logits=True, return_dict_in_generate=True)
+    m = model(name)
+    ref = m.generate(**kw)
+    cltf.register(device=device)
+    try:
+        got = m.generate(**kw, attn_implementation="clattn")
+    finally:
+        cltf.register()
+    assert torch.equal(got.sequences, ref.sequences), name
+    assert max(float((a - b).abs().max()) for a, b in zip(got.logits, ref.logits)) <= 1e-4
+    assert got.cache.steps["chunk"] + got.cache.steps["prefill"] > len(got.cache.groups)
+
+
+def test_padding_in_a_later_forward_refused_with_windows(device):
+    """A sliding-window model, batch of 2, 8 tokens, then a forward in which row 1's new
+    position is padding: refused ("pad on the left": the window would count the padding
+    eager skips), nothing stored for it; the cache works again after reset()."""
+    m = model("Mistral-7B-v0.1")
+    m.set_attn_implementation("clattn")
+    try:
+        cache = ClattnCache(m, device=device)
+        ids = torch.randint(3, VOCAB, (2, 9), generator=torch.Generator().manual_seed(4))
+        mask = torch.ones_like(ids)
+        mask[1, 8] = 0
+        with torch.no_grad():
+            m(ids[:, :8], attention_mask=mask[:, :8], cache=cache, use_cache=True)
+            with pytest.raises(UnsupportedFeatureError, match="pad on the left"):
+                m(ids[:, 8:], attention_mask=mask, cache=cache, use_cache=True)
+        g = cache.groups[12].cache
+        assert [g.length(r) for r in cache.rows] == [8, 8], "the refused forward stored tokens"
+        cache.reset()
+        with torch.no_grad():
+            m(ids, cache=cache, use_cache=True)
+        assert cache.get_seq_length() == 9
+    finally:
+        m.set_attn_implementation("eager")
+
+
 def test_mask_pattern_check():
     from transformers.masking_utils import (bidirectional_mask_function, causal_mask_function,
                                             sliding_window_causal_mask_function)

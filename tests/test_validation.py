@@ -296,14 +296,22 @@ def test_window_arrays_length(key):
 def test_window_mode_needs_window_arrays():
     spec, args, kw = base(window=True)
     del kw["window_offset"], kw["sink_size"]
-    expect_raise(spec, args, kw, r"window_offset|sink_size|length_info")
+    expect_raise(spec, args, kw, r"window_offset, sink_size: required in sliding-window mode")
+    # plain specs take no window arrays
+    spec, args, kw = base()
+    expect_raise(spec, args, dict(kw, window_offset=np.zeros(4, np.int32),
+                                  sink_size=np.zeros(4, np.int32)),
+                 r"window_offset/sink_size: given, but the spec has sliding_window=False")
 
 
 def test_length_info_shapes():
     # plain mode: [B] only
     spec, args, kw = base()
     lpl = args[4]
+    expect_raise(spec, args, dict(kw, length_info=lpl), "length_info: pass either length_info "
+                 "or last_page_len/window_offset/sink_size, not both")
     args[4] = None
+    expect_raise(spec, args, kw, r"last_page_len: required \(or pass the packed length_info\)")
     for bad in (np.stack([lpl, lpl, lpl]), lpl[:3].copy(), np.stack([lpl, lpl])):
         expect_raise(spec, args, dict(kw, length_info=bad.astype(np.int32)), "length_info")
     expect_raise(spec, args, dict(kw, length_info=lpl.astype(np.int64)), "length_info",
@@ -329,7 +337,7 @@ def test_length_info_shapes():
 def test_rope_positions_missing(key):
     spec, args, kw = base(rope=True)
     del kw[key]
-    expect_raise(spec, args, kw, key)
+    expect_raise(spec, args, kw, f"^{key}: required when rotary_mode=1")
 
 
 @pytest.mark.parametrize("key", ["q_pos", "k_pos_offset"])
@@ -343,7 +351,18 @@ def test_rope_positions_length(key, n):
 def test_rotary_mode_value():
     spec, args, kw = base(rope=True)
     kw["rotary_mode"] = 2
-    expect_raise(spec, args, kw, "rotary_mode")
+    expect_raise(spec, args, kw, r"rotary_mode=2: must be 0 \(no RoPE\) or 1")
+
+
+@pytest.mark.parametrize("kw,exc,match", [
+    (dict(rope_theta="1e4"), TypeError, "rope_theta='1e4': must be a number"),
+    (dict(rope_theta=0.0), ValueError, "rope_theta=0.0: must be a positive finite number"),
+    (dict(rope_theta=float("inf")), ValueError, "rope_theta=inf: must be a positive finite"),
+    (dict(rope_scale=1e39), ValueError, "rope_scale=1e\\+39: must be finite as a float32"),
+])
+def test_rope_scalars(kw, exc, match):
+    spec, args, base_kw = base(rope=True)
+    expect_raise(spec, args, dict(base_kw, **kw), match, exc=exc)
 
 
 # --------------------------------------------------------------------------- out= / lse=

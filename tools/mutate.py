@@ -370,6 +370,60 @@ MUTANTS = [
          "")],
         ["tests/test_portability.py", "-k", "llvmpipe_fault"],
         "Mesa's llvmpipe is given the tiled prefill kernel it gets wrong", "python"),
+    # ---- format limits, rules one input reaches, growing state, integration sequences --
+    Mutant("append-decode-position-late", "clattn/cache_tables.py", [
+        ("s.pos_offset + chunk - 1, s.pos_offset, slot, s.pos_offset + s.length,",
+         "s.pos_offset + chunk - 1, s.pos_offset, slot, s.pos_offset + s.length + 1,")],
+        ["tests/test_cache.py", "-k", k("rope_append_positions", "cpu or intel")],
+        'rope="append": a decode step after a chunk rotates its key one position late'),
+    Mutant("position-overflow-first-token-only", "clattn/cache_tables.py", [
+        ("if s.pos_offset + s.length + n - 1 > _POS_LIMIT:",
+         "if s.pos_offset + s.length > _POS_LIMIT:")],
+        ["tests/test_cache.py", "-k", k("past_int32", "cpu or intel")],
+        "begin checks the step's first new position only: the last ones wrap past int32"),
+    Mutant("prefill-longrope-by-first-query", "clattn/kernels/prefill_common.clh.mako", [
+        ("(rotary_mode && (long)qpos_b + n_q - 1 >= long_from)",
+         "(rotary_mode && (long)qpos_b >= long_from)")],
+        ["tests/test_prefill.py", "-k", k("longrope_switch", "intel")],
+        "the prefill kernels choose longrope's factors by a sequence's first query", "kernel"),
+    Mutant("prefill-longrope-by-first-query-cpu", "clattn/cpu_backend.py", [
+        ("inv = inv2[1] if qpos + n - 1 >= long_from else inv2[0]",
+         "inv = inv2[1] if qpos >= long_from else inv2[0]")],
+        ["tests/test_prefill.py", "-k", k("longrope_switch", "cpu")],
+        "the CPU prefill chooses longrope's factors by a sequence's first query"),
+    Mutant("prefill-queries-before-window-accepted", "clattn/validate.py", [
+        ("        over |= (n_q > t.stored - wo) & (wo != sink) & (n_q > 0)\n", "")],
+        ["tests/test_prefill.py", "-k", k("inside_the_window", "cpu or intel")],
+        "causal prefill queries before a window's start run (meaningless results)"),
+    Mutant("prefill-query-position-overflow-unchecked", "clattn/validate.py", [
+        ("            if (last > INT32_MAX).any():", "            if False:")],
+        ["tests/test_prefill.py", "-k", k("int32_limit", "cpu or intel")],
+        "prefill: queries placed by q_pos past int32 run (their positions wrap)"),
+    Mutant("append-check-f16-limit-65504", "clattn/kernels/append_bytes.clh.mako", [
+        ("fabs(clattn_scale32(m, q4)) >= 65520.0f", "fabs(clattn_scale32(m, q4)) > 65504.0f")],
+        ["tests/test_cache_quant.py", "-k", k("top_of_float16", "intel")],
+        "the device check refuses blocks whose scale f16 stores as 65504", "kernel"),
+    Mutant("append-check-accepts-65520", "clattn/kernels/append_bytes.clh.mako", [
+        ("fabs(clattn_scale32(m, q4)) >= 65520.0f", "fabs(clattn_scale32(m, q4)) > 65520.0f")],
+        ["tests/test_cache_quant.py", "-k", k("top_of_float16", "intel")],
+        "the device check lets a scale of 65520 through: f16 stores it as inf", "kernel"),
+    Mutant("decoder-workspace-never-grows", "clattn/decode.py", [
+        ("if self._ws is None or self._ws[0] < n_ws:", "if self._ws is None:")],
+        ["tests/test_oclgrind.py", "-k", "rows-growing-split-workspace"],
+        "BatchDecode keeps the split workspace of its first plan (later plans write past it)"),
+    Mutant("cache-workspace-never-grows", "clattn/cache.py", [
+        ("if self.ws[0] < plan.n_ws:", "if self.ws[1] is None:")],
+        ["tests/test_cache_oclgrind.py", "-k", "cache-rows-growing-split"],
+        "the cache keeps the split workspace of its first split step"),
+    Mutant("later-padding-accepted-with-windows", "clattn/integrations/transformers.py", [
+        ("late = (held[:, None] > 0) | (np.cumsum(new, axis=1) > 0)",
+         "late = np.cumsum(new, axis=1) > 0")],
+        ["tests/test_transformers.py", "-k", k("later_forward_refused", "intel")],
+        "a sliding-window model accepts padding in a later forward (the window counts it)"),
+    Mutant("windowed-crop-pages-given-back", "clattn/integrations/hf_cache.py", [
+        ("if layer.record_past else 0)", "if False else 0)")],
+        ["tests/test_transformers.py", "-k", k("assisted_decoding", "intel")],
+        "assisted decoding: a sliding-window layer gives back pages a crop needs"),
 ]
 
 

@@ -99,6 +99,16 @@ class ClattnLayer(CacheLayerMixin):
         self.is_sliding = window is not None
         self.cumulative_length = 0
         self.is_initialized = True
+        #: transformers' flag (assisted decoding sets it, generate clears it): a crop() may
+        #: take back every position seen since ``crop_mark`` (the last crop)
+        self.record_past = False
+        self.crop_mark = 0
+
+    def activate_past_recording(self) -> None:
+        """Keep what a later ``crop`` may take back: in sliding-window layers the pages of
+        every position since the last crop (transformers calls it for assisted decoding)."""
+        self.record_past = True
+        self.crop_mark = self.cumulative_length
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.is_initialized = True
@@ -138,7 +148,7 @@ class ClattnLayer(CacheLayerMixin):
 
     # the sequence operations are the owner's, once for all layers
     def reset(self) -> None:
-        self.cumulative_length = 0
+        self.cumulative_length = self.crop_mark = 0
 
     def offload(self) -> None:  # the pools stay on the OpenCL device
         pass
@@ -264,6 +274,7 @@ class ClattnCache(Cache):
                 g.cache.pop(sid, -n)
         for layer in self.layers:
             layer.cumulative_length = max(0, layer.cumulative_length + n)
+            layer.crop_mark = layer.cumulative_length
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Row ``i`` becomes old row ``beam_idx[i]`` (beam search): forks share pages."""
@@ -426,6 +437,16 @@ class _Group:
     def no_step(self, what: str) -> None:
         if self.step is not None:
             raise RuntimeError(f"clattn: {what} during a model forward")
+
+    def end(self) -> None:
+        """Commit the step in progress. A sliding-window kind whose layers record the past
+        keeps the pages of the positions since the last crop, which a crop may take back
+        (the window gives back pages before its start less that many tokens)."""
+        if self.window is not None:
+            layer = self.owner.layers[self.layers[0]]
+            self.cache.table.rollback = (layer.cumulative_length - layer.crop_mark
+                                         if layer.record_past else 0)
+        self.cache.end()
 
     def abort(self) -> None:
         """Abandon the step in progress (an error in the forward): its pages go back."""

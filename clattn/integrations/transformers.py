@@ -240,7 +240,7 @@ def _paged(owner: ClattnCache, index: int, module: Any, query: torch.Tensor,
     step.done.add(local)
     if len(step.done) == len(g.layers):
         if step.begun:
-            g.cache.end()
+            g.end()
         g.step = None
     return out
 
