@@ -647,10 +647,12 @@ class _DeviceSteps:
         """Write k, v into layer's pool; a byte pool's device check is recorded in
         ``checks`` (layer -> epoch) for :meth:`refused`."""
         spec = self.cache.spec
-        verified = self.quantized and is_host(k) and is_host(v) and \
-            self.cache.rope != "append"
-        if verified:  # refused here, before anything is uploaded or written
-            check_quantizable(k, spec.k_format, "k")
+        host = self.quantized and is_host(k) and is_host(v)
+        # keys rotated by the append kernel: inf/NaN are refused here (a rotation keeps
+        # them non-finite), a scale overflow of the rotated block only by the device check
+        verified = host and self.cache.rope != "append"
+        if host:  # refused here, before anything is uploaded or written
+            check_quantizable(k, spec.k_format, "k", scale=verified)
             check_quantizable(v, spec.v_format, "v")
         pool = self.cache.pools[layer]
         (dk, ek), (dv, ev) = self._device_input("k", k), self._device_input("v", v)

@@ -108,12 +108,19 @@ def _scales(x: np.ndarray, fmt: str, what: str) -> tuple[np.ndarray, np.ndarray]
     return blocks, d
 
 
-def check_quantizable(x: np.ndarray, fmt: str, what: str = "values") -> None:
+def check_quantizable(x: np.ndarray, fmt: str, what: str = "values", *,
+                      scale: bool = True) -> None:
     """Raise ValueError (naming ``what``) when rows ``x [..., D]`` cannot be stored as
-    ``fmt``: a value inf or NaN, or a block whose scale overflows f16. Float formats
-    hold anything."""
+    ``fmt``: a value inf or NaN, or (``scale``) a block whose scale overflows f16. Float
+    formats hold anything. ``scale=False`` checks only what a rotation keeps: values
+    rotated before they are stored stay non-finite if they were, but their blocks'
+    magnitudes change."""
     if fmt in QUANTIZED:
-        _scales(np.asarray(x, dtype=np.float32), fmt, what)
+        x = np.asarray(x, dtype=np.float32)
+        if scale:
+            _scales(x, fmt, what)
+        else:
+            _check_finite(x, what)
 
 
 def quantize(x: np.ndarray, fmt: str, what: str = "values") -> tuple[np.ndarray, np.ndarray]:
