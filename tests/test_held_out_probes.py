@@ -26,3 +26,38 @@ def test_prefill_refuses_a_plan_for_another_split_of_q(target, other):
     assert (out == 7).all(), "a refused call wrote out"
     run(pre, case, plan=pre.plan(case["qo_indptr"]), out=out)  # its own plan runs
     assert (out != 7).any()
+
+
+@pytest.mark.parametrize("index", [[0, 2], [1, -1]])
+@pytest.mark.parametrize("method,arg", [("reorder_cache", "beam_idx"),
+                                        ("batch_select_indices", "indices")])
+def test_batch_remap_past_the_batch_changes_nothing(method, arg, index):
+    """An index outside the batch is refused naming the argument, before any row is
+    forked: the rows, every sequence's pages and the free pages stay as they were (a
+    window model: two layer kinds' caches)."""
+    import torch
+
+    from test_cache import check_pool
+    from test_transformers import VOCAB, filled_cache
+
+    cache = filled_cache("Gemma-2-2B", torch.randint(3, VOCAB, (2, 20)))
+
+    def state():
+        return list(cache.rows), {w: (g.cache.sequences, g.cache.table.refcount.copy(),
+                                      sorted(g.cache.table.free), g.cache.stats())
+                                  for w, g in cache.groups.items()}
+
+    before = state()
+    assert len(before[1]) == 2
+    with pytest.raises(IndexError, match=rf"^clattn: {method}: {arg}\[1\]={index[1]} is not a "
+                                         r"row of the batch \(0\.\.1\); nothing was changed"):
+        getattr(cache, method)(torch.tensor(index))
+    after = state()
+    assert after[0] == before[0]
+    for w, (seqs, refs, free, stats) in before[1].items():
+        got = after[1][w]
+        assert got[0] == seqs and np.array_equal(got[1], refs) and got[2] == free
+        assert got[3] == stats
+        check_pool(cache.groups[w].cache)
+    getattr(cache, method)(torch.tensor([1, 1]))  # a valid re-map still works
+    assert all(g.cache.stats().pages_shared for g in cache.groups.values())

@@ -267,23 +267,36 @@ class ClattnCache(Cache):
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Row ``i`` becomes old row ``beam_idx[i]`` (beam search): forks share pages."""
-        self._reindex(beam_idx)
+        self._reindex(beam_idx, "reorder_cache", "beam_idx")
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._reindex(indices)
+        """Keep the rows ``indices`` (in that order): forks share pages."""
+        self._reindex(indices, "batch_select_indices", "indices")
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         if self.rows is not None:
-            self._reindex(torch.arange(len(self.rows)).repeat_interleave(int(repeats)))
+            self._reindex(torch.arange(len(self.rows)).repeat_interleave(int(repeats)),
+                          "batch_repeat_interleave", "repeats")
 
-    def _reindex(self, index: Any) -> None:
+    def _reindex(self, index: Any, what: str, name: str) -> None:
+        """Row ``i`` becomes old row ``index[i]``. Every index is checked, and no layer
+        kind may be in a step, before the first fork: a refused call changes nothing."""
         if self.rows is None:
             return
-        src = [int(i) for i in torch.as_tensor(index).reshape(-1).tolist()]
+        idx = torch.as_tensor(index)
+        if idx.is_floating_point() or idx.is_complex() or idx.dtype == torch.bool:
+            raise TypeError(f"clattn: {what}: {name} must hold integer row indices, got "
+                            f"{idx.dtype}; nothing was changed")
+        src = [int(i) for i in idx.reshape(-1).tolist()]
         old = self.rows
+        for j, s in enumerate(src):
+            if not 0 <= s < len(old):
+                raise IndexError(f"clattn: {what}: {name}[{j}]={s} is not a row of the batch "
+                                 f"(0..{len(old) - 1}); nothing was changed")
+        for g in self.groups.values():
+            g.no_step(f"{what} (a batch re-map)")
         new = [self._new_id() for _ in src]
         for g in self.groups.values():
-            g.no_step("a batch reorder")
             for s, sid in zip(src, new):
                 g.cache.fork(old[s], sid)
             for sid in old:
