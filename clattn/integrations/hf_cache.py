@@ -26,7 +26,8 @@ import clattn
 from clattn import runtime
 from clattn.spec import LSE_DTYPE, AttentionSpec
 
-__all__ = ["ClattnCache", "ClattnLayer", "UnsupportedFeatureError", "layer_windows"]
+__all__ = ["ClattnCache", "ClattnLayer", "UnsupportedFeatureError", "check_config",
+           "layer_windows"]
 
 NAME = "clattn"  # the attn_implementation a ClattnCache works with
 #: the default device and options of the caches made for generate (what
@@ -51,6 +52,21 @@ class _Pending(threading.local):
 
 
 PENDING = _Pending()
+
+
+def check_config(config: Any) -> None:
+    """Raise :class:`UnsupportedFeatureError` for a (text) config whose attention clattn
+    cannot hold in its cache: an encoder-decoder, or multi-head latent attention."""
+    if getattr(config, "is_encoder_decoder", False):
+        raise UnsupportedFeatureError("clattn: encoder-decoder models (cross-attention) "
+                                      "are not supported; decoder-only models are")
+    rank = getattr(config, "kv_lora_rank", None)
+    if rank:
+        raise UnsupportedFeatureError(
+            f"clattn: multi-head latent attention (MLA: config.kv_lora_rank={rank}, as in "
+            f"DeepSeek-V2/V3) is not supported: such a model caches compressed latents and "
+            f"expands them into keys and values of another head size at every step, while "
+            f"clattn's pages hold the keys and values themselves; use 'eager' or 'sdpa'")
 
 
 def layer_windows(config: Any) -> list[int | None]:
@@ -188,9 +204,7 @@ class ClattnCache(Cache):
             raise TypeError("ClattnCache: pass the model (or config=)")
         cfg = model.config if model is not None else config
         cfg = cfg.get_text_config(decoder=True) if hasattr(cfg, "get_text_config") else cfg
-        if getattr(cfg, "is_encoder_decoder", False):
-            raise UnsupportedFeatureError("clattn: encoder-decoder models (cross-attention) "
-                                          "are not supported; decoder-only models are")
+        check_config(cfg)
         self.config = cfg
         self.windows = layer_windows(cfg)
         super().__init__(layers=[ClattnLayer(self, i, w) for i, w in enumerate(self.windows)])
