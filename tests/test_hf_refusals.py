@@ -48,9 +48,9 @@ RUNS = {
 }
 
 
-def tiny(model_type: str, extra: dict, attn: str = "eager"):
+def tiny(model_type: str, extra: dict, attn: str = "eager", seed: int = 0):
     cfg = transformers.AutoConfig.for_model(model_type, **{**TINY, **extra})
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return AutoModelForCausalLM.from_config(cfg, attn_implementation=attn,

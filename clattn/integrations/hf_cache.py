@@ -115,6 +115,13 @@ class ClattnLayer(CacheLayerMixin):
         self.is_sliding = window is not None
         self.cumulative_length = 0
         self.is_initialized = True
+        self.record_past = False
+
+    def activate_past_recording(self) -> None:
+        """transformers' request (assisted and prompt-lookup decoding) to keep what was
+        appended since the last ``crop``, so that crop can take it back: a window layer
+        kind then keeps those tokens' pages behind its window."""
+        self.record_past = True
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.is_initialized = True
@@ -274,8 +281,22 @@ class ClattnCache(Cache):
             return
         for g in self.groups.values():
             g.no_step("crop")
+        for g in self.groups.values():  # every row of every kind, before the first pop
+            for i, sid in enumerate(self.rows):
+                most = g.cache.poppable(sid)
+                if -n > most:
+                    kind = "full attention" if g.window is None else f"window {g.window}"
+                    raise ValueError(
+                        f"clattn: crop({n}): row {i} of the {kind} layers can give back "
+                        f"{most} tokens now; a window layer keeps the tokens behind its "
+                        f"window only while transformers records the past "
+                        f"(cache.activate_past_recording(), as assisted and prompt-lookup "
+                        f"decoding do), and then those appended since the last crop; "
+                        f"nothing was changed")
+        for g in self.groups.values():
             for sid in self.rows:
                 g.cache.pop(sid, -n)
+            g.recorded = 0
         for layer in self.layers:
             layer.cumulative_length = max(0, layer.cumulative_length + n)
 
@@ -434,6 +455,7 @@ class _Group:
             self.queue, self.context = pool.queue, pool.context
         self.buffers: dict = {}
         self.step: _Step | None = None
+        self.recorded = 0  # positions appended since the last crop while recording the past
         self.key: tuple = ()  # the shapes, dtypes, scaling and softcap of its first layer
 
     def add_rows(self, rows: Sequence) -> None:

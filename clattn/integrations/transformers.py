@@ -360,6 +360,9 @@ def _begin(g: Any, rows: list, attention_mask: Any, B: int, L: int, layer: Any) 
         ids, lengths = [rows[b] for b in keep], [int(counts[b]) for b in keep]
         step.T = int(counts.sum())
         step.sel = torch.from_numpy(np.flatnonzero(valid.reshape(-1)))
+    if g.window is not None:  # the window keeps what a crop may take back (see crop)
+        g.recorded = g.recorded + L if layer.record_past else 0
+        cache.rollback = g.recorded
     if step.T == 0:
         g.owner.steps["empty"] += 1
         return step
@@ -485,12 +488,17 @@ def _patch_generate() -> None:
             gen.cache_implementation = None
         res = prepare(self, *args, **kw)
         if ours:
+            size = a.get("max_cache_length")
+            # prompt lookup's verify step may run past max_length by its draft
+            if size and getattr(gen, "prompt_lookup_num_tokens", None):
+                size += int(gen.prompt_lookup_num_tokens)
             for name in ("cache", "past_key_values"):
                 c = model_kwargs.get(name)
                 if type(c) is DynamicCache and not getattr(c, "_is_user_defined", False):
-                    model_kwargs[name] = ClattnCache(
-                        self, max_cache_len=a.get("max_cache_length"),
-                        page_size=DEFAULTS["page_size"])
+                    made = model_kwargs[name] = ClattnCache(self, max_cache_len=size,
+                                                            page_size=DEFAULTS["page_size"])
+                    if any(getattr(layer, "record_past", False) for layer in c.layers):
+                        made.activate_past_recording()  # an assistant model's cache
         return res
 
     generate = GenerationMixin.generate
