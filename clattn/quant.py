@@ -102,9 +102,12 @@ def _scales(x: np.ndarray, fmt: str, what: str) -> tuple[np.ndarray, np.ndarray]
         else:
             d = (m / np.float32(-8)).astype(np.float32).astype(np.float16)
     if not np.isfinite(d).all():
+        # f16 rounds 65520 and above to inf: the limit is 65520 x 127 (an f32 integer; the
+        # f32 below it divides to less than 65520) or 65520 x 8 (an exact division)
+        div = 127 if fmt == "q8_0" else 8
         raise ValueError(f"{what}: a block's scale overflows float16 (|value| up to "
-                         f"{float(np.abs(m).max()):.3g}); {fmt} holds |x| <= "
-                         f"{65504 * (127 if fmt == 'q8_0' else 8):.3g} (nothing was written)")
+                         f"{float(np.abs(m).max()):.9g}); {fmt} holds |x| < {65520 * div} "
+                         f"(65520 x {div}) (nothing was written)")
     return blocks, d
 
 
