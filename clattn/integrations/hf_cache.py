@@ -257,6 +257,7 @@ class ClattnCache(Cache):
             g.abort()
             for sid in list(g.cache.sequences):
                 g.cache.remove(sid)
+            g.recorded = 0
         self.rows = None
         self.broken = None
         PENDING.value = None
