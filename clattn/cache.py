@@ -151,9 +151,7 @@ class PagedKVCache:
         if rope is not None:  # checks theta/scale now (the kernel tables are built once)
             self._rope = rope_tables(spec.rotary_dim, self.rope_theta, parse_rope_scaling(
                 spec.rope_scaling, spec.max_position_embeddings), spec.max_position_embeddings)
-        if not is_int(rollback) or rollback < 0:
-            raise ValueError(f"rollback={rollback!r}: must be an integer >= 0")
-        self.table = PageTable(spec, self.num_pages, int(rollback))
+        self.table = PageTable(spec, self.num_pages, _checked_rollback(rollback))
         self._lock = threading.RLock()
         self._step: _Step | None = None
         self.bytes_uploaded = 0  # bytes the cache sent to the device (tables, k, v, q)
@@ -210,6 +208,26 @@ class PagedKVCache:
         with self._lock:
             self._no_step("pop")
             self.table.pop(seq_id, n)
+
+    def poppable(self, seq_id: Hashable) -> int:
+        """The most tokens :meth:`pop` can take back from the sequence now: all of them,
+        or with a window that gave pages back, those whose removal leaves the shorter
+        sequence's window on pages still held (``rollback`` sets the margin)."""
+        with self._lock:
+            return self.table.poppable(seq_id)
+
+    @property
+    def rollback(self) -> int:
+        """Tokens behind each window whose pages are kept (see the constructor)."""
+        return self.table.rollback
+
+    @rollback.setter
+    def rollback(self, n: int) -> None:
+        # read at each end(): a larger margin keeps more pages from then on, a smaller
+        # one gives back the pages behind it then; pages given back never return
+        n = _checked_rollback(n)
+        with self._lock:
+            self.table.rollback = n
 
     def length(self, seq_id: Hashable) -> int:
         """Tokens the sequence holds (committed; a window's dropped tokens count)."""
@@ -647,10 +665,12 @@ class _DeviceSteps:
         """Write k, v into layer's pool; a byte pool's device check is recorded in
         ``checks`` (layer -> epoch) for :meth:`refused`."""
         spec = self.cache.spec
-        verified = self.quantized and is_host(k) and is_host(v) and \
-            self.cache.rope != "append"
-        if verified:  # refused here, before anything is uploaded or written
-            check_quantizable(k, spec.k_format, "k")
+        host = self.quantized and is_host(k) and is_host(v)
+        # keys rotated by the append kernel: inf/NaN are refused here (a rotation keeps
+        # them non-finite), a scale overflow of the rotated block only by the device check
+        verified = host and self.cache.rope != "append"
+        if host:  # refused here, before anything is uploaded or written
+            check_quantizable(k, spec.k_format, "k", scale=verified)
             check_quantizable(v, spec.v_format, "v")
         pool = self.cache.pools[layer]
         (dk, ek), (dv, ev) = self._device_input("k", k), self._device_input("v", v)
@@ -715,6 +735,12 @@ def _stored(x: np.ndarray, fmt: str, name: str) -> tuple[np.ndarray, np.ndarray 
     if fmt in QUANTIZED:
         return quantize(x, fmt, name)
     return np.ascontiguousarray(x.astype(fmt)).view(np.uint8), None
+
+
+def _checked_rollback(n: Any) -> int:
+    if not is_int(n) or n < 0:
+        raise ValueError(f"rollback={n!r}: must be an integer >= 0")
+    return int(n)
 
 
 def _short(items: Sequence) -> str:

@@ -198,13 +198,18 @@ class PageTable:
         self.refcount[c.pages[:c.npages]] += 1
         self.seqs[child] = c
 
+    def poppable(self, seq_id: Hashable) -> int:
+        """The most tokens :meth:`pop` can take back from the sequence now."""
+        s = self.seq(seq_id)
+        if s.dropped:  # the shorter window must not reach pages given back
+            return max(0, s.length - s.window - s.first_retained(self.ps))
+        return s.length
+
     def pop(self, seq_id: Hashable, n: int) -> None:
         s = self.seq(seq_id)
         if not is_int(n) or n < 0:
             raise ValueError(f"pop: n={n!r} must be an integer >= 0")
-        most = s.length
-        if s.dropped:  # the shorter window must not reach pages given back
-            most = max(0, s.length - s.window - s.first_retained(self.ps))
+        most = self.poppable(seq_id)
         if n > most:
             why = "" if not s.dropped else \
                 (f"; its window has given back tokens before {s.first_retained(self.ps)}, "

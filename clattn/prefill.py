@@ -8,6 +8,7 @@ query per sequence is a decode whose query sits at the chunk's last row.
 """
 from __future__ import annotations
 
+import functools
 import threading
 import warnings
 from dataclasses import dataclass
@@ -202,10 +203,7 @@ class BatchPrefill:
         if plan.queries_per_unit != qb:
             raise ValueError(f"plan: made for {plan.queries_per_unit} queries per unit, this "
                              f"kernel takes {qb}; plan with this BatchPrefill")
-        if plan.batch != args.tables.B or plan.total_q != args.total_q or \
-                (n_q is not None and not np.array_equal(plan.n_q, n_q)):
-            raise ValueError(f"plan: made for {plan.batch} sequences and {plan.total_q} "
-                             f"queries, another split than this call's; plan again")
+        _check_split(plan, args, n_q)
         return plan
 
     def _unit_table(self, plan: PrefillPlan, queue: Any) -> Any:
@@ -289,7 +287,9 @@ class BatchPrefill:
                   sm_scale=sm_scale)
         if not self.setup:
             check_host_call(plan, PrefillPlan, "BatchPrefill.plan()", queue, wait_for)
-            return DecodeResult(*run_on_host(cpu_backend.batch_prefill, spec, (
+            fn = cpu_backend.batch_prefill if plan is None else \
+                functools.partial(_planned_host_prefill, plan)
+            return DecodeResult(*run_on_host(fn, spec, (
                 q, pages, qo_indptr, page_indptr, page_indices, last_page_len), kw, out, lse))
         args = check_prefill(spec, q, pages, qo_indptr, page_indptr, page_indices,
                              last_page_len, out=out, lse=lse, **kw)
@@ -317,3 +317,22 @@ class BatchPrefill:
                                  self.geometry.local_size(), call.wait_list(), **named))
         o, s = call.finish([dout, dlse], events, host=is_host(q))
         return DecodeResult(o, s, events[-1] if events else None, tuple(events))
+
+
+def _check_split(plan: PrefillPlan, args: PrefillArgs, n_q: np.ndarray | None) -> None:
+    """``plan`` cuts this call's q: its batch, its total and (when known on the host) the
+    queries of each sequence."""
+    if plan.batch != args.tables.B or plan.total_q != args.total_q or \
+            (n_q is not None and not np.array_equal(plan.n_q, n_q)):
+        raise ValueError(f"plan: made for {plan.batch} sequences and {plan.total_q} "
+                         f"queries, another split than this call's; plan again")
+
+
+def _planned_host_prefill(plan: PrefillPlan, spec: AttentionSpec, *arrays: Any,
+                          out: Any = None, lse: Any = None,
+                          **kw: Any) -> tuple[np.ndarray, np.ndarray]:
+    """The CPU backend's prefill of a call given a plan: the host computes no units, but
+    a plan for another split of q is refused as on a device, before anything is written."""
+    args = check_prefill(spec, *arrays, out=out, lse=lse, **kw)
+    _check_split(plan, args, args.n_q)
+    return cpu_backend.batch_prefill(spec, *arrays, out=out, lse=lse, **kw)

@@ -102,18 +102,28 @@ def _scales(x: np.ndarray, fmt: str, what: str) -> tuple[np.ndarray, np.ndarray]
         else:
             d = (m / np.float32(-8)).astype(np.float32).astype(np.float16)
     if not np.isfinite(d).all():
+        # f16 rounds 65520 and above to inf: the limit is 65520 x 127 (an f32 integer; the
+        # f32 below it divides to less than 65520) or 65520 x 8 (an exact division)
+        div = 127 if fmt == "q8_0" else 8
         raise ValueError(f"{what}: a block's scale overflows float16 (|value| up to "
-                         f"{float(np.abs(m).max()):.3g}); {fmt} holds |x| <= "
-                         f"{65504 * (127 if fmt == 'q8_0' else 8):.3g} (nothing was written)")
+                         f"{float(np.abs(m).max()):.9g}); {fmt} holds |x| < {65520 * div} "
+                         f"(65520 x {div}) (nothing was written)")
     return blocks, d
 
 
-def check_quantizable(x: np.ndarray, fmt: str, what: str = "values") -> None:
+def check_quantizable(x: np.ndarray, fmt: str, what: str = "values", *,
+                      scale: bool = True) -> None:
     """Raise ValueError (naming ``what``) when rows ``x [..., D]`` cannot be stored as
-    ``fmt``: a value inf or NaN, or a block whose scale overflows f16. Float formats
-    hold anything."""
+    ``fmt``: a value inf or NaN, or (``scale``) a block whose scale overflows f16. Float
+    formats hold anything. ``scale=False`` checks only what a rotation keeps: values
+    rotated before they are stored stay non-finite if they were, but their blocks'
+    magnitudes change."""
     if fmt in QUANTIZED:
-        _scales(np.asarray(x, dtype=np.float32), fmt, what)
+        x = np.asarray(x, dtype=np.float32)
+        if scale:
+            _scales(x, fmt, what)
+        else:
+            _check_finite(x, what)
 
 
 def quantize(x: np.ndarray, fmt: str, what: str = "values") -> tuple[np.ndarray, np.ndarray]:

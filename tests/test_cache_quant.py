@@ -179,15 +179,17 @@ def test_half_inputs_quantize_alike(device_target, dtype):
 BAD = [("k", np.inf), ("v", np.nan), ("k", -np.inf), ("v", 1e9)]
 
 
+@pytest.mark.parametrize("rope", [None, "append"])
 @pytest.mark.parametrize("name,value", BAD)
 def test_values_a_format_cannot_hold_are_refused_before_anything_is_written(target, name,
-                                                                            value):
+                                                                            value, rope):
     """numpy k/v: refused by append, naming the argument; the pool is unchanged and the
-    step goes on (a good append of the layer works)."""
+    step goes on (a good append of the layer works). Keys rotated by the append kernel
+    (rope="append") included: inf/NaN stay non-finite through a rotation."""
     spec = clattn.AttentionSpec(2, 1, 32, page_size=4, dtype="float32", k_format="q8_0",
                                 v_format="q4_0")
-    cache = make_cache(spec, target, layers=1, num_pages=4)
-    cache.add("s")
+    cache = make_cache(spec, target, layers=1, num_pages=4, rope=rope)
+    cache.add("s", pos_offset=5)
     cache.begin(["s"], [3])
     rng = np.random.default_rng(0)
     k = rng.standard_normal((3, 1, 32)).astype(np.float32)

@@ -269,23 +269,29 @@ def test_explicit_cache_and_forward_without_cache():
         m.set_attn_implementation("eager")
 
 
-def test_reorder_and_crop_share_pages():
-    m = model("Llama-3.2-1B")
+def filled_cache(name: str, ids: torch.Tensor) -> ClattnCache:
+    """A CPU-backend ClattnCache after one forward of ``name``'s model over ``ids``."""
+    m = model(name)
     m.set_attn_implementation("clattn")
     try:
         cache = ClattnCache(m, backend="cpu", max_cache_len=64)
         with torch.no_grad():
-            m(torch.randint(3, VOCAB, (2, 20)), cache=cache, use_cache=True)
-        g = cache.groups[None].cache
-        used = g.stats().pages_used
-        cache.reorder_cache(torch.tensor([1, 1]))  # both rows become row 1: forks
-        assert g.stats().pages_used < used and g.stats().pages_shared > 0
-        cache.crop(-3)
-        assert [g.length(r) for r in cache.rows] == [17, 17] and cache.get_seq_length() == 17
-        cache.reset()
-        assert g.stats().pages_used == 0 and cache.get_seq_length() == 0
+            m(ids, cache=cache, use_cache=True)
     finally:
         m.set_attn_implementation("eager")
+    return cache
+
+
+def test_reorder_and_crop_share_pages():
+    cache = filled_cache("Llama-3.2-1B", torch.randint(3, VOCAB, (2, 20)))
+    g = cache.groups[None].cache
+    used = g.stats().pages_used
+    cache.reorder_cache(torch.tensor([1, 1]))  # both rows become row 1: forks
+    assert g.stats().pages_used < used and g.stats().pages_shared > 0
+    cache.crop(-3)
+    assert [g.length(r) for r in cache.rows] == [17, 17] and cache.get_seq_length() == 17
+    cache.reset()
+    assert g.stats().pages_used == 0 and cache.get_seq_length() == 0
 
 
 def test_beam_search_reorders_by_forks():

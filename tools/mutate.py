@@ -420,8 +420,8 @@ MUTANTS = [
          "late = np.cumsum(new, axis=1) > 0")],
         ["tests/test_transformers.py", "-k", k("later_forward_refused", "intel")],
         "a sliding-window model accepts padding in a later forward (the window counts it)"),
-    Mutant("windowed-crop-pages-given-back", "clattn/integrations/hf_cache.py", [
-        ("if layer.record_past else 0)", "if False else 0)")],
+    Mutant("windowed-crop-pages-given-back", "clattn/integrations/transformers.py", [
+        ("g.recorded = g.recorded + L if layer.record_past else 0", "g.recorded = 0")],
         ["tests/test_transformers.py", "-k", k("assisted_decoding", "intel")],
         "assisted decoding: a sliding-window layer gives back pages a crop needs"),
 ]

@@ -26,7 +26,8 @@ import clattn
 from clattn import runtime
 from clattn.spec import LSE_DTYPE, AttentionSpec
 
-__all__ = ["ClattnCache", "ClattnLayer", "UnsupportedFeatureError", "layer_windows"]
+__all__ = ["ClattnCache", "ClattnLayer", "UnsupportedFeatureError", "check_config",
+           "layer_windows"]
 
 NAME = "clattn"  # the attn_implementation a ClattnCache works with
 #: the default device and options of the caches made for generate (what
@@ -51,6 +52,21 @@ class _Pending(threading.local):
 
 
 PENDING = _Pending()
+
+
+def check_config(config: Any) -> None:
+    """Raise :class:`UnsupportedFeatureError` for a (text) config whose attention clattn
+    cannot hold in its cache: an encoder-decoder, or multi-head latent attention."""
+    if getattr(config, "is_encoder_decoder", False):
+        raise UnsupportedFeatureError("clattn: encoder-decoder models (cross-attention) "
+                                      "are not supported; decoder-only models are")
+    rank = getattr(config, "kv_lora_rank", None)
+    if rank:
+        raise UnsupportedFeatureError(
+            f"clattn: multi-head latent attention (MLA: config.kv_lora_rank={rank}, as in "
+            f"DeepSeek-V2/V3) is not supported: such a model caches compressed latents and "
+            f"expands them into keys and values of another head size at every step, while "
+            f"clattn's pages hold the keys and values themselves; use 'eager' or 'sdpa'")
 
 
 def layer_windows(config: Any) -> list[int | None]:
@@ -99,16 +115,13 @@ class ClattnLayer(CacheLayerMixin):
         self.is_sliding = window is not None
         self.cumulative_length = 0
         self.is_initialized = True
-        #: transformers' flag (assisted decoding sets it, generate clears it): a crop() may
-        #: take back every position seen since ``crop_mark`` (the last crop)
         self.record_past = False
-        self.crop_mark = 0
 
     def activate_past_recording(self) -> None:
-        """Keep what a later ``crop`` may take back: in sliding-window layers the pages of
-        every position since the last crop (transformers calls it for assisted decoding)."""
+        """transformers' request (assisted and prompt-lookup decoding) to keep what was
+        appended since the last ``crop``, so that crop can take it back: a window layer
+        kind then keeps those tokens' pages behind its window."""
         self.record_past = True
-        self.crop_mark = self.cumulative_length
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.is_initialized = True
@@ -148,7 +161,7 @@ class ClattnLayer(CacheLayerMixin):
 
     # the sequence operations are the owner's, once for all layers
     def reset(self) -> None:
-        self.cumulative_length = self.crop_mark = 0
+        self.cumulative_length = 0
 
     def offload(self) -> None:  # the pools stay on the OpenCL device
         pass
@@ -198,9 +211,7 @@ class ClattnCache(Cache):
             raise TypeError("ClattnCache: pass the model (or config=)")
         cfg = model.config if model is not None else config
         cfg = cfg.get_text_config(decoder=True) if hasattr(cfg, "get_text_config") else cfg
-        if getattr(cfg, "is_encoder_decoder", False):
-            raise UnsupportedFeatureError("clattn: encoder-decoder models (cross-attention) "
-                                          "are not supported; decoder-only models are")
+        check_config(cfg)
         self.config = cfg
         self.windows = layer_windows(cfg)
         super().__init__(layers=[ClattnLayer(self, i, w) for i, w in enumerate(self.windows)])
@@ -246,6 +257,7 @@ class ClattnCache(Cache):
             g.abort()
             for sid in list(g.cache.sequences):
                 g.cache.remove(sid)
+            g.recorded = 0
         self.rows = None
         self.broken = None
         PENDING.value = None
@@ -270,31 +282,57 @@ class ClattnCache(Cache):
             return
         for g in self.groups.values():
             g.no_step("crop")
+        for g in self.groups.values():  # every row of every kind, before the first pop
+            for i, sid in enumerate(self.rows):
+                most = g.cache.poppable(sid)
+                if -n > most:
+                    kind = "full attention" if g.window is None else f"window {g.window}"
+                    raise ValueError(
+                        f"clattn: crop({n}): row {i} of the {kind} layers can give back "
+                        f"{most} tokens now; a window layer keeps the tokens behind its "
+                        f"window only while transformers records the past "
+                        f"(cache.activate_past_recording(), as assisted and prompt-lookup "
+                        f"decoding do), and then those appended since the last crop; "
+                        f"nothing was changed")
+        for g in self.groups.values():
             for sid in self.rows:
                 g.cache.pop(sid, -n)
+            g.recorded = 0
         for layer in self.layers:
             layer.cumulative_length = max(0, layer.cumulative_length + n)
-            layer.crop_mark = layer.cumulative_length
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Row ``i`` becomes old row ``beam_idx[i]`` (beam search): forks share pages."""
-        self._reindex(beam_idx)
+        self._reindex(beam_idx, "reorder_cache", "beam_idx")
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._reindex(indices)
+        """Keep the rows ``indices`` (in that order): forks share pages."""
+        self._reindex(indices, "batch_select_indices", "indices")
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         if self.rows is not None:
-            self._reindex(torch.arange(len(self.rows)).repeat_interleave(int(repeats)))
+            self._reindex(torch.arange(len(self.rows)).repeat_interleave(int(repeats)),
+                          "batch_repeat_interleave", "repeats")
 
-    def _reindex(self, index: Any) -> None:
+    def _reindex(self, index: Any, what: str, name: str) -> None:
+        """Row ``i`` becomes old row ``index[i]``. Every index is checked, and no layer
+        kind may be in a step, before the first fork: a refused call changes nothing."""
         if self.rows is None:
             return
-        src = [int(i) for i in torch.as_tensor(index).reshape(-1).tolist()]
+        idx = torch.as_tensor(index)
+        if idx.is_floating_point() or idx.is_complex() or idx.dtype == torch.bool:
+            raise TypeError(f"clattn: {what}: {name} must hold integer row indices, got "
+                            f"{idx.dtype}; nothing was changed")
+        src = [int(i) for i in idx.reshape(-1).tolist()]
         old = self.rows
+        for j, s in enumerate(src):
+            if not 0 <= s < len(old):
+                raise IndexError(f"clattn: {what}: {name}[{j}]={s} is not a row of the batch "
+                                 f"(0..{len(old) - 1}); nothing was changed")
+        for g in self.groups.values():
+            g.no_step(f"{what} (a batch re-map)")
         new = [self._new_id() for _ in src]
         for g in self.groups.values():
-            g.no_step("a batch reorder")
             for s, sid in zip(src, new):
                 g.cache.fork(old[s], sid)
             for sid in old:
@@ -418,6 +456,7 @@ class _Group:
             self.queue, self.context = pool.queue, pool.context
         self.buffers: dict = {}
         self.step: _Step | None = None
+        self.recorded = 0  # positions appended since the last crop while recording the past
         self.key: tuple = ()  # the shapes, dtypes, scaling and softcap of its first layer
 
     def add_rows(self, rows: Sequence) -> None:
@@ -437,16 +476,6 @@ class _Group:
     def no_step(self, what: str) -> None:
         if self.step is not None:
             raise RuntimeError(f"clattn: {what} during a model forward")
-
-    def end(self) -> None:
-        """Commit the step in progress. A sliding-window kind whose layers record the past
-        keeps the pages of the positions since the last crop, which a crop may take back
-        (the window gives back pages before its start less that many tokens)."""
-        if self.window is not None:
-            layer = self.owner.layers[self.layers[0]]
-            self.cache.table.rollback = (layer.cumulative_length - layer.crop_mark
-                                         if layer.record_past else 0)
-        self.cache.end()
 
     def abort(self) -> None:
         """Abandon the step in progress (an error in the forward): its pages go back."""

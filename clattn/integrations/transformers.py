@@ -33,10 +33,10 @@ from transformers.masking_utils import AttentionMaskInterface, eager_mask
 from clattn import CacheFullError, runtime
 
 from .hf_cache import (DEFAULTS, NAME, PENDING, ClattnCache, UnsupportedFeatureError, _Step,
-                       prefill_tables)
+                       check_config, prefill_tables)
 
 __all__ = ["ClattnCache", "ClattnMask", "UnsupportedFeatureError", "attention",
-           "mask", "register"]
+           "check_model", "mask", "register"]
 
 
 
@@ -69,8 +69,63 @@ def register(device: Any = None, *, prefill: bool = True, page_size: int = 16,
                     backend=backend, profile=profile, k_format=k_format, v_format=v_format)
     AttentionInterface.register(NAME, attention)
     AttentionMaskInterface.register(NAME, mask)
+    _patch_models()
     if patch_generate:
         _patch_generate()
+
+
+def check_model(model: Any) -> None:
+    """Raise :class:`UnsupportedFeatureError` when ``model`` cannot attend with clattn.
+
+    A model class whose attention does not call transformers' ``AttentionInterface``
+    (GPT-Neo, Falcon, Bloom, MPT: their attention modules are their own code) never
+    reaches clattn's attention function whatever ``attn_implementation`` says; a config
+    clattn's cache cannot hold (multi-head latent attention, encoder-decoder) is refused
+    as :class:`ClattnCache` refuses it. Run when ``"clattn"`` is asked of a model (its
+    creation, ``set_attn_implementation``, ``generate(attn_implementation=...)``).
+    """
+    cls = type(model)
+    can_set = getattr(cls, "_can_set_attn_implementation", None)
+    if can_set is not None and not can_set():
+        raise UnsupportedFeatureError(
+            f"clattn: {cls.__name__} does not attend through transformers' "
+            f"AttentionInterface (its attention module is its own code), so "
+            f"attn_implementation={NAME!r} cannot reach it; it runs with 'eager' (or "
+            f"'sdpa') only. docs/transformers.md lists the architectures that run on clattn")
+    cfg = model.config
+    check_config(cfg.get_text_config(decoder=True) if hasattr(cfg, "get_text_config") else cfg)
+
+
+def _patch_models() -> None:
+    """Wrap ``PreTrainedModel._check_and_adjust_attn_implementation`` (model creation,
+    and switching a model that uses the interface) and ``set_attn_implementation``
+    (which only logs for a model that does not) so that asking ``"clattn"`` of a model
+    that cannot run it raises :func:`check_model`'s error. Once; other names untouched."""
+    from transformers import PreTrainedModel
+
+    if getattr(PreTrainedModel, "_clattn_checked", False):
+        return
+    adjust = PreTrainedModel._check_and_adjust_attn_implementation
+    set_impl = PreTrainedModel.set_attn_implementation
+
+    @functools.wraps(adjust)
+    def _check_and_adjust_attn_implementation(self, attn_implementation: Any, *args: Any,
+                                              **kw: Any) -> Any:
+        if attn_implementation == NAME:
+            check_model(self)
+        return adjust(self, attn_implementation, *args, **kw)
+
+    @functools.wraps(set_impl)
+    def set_attn_implementation(self, attn_implementation: Any, *args: Any, **kw: Any) -> Any:
+        asked = attn_implementation.get("") if isinstance(attn_implementation, dict) else \
+            attn_implementation
+        if asked == NAME:
+            check_model(self)
+        return set_impl(self, attn_implementation, *args, **kw)
+
+    PreTrainedModel._check_and_adjust_attn_implementation = _check_and_adjust_attn_implementation
+    PreTrainedModel.set_attn_implementation = set_attn_implementation
+    PreTrainedModel._clattn_checked = True
 
 
 # ------------------------------------------------------------------------------ the mask
@@ -240,7 +295,7 @@ def _paged(owner: ClattnCache, index: int, module: Any, query: torch.Tensor,
     step.done.add(local)
     if len(step.done) == len(g.layers):
         if step.begun:
-            g.end()
+            g.cache.end()
         g.step = None
     return out
 
@@ -305,6 +360,9 @@ def _begin(g: Any, rows: list, attention_mask: Any, B: int, L: int, layer: Any) 
         ids, lengths = [rows[b] for b in keep], [int(counts[b]) for b in keep]
         step.T = int(counts.sum())
         step.sel = torch.from_numpy(np.flatnonzero(valid.reshape(-1)))
+    if g.window is not None:  # the window keeps what a crop may take back (see crop)
+        g.recorded = g.recorded + L if layer.record_past else 0
+        cache.rollback = g.recorded
     if step.T == 0:
         g.owner.steps["empty"] += 1
         return step
@@ -430,12 +488,17 @@ def _patch_generate() -> None:
             gen.cache_implementation = None
         res = prepare(self, *args, **kw)
         if ours:
+            size = a.get("max_cache_length")
+            # prompt lookup's verify step may run past max_length by its draft
+            if size and getattr(gen, "prompt_lookup_num_tokens", None):
+                size += int(gen.prompt_lookup_num_tokens)
             for name in ("cache", "past_key_values"):
                 c = model_kwargs.get(name)
                 if type(c) is DynamicCache and not getattr(c, "_is_user_defined", False):
-                    model_kwargs[name] = ClattnCache(
-                        self, max_cache_len=a.get("max_cache_length"),
-                        page_size=DEFAULTS["page_size"])
+                    made = model_kwargs[name] = ClattnCache(self, max_cache_len=size,
+                                                            page_size=DEFAULTS["page_size"])
+                    if any(getattr(layer, "record_past", False) for layer in c.layers):
+                        made.activate_past_recording()  # an assistant model's cache
         return res
 
     generate = GenerationMixin.generate

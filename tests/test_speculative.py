@@ -1,0 +1,167 @@
+"""Speculative decoding through ``attn_implementation="clattn"``: prompt-lookup and
+assisted decoding give eager's tokens, sliding-window models included.
+
+A verify forward appends the draft tokens, and ``crop`` takes back the rejected ones. A
+window layer gives back the pages that fall out of its window at every step, so it keeps
+what transformers asks for with ``activate_past_recording()`` (the tokens appended since
+the last crop), and a crop it cannot honour is refused by name before any row changes.
+Tiny random-weight models (tests/test_hf_refusals.py's) with windows of 8 and pages of
+4 tokens, so that every verify step crosses given-back pages; the drafts of a random
+model are mostly rejected, so most steps crop.
+"""
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+import clattn.integrations.transformers as cltf
+from clattn.integrations.hf_cache import ClattnCache
+from test_hf_refusals import VOCAB, tiny
+
+#: one architecture class per row: a window on every layer, alternating window and full
+#: layers, full attention only
+MODELS = {
+    "starcoder2": dict(sliding_window=8),
+    "gemma2": dict(head_dim=16, sliding_window=8),
+    "llama": {},
+}
+GEN = dict(max_new_tokens=16, min_new_tokens=16, do_sample=False, pad_token_id=0)
+
+
+def prompt() -> torch.Tensor:
+    """Repeated n-grams, so that prompt lookup finds drafts."""
+    base = torch.randint(3, VOCAB, (1, 6), generator=torch.Generator().manual_seed(2))
+    return torch.cat([base, base, base[:, :4]], 1)
+
+
+def assistant(model_type: str, attn: str = "eager"):
+    """A draft model of other random weights: its drafts of 10 tokens are rejected, most
+    of them from their first token, so that crops take back more than a window of 8."""
+    a = tiny(model_type, MODELS[model_type], seed=4)
+    a.set_attn_implementation(attn)
+    # a random model is never confident: without this, drafts stop after one token
+    a.generation_config.assistant_confidence_threshold = 0.0
+    a.generation_config.num_assistant_tokens = 10
+    a.generation_config.num_assistant_tokens_schedule = "constant"
+    return a
+
+
+@pytest.fixture
+def crops(monkeypatch):
+    """The ``n`` of every ``ClattnCache.crop(-n)`` with ``n > 0``."""
+    seen: list = []
+    crop = ClattnCache.crop
+
+    def counted(self, tokens_to_remove):
+        if tokens_to_remove < 0:
+            seen.append(-tokens_to_remove)
+        return crop(self, tokens_to_remove)
+
+    monkeypatch.setattr(ClattnCache, "crop", counted)
+    return seen
+
+
+#: each way of drafting: generate's arguments for a model type
+DRAFTS = {
+    "prompt-lookup": lambda model_type: dict(prompt_lookup_num_tokens=10),
+    "assisted": lambda model_type: dict(assistant_model=assistant(model_type)),
+    # the draft model on clattn too: its own cache is cropped back to the accepted tokens
+    "assisted-by-clattn": lambda model_type: dict(
+        assistant_model=assistant(model_type, "clattn")),
+}
+
+
+def generate_both(model_type: str, how: str, **where):
+    """Eager's tokens and clattn's output (``where``: register()'s device arguments)."""
+    m = tiny(model_type, MODELS[model_type])
+    draft = DRAFTS[how](model_type)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Gemma-2's "hybrid" cache_implementation notice
+        ref = m.generate(prompt(), **GEN, **draft)
+        cltf.register(page_size=4, **where)
+        try:
+            got = m.generate(prompt(), attn_implementation="clattn",
+                             return_dict_in_generate=True, **GEN, **draft)
+        finally:
+            cltf.register()
+    return ref, got
+
+
+def check(ref, got, crops) -> None:
+    assert torch.equal(got.sequences, ref), "speculative decoding on clattn left eager's tokens"
+    cache = got.past_key_values
+    assert isinstance(cache, ClattnCache)
+    assert crops and max(crops) > 8, f"no crop took back more than a window: {crops}"
+    n = prompt().shape[1] + GEN["max_new_tokens"] - 1
+    for w, g in cache.groups.items():
+        assert [g.cache.length(r) for r in cache.rows] == [n]
+        if w is not None:  # the window gave pages back: what is held is about the window's
+            used = g.cache.stats().pages_used
+            assert used * 4 < n, f"window {w}: {used} pages held for {n} tokens"
+
+
+#: the window model every way; the other classes where they differ from it (two layer
+#: kinds; prompt lookup's drafts running past max_length, in a cache sized for it)
+CPU_CASES = [("starcoder2", how) for how in DRAFTS] + [
+    ("gemma2", "prompt-lookup"), ("gemma2", "assisted"), ("llama", "prompt-lookup")]
+
+
+@pytest.mark.parametrize("model_type,how", CPU_CASES)
+def test_speculative_decoding_matches_eager_on_the_cpu_backend(model_type, how, crops):
+    check(*generate_both(model_type, how, backend="cpu"), crops)
+
+
+@pytest.mark.parametrize("how", list(DRAFTS))
+def test_speculative_decoding_on_a_window_model_matches_eager(device, how, crops):
+    check(*generate_both("starcoder2", how, device=device, backend="opencl"), crops)
+
+
+def test_crop_beyond_the_kept_margin_is_refused_by_name():
+    """Without past recording a window keeps no margin: a crop past it is refused naming
+    the window and the fix, before any row or layer kind changes."""
+    from test_transformers import filled_cache
+
+    cache = filled_cache("Gemma-2-2B", torch.randint(3, 1024, (2, 40)))
+    before = {w: [g.cache.length(r) for r in cache.rows] for w, g in cache.groups.items()}
+    seen = cache.get_seq_length()
+    with pytest.raises(ValueError, match=r"crop\(-30\): .*window 16.*activate_past_recording"):
+        cache.crop(-30)
+    assert {w: [g.cache.length(r) for r in cache.rows]
+            for w, g in cache.groups.items()} == before
+    assert cache.get_seq_length() == seen
+    cache.crop(-2)  # inside the window: no margin needed
+    assert cache.get_seq_length() == seen - 2
+    assert np.all([g.cache.length(r) == 38 for g in cache.groups.values() for r in cache.rows])
+
+
+def test_cache_rollback_set_between_steps_keeps_what_pop_takes_back():
+    """PagedKVCache: ``rollback`` read at each end(); ``poppable`` says how far pop goes
+    (the integration's margin, on the cache itself)."""
+    import clattn
+
+    spec = clattn.AttentionSpec(2, 1, 32, page_size=2, dtype="float32", sliding_window=True)
+    cache = clattn.PagedKVCache(spec, 1, num_pages=16, backend="cpu")
+    cache.add("s", window=4)
+    kv = np.zeros((6, 1, 32), np.float32)
+
+    def step(n):
+        cache.begin(["s"], [n])
+        cache.append(0, kv[:n], kv[:n])
+        cache.end()
+
+    step(6)
+    step(6)  # 12 tokens, no margin: only what the window of a shorter sequence keeps
+    assert cache.poppable("s") == 0 and cache.stats().pages_used == 2  # tokens 8..11
+    with pytest.raises(ValueError, match="rollback=-1"):
+        cache.rollback = -1
+    cache.rollback = 6
+    step(6)  # the 6 tokens of this step stay poppable
+    assert cache.poppable("s") == 6 and cache.stats().pages_used == 5  # tokens 8..17
+    cache.pop("s", 6)
+    assert cache.length("s") == 12
+    cache.rollback = 0
+    step(1)  # the margin's pages go back at the next end()
+    assert cache.poppable("s") == 1 and cache.stats().pages_used == 3  # tokens 8..12
