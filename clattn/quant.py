@@ -126,8 +126,8 @@ def _scales(x: np.ndarray, fmt: str, what: str) -> tuple[np.ndarray, np.ndarray]
     d = d.astype(np.float32)
     if (np.abs(d) >= SCALE_LIMIT).any():
         raise ValueError(f"{what}: a block's scale overflows float16 (|value| up to "
-                         f"{float(np.abs(m).max()):.9g}); {fmt} holds |x| <= "
-                         f"{LARGEST[fmt]:.9g} (nothing was written)")
+                         f"{float(np.abs(m).max())!r}); {fmt} holds |x| <= "
+                         f"{LARGEST[fmt]!r} (nothing was written)")
     return blocks, d
 
 
@@ -181,8 +181,7 @@ def quantize(x: np.ndarray, fmt: str, what: str = "values", *,
     d = d32.astype(np.float16)
     if rounding == "ggml":
         live = np.abs(d32) >= np.float32(TINY_SCALE)
-        with np.errstate(divide="ignore"):
-            inv = np.where(live, np.float32(1) / np.where(live, d32, 1), 0).astype(np.float32)
+        inv = np.where(live, np.float32(1) / np.where(live, d32, 1), 0).astype(np.float32)
         p = blocks * inv[..., None]                      # f32, rounded once
         if fmt == "q8_0":   # half away from zero (C's roundf), exact in f64
             q = np.copysign(np.floor(np.abs(p.astype(np.float64)) + 0.5), p)

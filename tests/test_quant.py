@@ -97,7 +97,9 @@ def test_largest_magnitudes_each_format_holds():
             data, d = quant.quantize(x, fmt)
             assert abs(float(d[0])) == 65504
             x[5] = sign * over
-            with pytest.raises(ValueError, match=rf"^keys: .*overflows float16.*{top:.9g}"):
+            with pytest.raises(ValueError, match=rf"^keys: .*overflows float16 \(\|value\| "
+                                                 rf"up to {float(over)!r}\); {fmt} holds "
+                                                 rf"\|x\| <= {top!r} "):
                 quant.quantize(x, fmt, "keys")
 
 

@@ -41,9 +41,9 @@ inline void clattn_block(const __global st_t* row, const int b, const int rotate
     }
 }
 
-/* a / b correctly rounded (a, b > 0 finite, the quotient a normal f32): the division
-   (OpenCL allows 2.5 units of error) moves to a neighbour while that neighbour's
-   remainder, exact as an fma result, is smaller */
+/* a / b correctly rounded (a >= 0, b > 0 finite, the quotient 0 or a normal f32): the
+   division (OpenCL allows 2.5 units of error) moves to a neighbour while that
+   neighbour's remainder, exact as an fma result, is smaller */
 inline float clattn_div(const float a, const float b)
 {
 #pragma OPENCL FP_CONTRACT OFF
@@ -67,7 +67,7 @@ inline float clattn_div(const float a, const float b)
 inline float clattn_scale32(const float m, const int q4)
 {
     if (q4)
-        return m * -0.125f;   /* m / -8, exact */
+        return m * -0.125f;   /* m / -8: the same correctly rounded result */
     const float a = fabs(m);
     return a < 0x1p-80f ? clattn_div(a * 0x1p80f, 127.0f) * 0x1p-80f : clattn_div(a, 127.0f);
 }
