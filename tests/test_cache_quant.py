@@ -2,10 +2,12 @@
 what happens to values a format cannot hold.
 
 numpy's quantizer (clattn.quant, itself checked against the format's written rules in
-tests/test_quant.py) is the reference: the append kernel must store the same bytes for
-adversarial blocks (exact ties of the rounding, their neighbours one unit away, equal
-magnitudes of both signs, zero blocks, scales that are f16 subnormals or round up to the
-next binade, the largest values a scale holds). The randomized cache simulation over
+tests/test_quant.py and against the gguf package's in tests/test_ggml_blocks.py) is the
+reference: the append kernel must store the same bytes for adversarial blocks (exact ties
+of the code rounding and of q4_0's f32 sum, their neighbours a few units away, equal
+magnitudes of both signs, zero blocks with either sign, scales that are f16 subnormals,
+round to f16 zero or up to the next binade, scales below clattn.quant.TINY_SCALE, the
+largest values a scale holds). The randomized cache simulation over
 quantized pages is in tests/test_cache.py (SIM_SPECS).
 """
 from __future__ import annotations
@@ -39,10 +41,28 @@ def _ties(rng, fmt, n):
     return out
 
 
+def _product_ties(rng, fmt, n):
+    """Blocks with a power-of-two scale d, so that id = 1 / d is exact and x * id is a
+    tie k + 1/2 exactly, or a few f32 units below or above one (for q4_0 the units below
+    where x * id + 8.5 rounds up to the next integer in f32)."""
+    lim = 127 if fmt == "q8_0" else 8
+    out = np.empty((n, 32), np.float32)
+    for i in range(n):
+        d = np.float32(2.0 ** rng.integers(-20, 8)) * (1 if fmt == "q8_0" else rng.choice([-1, 1]))
+        k = rng.integers(-lim, lim, 31).astype(np.float32)
+        x = ((k + np.float32(0.5)) * d).astype(np.float32)
+        for j, step in enumerate(rng.integers(-4, 3, 31)):
+            for _ in range(abs(step)):
+                x[j] = np.nextafter(x[j], np.float32(np.inf * step))
+        out[i, 0], out[i, 1:] = (lim if fmt == "q8_0" else -8) * d, x
+        out[i] = np.roll(out[i], int(rng.integers(32)))
+    return out
+
+
 def adversarial_blocks(fmt, seed=0):
     """float32 [n, 32] blocks that stress every rounding the format makes."""
     rng = np.random.default_rng(seed)
-    parts = [_ties(rng, fmt, 48)]
+    parts = [_ties(rng, fmt, 48), _product_ties(rng, fmt, 48)]
     # random blocks over many magnitudes, f16-subnormal scales included
     mag = 2.0 ** rng.integers(-30, 16, (48, 1))
     parts.append((rng.standard_normal((48, 32)) * mag).astype(np.float32))
@@ -54,7 +74,7 @@ def adversarial_blocks(fmt, seed=0):
     # zero blocks, a single non-zero, and scales just around an f16 rounding boundary
     z = np.zeros((12, 32), np.float32)
     z[4:8, 9] = np.float32(3e-3)
-    z[8:, 0] = np.float32(-0.0)   # signed zeros: the first value of largest magnitude is -0
+    z[8:, 0] = np.float32(-0.0)   # signed zeros: a zero block's m is +0 whatever their signs
     z[10:, 5] = np.float32(-0.0)
     parts.append(z)
     edge = rng.standard_normal((16, 32)).astype(np.float32) * 0.1
@@ -64,9 +84,17 @@ def adversarial_blocks(fmt, seed=0):
         mid = (np.float32(h) + np.float32(np.nextafter(h, np.float16(np.inf)))) / 2
         edge[i, i] = np.nextafter(np.float32(mid * lim), np.float32((-1) ** i * np.inf))
     parts.append(edge)
-    # the largest values a scale holds
-    big = rng.uniform(-1, 1, (4, 32)).astype(np.float32) * np.float32(65000 * lim)
+    # the largest values a scale holds, the largest magnitude the format holds
+    big = rng.uniform(-1, 1, (6, 32)).astype(np.float32) * np.float32(65000 * lim)
+    big[4:, 7] = np.float32(quant.LARGEST[fmt]) * np.float32([1, -1])
     parts.append(big)
+    # scales of f16 zero (codes kept), around clattn.quant.TINY_SCALE (zero codes below)
+    tiny = rng.standard_normal((8, 32)).astype(np.float32)
+    tiny /= np.abs(tiny).max(-1, keepdims=True)
+    top = np.float32(quant.TINY_SCALE * (127 if fmt == "q8_0" else 8))
+    tiny[:4] *= top * np.float32([0.5, 0.99999, 1, 2])[:, None]
+    tiny[4:] *= np.float32([1e-30, 1e-12, 1e-9, 2e-8])[:, None]
+    parts.append(tiny)
     return np.concatenate(parts)
 
 
@@ -268,8 +296,49 @@ def test_rope_append_checks_keys_after_their_rotation(target):
             cache.end()
     assert np.array_equal(pool_host(cache, 0), before, equal_nan=True), "a refused append wrote"
 
+@pytest.mark.parametrize("kf,vf", FORMATS)
+def test_largest_magnitude_stored_next_float_refused_on_the_device(device_target, kf, vf):
+    """Device k/v at the largest magnitude each format holds (clattn.quant.LARGEST, both
+    signs): stored as numpy stores them; one f32 unit beyond: the check kernel refuses."""
+    spec = clattn.AttentionSpec(1, 1, 32, page_size=4, dtype="float32", k_format=kf,
+                                v_format=vf)
+    cache = make_cache(spec, device_target, layers=1, num_pages=2)
+    cl = runtime.cl()
+    dev = lambda a: cl.array.to_device(cache._rt.queue, a)  # noqa: E731
+    rng = np.random.default_rng(4)
+    k = rng.standard_normal((2, 1, 32)).astype(np.float32)
+    v = rng.standard_normal((2, 1, 32)).astype(np.float32)
+    top = np.float32([quant.LARGEST[kf], quant.LARGEST[vf]])
+    k[0, 0, 3], k[1, 0, 30] = top[0], -top[0]
+    v[0, 0, 0], v[1, 0, 17] = -top[1], top[1]
+    cache.add("s")
+    cache.begin(["s"], [2])
+    cache.append(0, dev(k), dev(v))
+    cache.end()
+    pool = pool_host(cache, 0)
+    want = quant.pack_pool(_paged(k, spec), _paged(v, spec), spec.layout)
+    page = cache.table.seqs["s"].pages[0]
+    for kind in (0, 1):   # the two rows written (numpy's padding rows hold zero blocks)
+        (gd, gs), (wd, ws) = (quant.region_views(p, spec.layout, kind) for p in (pool, want))
+        assert np.array_equal(gd[page, :, :2], wd[0, :, :2])
+        assert np.array_equal(gs[page, :, :2].view(np.uint16), ws[0, :, :2].view(np.uint16))
+    for name in ("k", "v"):
+        over = {"k": k.copy(), "v": v.copy()}
+        x = over[name]
+        x[1, 0, 9] = np.nextafter(top[int(name == "v")], np.float32(np.inf)) * (-1) ** (name == "v")
+        before = pool_host(cache, 0).copy()
+        cache.begin(["s"], [1])
+        cache.append(0, dev(over["k"][1:]), dev(over["v"][1:]))
+        with pytest.raises(ValueError, match=r"layers \[0\].*scale overflows float16"):
+            cache.end()
+        cache.cancel()
+        assert np.array_equal(pool_host(cache, 0), before), f"a refused {name} was written"
+
+
+def test_keys_rotated_at_append_then_quantized(target):
     """rope="append" with q8_0 keys: what is stored is the rotated key within half a
-    quantization step of its block (the scale the pool holds)."""
+    quantization step of its block's f32 scale d32, plus the codes (up to 127) times the
+    f16 rounding of that scale (at most 2**-11 of the stored scale)."""
     spec = clattn.AttentionSpec(2, 2, 64, page_size=8, dtype="float32", k_format="q8_0",
                                 v_format="q8_0")
     cache = make_cache(spec, target, layers=1, num_pages=4, rope="append", rope_theta=1e4)
@@ -291,7 +360,8 @@ def test_rope_append_checks_keys_after_their_rotation(target):
                      for h in range(2)])
     step = np.repeat(sc, 32, axis=-1)
     err = np.abs(rows - want)
-    assert (err <= step * (0.5 + 1e-3) + 1e-6).all(), float((err / step).max())
+    assert (err <= step * (0.5 + 127 * 2.0 ** -11) * (1 + 1e-3) + 1e-6).all(), \
+        float((err / step).max())
     assert (err > 0).any()
 
 

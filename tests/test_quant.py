@@ -11,25 +11,44 @@ from cases import compare, decode_args, make_case
 from naive import naive_decode
 
 
-def test_q8_rounds_half_to_even_on_the_exact_quotient():
-    # amax 127 -> d = 1 exactly: x = k + 0.5 must go to the even neighbour
+def test_q8_codes_round_the_f32_product_half_away_from_zero():
+    # amax 127 -> d = 1 = id: ties k + 1/2 go away from zero
     x = np.zeros(32, np.float32)
-    x[0], x[1], x[2], x[3], x[4] = 127, 2.5, 3.5, -2.5, 0.49999997
+    x[:6] = 127, 2.5, 3.5, -2.5, 0.49999997, -0.5
     data, d = quant.quantize(x, "q8_0")
-    q = data.view(np.int8)
-    assert d[0] == 1 and list(q[:5]) == [127, 2, 4, -2, 0]
+    assert d[0] == 1 and list(data.view(np.int8)[:6]) == [127, 3, 4, -3, 0, -1]
+    # amax 381 -> d = 3, id = f32(1/3) = 0.3333333433: x = 28.499998 (x / 3 = 9.4999994,
+    # nearest 9) times id rounds to 9.5 in f32, which rounds to 10
+    x[:3] = 381, np.float32(28.499998), np.float32(-28.499998)
+    data, d = quant.quantize(x, "q8_0")
+    assert d[0] == 3 and list(data.view(np.int8)[:3]) == [127, 10, -10]
+    near, _ = quant.quantize(x, "q8_0", rounding="nearest")
+    assert list(near.view(np.int8)[:3]) == [127, 9, -9]
 
 
-def test_q4_layout_nibbles_and_sign_of_largest():
-    x = np.arange(32, dtype=np.float32) - 16   # largest magnitude -16 -> d = f16(-16/-8) = 2
+def _nibbles(data):
+    u = np.empty(data.shape[:-1] + (32,), np.int64)
+    u[..., :16], u[..., 16:] = data & 15, data >> 4  # byte j: value j (low), j + 16 (high)
+    return u
+
+
+def test_q4_layout_nibbles_sign_of_largest_and_truncation_after_8_5():
+    x = np.arange(32, dtype=np.float32) - 16   # largest magnitude -16 -> d = -16/-8 = 2
     data, d = quant.quantize(x, "q4_0")
     assert d[0] == 2
-    u = np.empty(32, np.int64)
-    u[:16], u[16:] = data & 15, data >> 4  # byte j: value j (low), value j + 16 (high)
-    assert list(u[:4]) == [0, 0, 1, 2]  # -16/2 = -8 -> 0; -15/2 = -7.5 -> -8 (even) -> 0
-    assert list(u[16:20]) == [8, 8, 9, 10]  # 0 -> 8; 1/2 -> 0 (even) -> 8; 2/2 = 1 -> 9
+    u = _nibbles(data)
+    # code trunc(x / 2 + 8.5): -16 -> 0, -15 -> 1 (-7.5 goes up), -14 -> 1, -13 -> 2
+    assert list(u[:4]) == [0, 1, 1, 2]
+    # 0 -> 8, 1 -> 9 (0.5 goes up), 2 -> 9, 3 -> 10; 15 -> 16, clamped to 15
+    assert list(u[16:20]) == [8, 9, 9, 10] and u[31] == 15
     back = quant.dequantize(data, d, "q4_0")
-    assert np.array_equal(back, (np.clip(np.rint(x / 2) + 8, 0, 15) - 8) * 2)
+    assert np.array_equal(back, (np.minimum(np.floor(x / 2 + 8.5), 15) - 8) * 2)
+    # the sum x * id + 8.5 is an f32 (unit 2**-20 at 8.5): 0.49999997 + 8.5 rounds to 9
+    # (code 9, not 8); 0.4999995 + 8.5 stays below 9 (code 8)
+    y = np.zeros(32, np.float32)
+    y[0], y[1], y[2] = -8, np.float32(0.49999997), np.float32(0.4999995)
+    data, d = quant.quantize(y, "q4_0")
+    assert d[0] == 1 and list(_nibbles(data)[:3]) == [0, 9, 8]
 
 
 def test_scale_is_f16_rounded_and_zero_blocks_decode_to_zero():
@@ -40,9 +59,55 @@ def test_scale_is_f16_rounded_and_zero_blocks_decode_to_zero():
         assert d.dtype == np.float16 and (d[1] == 0).all() and d[0, 1] == 0
         back = quant.dequantize(data, d, fmt)
         assert (back[1] == 0).all() and (back[0, 32:] == 0).all()
+        # zero blocks: zero codes; q4_0's scale is +0 / -8 = -0 (ggml's, whatever the
+        # sign of the zeros)
+        assert (data[1] == (0 if fmt == "q8_0" else 0x88)).all()
+        assert (np.signbit(d[1]) == (fmt == "q4_0")).all()
+        # half a step of the f32 scale d32, plus the codes times d32's f16 rounding; q4's
+        # range [-8, 7] clips the opposite extreme by one step
+        d32 = 0.3 / (127 if fmt == "q8_0" else 8)
         err = np.abs(back[0, :32] - x[0, :32]).max()
-        # half a step; q4's range [-8, 7] clips the opposite extreme by one step
-        assert err <= float(abs(d[0, 0])) * (0.5 if fmt == "q8_0" else 1.0) * (1 + 1e-6)
+        qmax = 127 if fmt == "q8_0" else 8
+        step = 0.5 if fmt == "q8_0" else 1.0
+        assert err <= (step * d32 + qmax * abs(float(d[0, 0]) - d32)) * (1 + 1e-6)
+
+
+def test_tiny_scales_get_zero_codes_f16_zero_scales_keep_ggml_codes():
+    x = np.zeros((3, 32), np.float32)
+    x[0, :3] = 2.9e-36, 1e-36, -2e-36   # q8_0: d = 2.9e-36 / 127 < 2**-125: zero codes
+    x[1, :3] = 2e-7, 5e-8, -1.5e-7      # d below half f16's least subnormal: scale 0, codes kept
+    x[2, :2] = -1.8e-37, 1e-37          # q4_0: d = 1.8e-37 / 8 < 2**-125: zero codes
+    data, d = quant.quantize(x, "q8_0")
+    assert (d == 0).all() and not data[0].any() and not data[2].any()
+    assert list(data[1].view(np.int8)[:3]) == [127, 32, -95]   # 127 * x / 2e-7
+    assert (quant.dequantize(data, d, "q8_0") == 0).all()
+    data, d = quant.quantize(x, "q4_0")
+    assert (d == 0).all() and (data[2] == 0x88).all()
+    assert list(_nibbles(data[1])[:3]) == [0, 6, 14]   # d = -2.5e-8: 8.5 - 8 * x / 2e-7
+
+
+def test_largest_magnitudes_each_format_holds():
+    f32 = np.float32
+    for fmt, top in quant.LARGEST.items():
+        over = np.nextafter(f32(top), f32(np.inf))
+        assert over == (65520 * 127 if fmt == "q8_0" else 65520 * 8)
+        for sign in (1, -1):
+            x = np.zeros(32, np.float32)
+            x[5] = sign * f32(top)
+            data, d = quant.quantize(x, fmt)
+            assert abs(float(d[0])) == 65504
+            x[5] = sign * over
+            with pytest.raises(ValueError, match=rf"^keys: .*overflows float16 \(\|value\| "
+                                                 rf"up to {float(over)!r}\); {fmt} holds "
+                                                 rf"\|x\| <= {top!r} "):
+                quant.quantize(x, fmt, "keys")
+
+
+def test_quantize_refuses_unknown_format_and_rounding():
+    with pytest.raises(ValueError, match="format 'q5_0'"):
+        quant.quantize(np.zeros(32), "q5_0")
+    with pytest.raises(ValueError, match="rounding='even'"):
+        quant.quantize(np.zeros(32), "q8_0", rounding="even")
 
 
 @pytest.mark.parametrize("bad", [np.inf, -np.inf, np.nan])

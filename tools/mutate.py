@@ -269,16 +269,31 @@ MUTANTS = [
          'return "(convert_%s(*(const __global %s*)(%s + (%s))))" % (fv, c, name, lane)')],
         ["tests/test_quant.py", "-k", "decode and q8_0"],
         "q8 values used without their block scale", "kernel"),
-    Mutant("q-rounding-half-away", "clattn/quant.py", [
-        ("np.rint(blocks.astype(np.float64) / np.where(d32 != 0, d32, 1))",
-         "np.trunc(blocks.astype(np.float64) / np.where(d32 != 0, d32, 1) + "
-         "np.copysign(0.5, blocks))")],
-        ["tests/test_quant.py", "-k", "half_to_even"],
-        "quantizer rounds half away from zero instead of to even"),
-    Mutant("append-ties-rounded-up", "clattn/kernels/append_bytes.clh.mako", [
-        ("if (t > hi || (t == hi && odd))", "if (t >= hi)")],
-        ["tests/test_cache_quant.py", "-k", "bit_for_bit"],
-        "the append kernel rounds exact ties of the code grid up instead of to even"),
+    Mutant("q8-rounding-half-even", "clattn/quant.py", [
+        ("q = np.copysign(np.floor(np.abs(p.astype(np.float64)) + 0.5), p)",
+         "q = np.rint(p.astype(np.float64))")],
+        ["tests/test_quant.py", "-k", "half_away"],
+        "the q8_0 quantizer rounds x * id half to even instead of away from zero (ggml)"),
+    Mutant("q4-sum-not-rounded-to-f32", "clattn/quant.py", [
+        ("np.trunc(p + np.float32(8.5))", "np.trunc(p.astype(np.float64) + 8.5)")],
+        ["tests/test_ggml_blocks.py", "-k", "bit_for_bit and q4_0"],
+        "the q4_0 quantizer truncates x * id + 8.5 exactly, not its f32 sum (ggml)"),
+    Mutant("append-q8-half-even", "clattn/kernels/append_bytes.clh.mako", [
+        ("return q4 ? min(15, (int)(p + 8.5f)) : (int)round(p);",
+         "return q4 ? min(15, (int)(p + 8.5f)) : (int)rint(p);")],
+        ["tests/test_cache_quant.py", "-k", "bit_for_bit and pocl"],
+        "the append kernel rounds q8_0's x * id half to even instead of away from zero",
+        "kernel"),
+    Mutant("append-q4-sum-fused", "clattn/kernels/append_bytes.clh.mako", [
+        ("return q4 ? min(15, (int)(p + 8.5f)) : (int)round(p);",
+         "return q4 ? min(15, (int)fma(x, id, 8.5f)) : (int)round(p);")],
+        ["tests/test_cache_quant.py", "-k", "bit_for_bit and pocl"],
+        "the append kernel fuses q4_0's x * id + 8.5 into one rounding", "kernel"),
+    Mutant("append-tiny-scale-codes-kept", "clattn/kernels/append_bytes.clh.mako", [
+        ("return fabs(d) >= 0x1p-125f ? copysign(clattn_div(1.0f, fabs(d)), d) : 0.0f;",
+         "return d != 0.0f ? copysign(clattn_div(1.0f, fabs(d)), d) : 0.0f;")],
+        ["tests/test_cache_quant.py", "-k", "bit_for_bit and pocl"],
+        "the append kernel computes codes from a scale below TINY_SCALE", "kernel"),
     Mutant("append-check-ignored", "clattn/kernels/append_bytes.clh.mako", [
         ("    if (flags[0] == epoch)\n        return;", "")],
         ["tests/test_cache_quant.py", "-k", "device_arrays"],
@@ -316,10 +331,11 @@ MUTANTS = [
          "const int dead = 0;")],
         ["tests/test_nonfinite.py", "-k", "all_scores_minus_inf"],
         "split-KV: a sequence whose rows all score -inf reads as empty", "kernel", count=2),
-    Mutant("append-q4-signed-zero-scale", "clattn/kernels/append_bytes.clh.mako", [
-        ("    float m = x[0], am = fabs(x[0]);", "    float m = 0.0f, am = 0.0f;")],
+    Mutant("append-q4-zero-scale-sign-of-first", "clattn/kernels/append_bytes.clh.mako", [
+        ("    float m = 0.0f, am = 0.0f;", "    float m = x[0], am = fabs(x[0]);")],
         ["tests/test_cache_quant.py", "-k", "bit_for_bit and pocl"],
-        "a q4_0 block of zeros led by -0 gets scale -0 (numpy stores +0)", "kernel"),
+        "a q4_0 block of zeros led by -0 gets scale +0 (ggml's is -0 whatever the zeros)",
+        "kernel"),
     Mutant("rows-past-int32-accepted", "clattn/validate.py", [
         ("    if nnz * spec.page_size > INT32_MAX:", "    if False:")],
         ["tests/test_validation.py", "-k", "32_bit"],

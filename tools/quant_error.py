@@ -10,10 +10,17 @@
    cache), the 2-layer random-weight models of tests/test_transformers.py generate 32
    greedy tokens with f32 weights; printed: how many of the 32 equal eager f32 attention's,
    the first that differs, and the largest logit difference.
+3. Rounding: the codes of ggml's reference quantizer (what the cache stores) against the
+   codes nearest to ``x / d`` on the stored scale (``quant.quantize(rounding="nearest")``),
+   over N(0,1) blocks: the share of blocks and values whose codes differ, RMS and largest
+   dequantization error (absolute, and in units of the block's stored scale), and the
+   decode-attention error of part 1 computed on each rounding's values (float64 oracle
+   on the dequantized pages against the f32 pages, the first model shape).
 
 Examples
-  python tools/quant_error.py                      # both parts, PoCL for part 2
+  python tools/quant_error.py                      # every part, PoCL for part 2
   python tools/quant_error.py --part attention --context 8192
+  python tools/quant_error.py --part rounding --blocks 1000000
 """
 from __future__ import annotations
 
@@ -86,6 +93,50 @@ def _oracle(q, k, v, group, scale):
     return out[None], lse[None]
 
 
+def rounding_errors(blocks: int, seed: int) -> list[dict]:
+    """Value errors of both roundings over ``blocks`` N(0,1) blocks of 32."""
+    x = np.random.default_rng(seed).standard_normal((blocks, 32)).astype(np.float32)
+    rows = []
+    for fmt in FORMATS:
+        codes = {}
+        for rounding in quant.ROUNDINGS:
+            data, d = quant.quantize(x, fmt, rounding=rounding)
+            codes[rounding] = data
+            err = quant.dequantize(data, d, fmt).astype(np.float64) - x
+            unit = np.abs(d.astype(np.float64))
+            rows.append(dict(fmt=fmt, rounding=rounding,
+                             rms=float(np.sqrt(np.mean(err ** 2))),
+                             max_abs=float(np.abs(err).max()),
+                             max_steps=float((np.abs(err) / unit).max())))
+        diff = codes["ggml"] != codes["nearest"]
+        for r in rows[-2:]:
+            r.update(blocks_differ=float(diff.any(-1).mean()),
+                     bytes_differ=float(diff.mean()))
+    return rows
+
+
+def rounding_attention(context: int, seed: int) -> list[dict]:
+    """Part 1's attention error of the first model shape on each rounding's values."""
+    rng = np.random.default_rng(seed)
+    hqo, hkv, d = next(iter(MODELS.values()))
+    k = outlier_keys(rng, context, hkv, d)
+    v = rng.standard_normal((context, hkv, d)).astype(np.float32)
+    q = rng.standard_normal((1, hqo, d)).astype(np.float32)
+    q += 0.05 * np.repeat(np.sign(k.mean(0)), hqo // hkv, axis=0)[None]
+    ref = _oracle(q, k, v, hqo // hkv, 1 / np.sqrt(d))
+    rows = []
+    for fmt in FORMATS:
+        for rounding in quant.ROUNDINGS:
+            kq, vq = (quant.dequantize(*quant.quantize(x, fmt, rounding=rounding), fmt)
+                      for x in (k, v))
+            out, lse = _oracle(q, kq, vq, hqo // hkv, 1 / np.sqrt(d))
+            err = out[0] - ref[0]
+            rows.append(dict(model=next(iter(MODELS)), fmt=fmt, rounding=rounding,
+                             rel_l2=float(np.linalg.norm(err) / np.linalg.norm(ref[0])),
+                             lse=float(np.abs(lse - ref[1]).max())))
+    return rows
+
+
 def token_agreement(device: str) -> list[dict]:
     import clattn.integrations.transformers as cltf
     import test_transformers as tt
@@ -109,7 +160,8 @@ def token_agreement(device: str) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--part", choices=("all", "attention", "tokens"), default="all")
+    ap.add_argument("--part", choices=("all", "attention", "tokens", "rounding"), default="all")
+    ap.add_argument("--blocks", type=int, default=200000, help="N(0,1) blocks (part 3)")
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--device", default="pocl")
     ap.add_argument("--seed", type=int, default=0)
@@ -132,6 +184,22 @@ def main(argv: list[str] | None = None) -> int:
             first = "-" if r["first_diff"] == 32 else r["first_diff"]
             print(f"| {r['model']} | {r['fmt']} | {r['equal']}/32 | {first} | "
                   f"{r['logits']:.3g} |")
+    if args.part in ("all", "rounding"):
+        print(f"\n## Rounding: ggml's reference codes vs the codes nearest x / d ({args.blocks} "
+              f"N(0,1) blocks)\n")
+        print("| format | rounding | blocks differing | code bytes differing | RMS error | "
+              "max abs error | max error / scale |")
+        print("|---|---|---:|---:|---:|---:|---:|")
+        for r in rounding_errors(args.blocks, args.seed):
+            print(f"| {r['fmt']} | {r['rounding']} | {r['blocks_differ']:.2%} | "
+                  f"{r['bytes_differ']:.3%} | {r['rms']:.5g} | {r['max_abs']:.4g} | "
+                  f"{r['max_steps']:.4f} |")
+        print(f"\nDecode attention on each rounding's values (context {args.context}):\n")
+        print("| model | format | rounding | rel. L2 error of out | max lse error |")
+        print("|---|---|---|---:|---:|")
+        for r in rounding_attention(args.context, args.seed):
+            print(f"| {r['model']} | {r['fmt']} | {r['rounding']} | {r['rel_l2']:.4e} | "
+                  f"{r['lse']:.3e} |")
     return 0
 
 

@@ -1,8 +1,10 @@
 ## KV-cache writes into a byte pool (K or V stored as q8_0, q4_0, or a float type other
 ## than DTYPE): included by append.cl.mako, whose header lists the parameters. The
-## quantizer is clattn.quant's, bit for bit: the scale is f16(f32(amax / 127)) (q8_0) or
-## f16(m / -8) (q4_0, m the first value of largest magnitude), each code the exact
-## quotient x / d rounded half to even, then clamped.
+## quantizer is clattn.quant's (ggml's reference quantizer), bit for bit: the f32 scale
+## d = amax / 127 (q8_0) or m / -8 (q4_0, m the first value of largest magnitude, +0 when
+## all are zero), stored as f16(d); id = 1 / d (0 when |d| < 2^-125); each code
+## round_half_away(x * id) (q8_0) or min(15, trunc(x * id + 8.5)) (q4_0), every
+## operation one correctly rounded f32 operation.
 <%namespace name="c" file="common.clh.mako"/>
 <%
 NB = D // 32
@@ -39,47 +41,56 @@ inline void clattn_block(const __global st_t* row, const int b, const int rotate
     }
 }
 
-/* a / 127 correctly rounded (a >= 0): the division's candidates one unit either side
-   are compared by their remainders, exact as fma results */
-inline float clattn_div127(const float a)
+/* a / b correctly rounded (a >= 0, b > 0 finite, the quotient 0 or a normal f32): the
+   division (OpenCL allows 2.5 units of error) moves to a neighbour while that
+   neighbour's remainder, exact as an fma result, is smaller */
+inline float clattn_div(const float a, const float b)
 {
 #pragma OPENCL FP_CONTRACT OFF
-    const float q = a / 127.0f;
-    const float lo = nextafter(q, 0.0f), hi = nextafter(q, INFINITY);
-    const float rq = fabs(fma(-q, 127.0f, a));
-    const float rl = fabs(fma(-lo, 127.0f, a)), rh = fabs(fma(-hi, 127.0f, a));
-    return rl < rq ? lo : (rh < rq ? hi : q);
+    float q = a / b;
+    for (int i = 0; i < 3; ++i) {
+        const float lo = nextafter(q, 0.0f), hi = nextafter(q, INFINITY);
+        const float r = fabs(fma(-q, b, a));
+        if (fabs(fma(-lo, b, a)) < r)
+            q = lo;
+        else if (fabs(fma(-hi, b, a)) < r)
+            q = hi;
+        else
+            break;
+    }
+    return q;
 }
 
-/* the block's scale as f32 before its f16 rounding, from its first value m of largest
-   magnitude */
+/* the block's f32 scale d before its f16 rounding, from its first value m of largest
+   magnitude (+0 when all are zero); a tiny amax is divided scaled by 2^80 so that no
+   remainder is subnormal (the scaling back is exact wherever the scale is not tiny) */
 inline float clattn_scale32(const float m, const int q4)
 {
-    return q4 ? m / -8.0f : clattn_div127(fabs(m));
+    if (q4)
+        return m * -0.125f;   /* m / -8: the same correctly rounded result */
+    const float a = fabs(m);
+    return a < 0x1p-80f ? clattn_div(a * 0x1p80f, 127.0f) * 0x1p-80f : clattn_div(a, 127.0f);
 }
 
-/* rint(x / d), half to even, on the exact quotient (d != 0 an f16 value): the division
-   gives a candidate, exact comparisons of 2x with (2q +- 1) |d| (products of at most
-   21 bits) correct it */
-inline int clattn_rint_div(const float x, const float d)
+/* id = 1 / d, correctly rounded; 0 for a tiny scale (its codes are the zero codes) */
+inline float clattn_inv_scale(const float d)
+{
+    return fabs(d) >= 0x1p-125f ? copysign(clattn_div(1.0f, fabs(d)), d) : 0.0f;
+}
+
+/* the code of x: the product x * id rounded once, then half away from zero (q8_0), or
+   8.5 added (rounded once) and the sum truncated, at most 15 (q4_0) */
+inline int clattn_code(const float x, const float id, const int q4)
 {
 #pragma OPENCL FP_CONTRACT OFF
-    const float s = d < 0.0f ? -x : x, a = fabs(d);
-    float q = clamp(rint(s / a), -300.0f, 300.0f);
-    const float t = 2.0f * s;
-    const float hi = (2.0f * q + 1.0f) * a, lo = (2.0f * q - 1.0f) * a;
-    const int odd = ((int)q) & 1;
-    if (t > hi || (t == hi && odd))
-        q += 1.0f;
-    else if (t < lo || (t == lo && odd))
-        q -= 1.0f;
-    return (int)q;
+    const float p = x * id;
+    return q4 ? min(15, (int)(p + 8.5f)) : (int)round(p);
 }
 
 /* first value of largest magnitude, and whether every value is finite */
 inline float clattn_block_max(const float* x, int* finite)
 {
-    float m = x[0], am = fabs(x[0]);   /* x[0] itself when all are zero: -0 as numpy */
+    float m = 0.0f, am = 0.0f;   /* +0 when all are zero */
     int ok = 1;
     for (int i = 0; i < 32; ++i) {
         ok &= isfinite(x[i]);
@@ -100,18 +111,16 @@ inline float clattn_block_max(const float* x, int* finite)
                 int finite;
                 const float m = clattn_block_max(x, &finite);
                 __global uchar* sc = pages + reg + ${PS * rowb} + ((ulong)r * ${NB} + b) * 2;
-                vstore_half_rte(clattn_scale32(m, ${q4}), 0, (__global half*)sc);
-                const float d = vload_half(0, (const __global half*)sc);
+                const float d32 = clattn_scale32(m, ${q4});
+                vstore_half_rte(d32, 0, (__global half*)sc);
+                const float id = clattn_inv_scale(d32);
                 __global uchar* dst = pages + reg + (ulong)r * ${rowb} + b * ${16 if q4 else 32};
 %   if q4:
-                for (int j = 0; j < 16; ++j) {   /* values j and j + 16 share byte j */
-                    const int lo = d == 0.0f ? 8 : clamp(clattn_rint_div(x[j], d) + 8, 0, 15);
-                    const int hi = d == 0.0f ? 8 : clamp(clattn_rint_div(x[j + 16], d) + 8, 0, 15);
-                    dst[j] = (uchar)(lo | (hi << 4));
-                }
+                for (int j = 0; j < 16; ++j)   /* values j and j + 16 share byte j */
+                    dst[j] = (uchar)(clattn_code(x[j], id, 1) | (clattn_code(x[j + 16], id, 1) << 4));
 %   else:
                 for (int j = 0; j < 32; ++j)
-                    dst[j] = as_uchar((char)(d == 0.0f ? 0 : clamp(clattn_rint_div(x[j], d), -127, 127)));
+                    dst[j] = as_uchar((char)clattn_code(x[j], id, 0));
 %   endif
 % else:
 <% et = "half" if fmt == "half" else "float" %>\
