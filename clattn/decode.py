@@ -1,7 +1,6 @@
 """The app-facing decode API: build once per model configuration, run per layer."""
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 import numpy as np
@@ -9,7 +8,7 @@ import numpy as np
 from . import cpu_backend, host_memory, runtime
 from .codegen import render_decode
 from .decode_step import DecodeStep, upload_tables
-from .device import DeviceSetup, open_backend
+from .device import DeviceSetup, open_backend, warn_notes
 from .fit import DecodeGeometry, MergeGeometry
 from .numbers import is_int
 from .opencl_backend import OpenCLBackend
@@ -60,8 +59,7 @@ class BatchDecode:
         self.opencl: OpenCLBackend | None = None
         if self.setup:
             self.opencl = OpenCLBackend(spec, self.setup)
-            for note in self.opencl.fit_decode():
-                warnings.warn(f"clattn: {note}", RuntimeWarning, stacklevel=2)
+            warn_notes(self.opencl.fit_decode(), stacklevel=2)
 
     # -- introspection -------------------------------------------------------------
     @property

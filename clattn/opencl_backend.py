@@ -22,6 +22,7 @@ from typing import Any
 from . import runtime, signatures
 from .codegen import render_append, render_decode, render_merge, render_prefill
 from .device import DeviceSetup, build_fitted
+from .device_fit import fit_device
 from .fit import (DecodeGeometry, MergeGeometry, PrefillGeometry, append_geometry,
                   decode_geometry, merge_geometry, prefill_geometry)
 from .launch import Launcher
@@ -73,15 +74,19 @@ class OpenCLBackend:
 
     # -- geometries ----------------------------------------------------------------
     def fit_decode(self) -> tuple:
-        """Fit the decode and merge kernels to the device; returns the decode fit's notes
-        (every wish of the profile that was cut, with its reason)."""
-        spec, prof, limits = self.spec, self.setup.profile, self.setup.limits
-        self.decode_geometry = decode_geometry(spec, prof, limits)
-        self.merge_geometry = merge_geometry(spec.head_dim, spec.dtype, prof, limits)
-        return self.decode_geometry.notes
+        """Fit the decode and merge kernels to the device; returns the one fit's notes
+        (:func:`clattn.device_fit.fit_device`: every wish of the profile that was cut,
+        for the device or for the decode kernel, with its reason)."""
+        spec, setup = self.spec, self.setup
+        fit = fit_device(setup.wishes, setup.info, spec, setup.limits)
+        self.decode_geometry = fit.geometry
+        self.merge_geometry = merge_geometry(spec.head_dim, spec.dtype, setup.profile,
+                                             setup.limits)
+        return fit.notes
 
     def fit_prefill(self) -> tuple:
-        """Fit the prefill kernel to the device; returns the fit's notes."""
+        """Fit the prefill kernel to the device; returns the prefill kernel's cuts (the
+        device's are ``setup.notes``)."""
         self.prefill_geometry = prefill_geometry(self.spec, self.setup.profile,
                                                  self.setup.limits)
         return self.prefill_geometry.notes

@@ -8,7 +8,6 @@ query per sequence is a decode whose query sits at the chunk's last row.
 """
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,7 +17,7 @@ from . import cpu_backend
 from .codegen import render_prefill
 from .decode import check_host_call, run_on_host
 from .decode_step import upload_tables
-from .device import DeviceSetup, open_backend
+from .device import DeviceSetup, open_backend, warn_notes
 from .fit import PrefillGeometry
 from .opencl_backend import OpenCLBackend
 from .profiles.record import Profile
@@ -110,8 +109,8 @@ class BatchPrefill:
         self.opencl: OpenCLBackend | None = None
         if self.setup:
             self.opencl = OpenCLBackend(spec, self.setup)
-            for note in self.opencl.fit_prefill():
-                warnings.warn(f"clattn: prefill: {note}", RuntimeWarning, stacklevel=2)
+            warn_notes(self.setup.notes, stacklevel=2)
+            warn_notes(self.opencl.fit_prefill(), "prefill: ", stacklevel=2)
 
     # -- introspection -------------------------------------------------------------
     @property

@@ -317,13 +317,14 @@ def variant(profile: str, shape: str) -> Variant:
     """Fit ``profile`` to its representative record for ``shape`` and derive what Oclgrind
     can run (local-memory reduction, vload_half, at most 32 KiB of local memory)."""
     from clattn import profiles as reg
-    from clattn.fit import Limits, decode_geometry, tiled_heads, tiled_local_bytes
+    from clattn.device_fit import fit_device
+    from clattn.fit import tiled_heads, tiled_local_bytes
     rec = representative(profile)
     info = rec or {}
-    prof, fit_notes = reg.fit(reg.get_profile(profile, user=False), info)
     spec = spec_for(shape)
-    dev = decode_geometry(spec, prof, Limits.from_info(info))
-    notes = list(fit_notes) + list(dev.notes)
+    fit = fit_device(reg.get_profile(profile, user=False), info, spec)
+    dev = fit.geometry
+    notes = list(fit.notes)
     g = dev
     if g.reduction == "subgroup":
         g = replace(g, reduction="local", subgroup_size=None, subgroup_attr="", pragmas=())
