@@ -706,11 +706,15 @@ class _DeviceKernels:
         waits = waits if waits is not None else q.events + out.events + lse.events
         if not self.in_order:
             waits = self.waits + pool.events + waits
-        evts = self.opencl.decode_then_merge(
-            self.queue, waits, (self.decode.launch, *self.decode_sizes,
-                                dict(q=q, pages=pool, out=out, lse=lse)),
-            (self.merge.launch, *self.merge_sizes, dict(out=out, lse=lse)) if self.split
-            else None, queue_orders=self.in_order)
+        if self.split:
+            evts = self.opencl.decode_then_merge(
+                self.queue, waits, (self.decode.launch, *self.decode_sizes,
+                                    dict(q=q, pages=pool, out=out, lse=lse)),
+                (self.merge.launch, *self.merge_sizes, dict(out=out, lse=lse)),
+                queue_orders=self.in_order)
+        else:  # no workspace to order: the decode kernel alone, on the per-layer path
+            evts = (self.decode.launch(self.queue, *self.decode_sizes, waits, q=q, pages=pool,
+                                       out=out, lse=lse),)
         if not self.in_order:
             pool.events.append(evts[0])  # the next write of the pool waits for this read
         out.events[:] = [evts[-1]]
