@@ -142,5 +142,5 @@ def build_fitted(setup: DeviceSetup, geometry: Any, build: Callable[[Any], Any],
         warnings.warn(f"clattn: the {what} kernel allows {allowed} work-items per group on "
                       f"{device.name!r}, the geometry asked for {want}: "
                       f"{'; '.join(smaller.notes) or 'fitted again'}", RuntimeWarning,
-                      stacklevel=5)
+                      stacklevel=4)
         setup.limits, geometry = limits, smaller
