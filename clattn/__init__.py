@@ -3,17 +3,19 @@
 Public names only; see README.md for the semantics (base-2 LSE, exact empty states).
 """
 from .cache import CacheFullError, PagedKVCache
-from .decode import BatchDecode, DecodeResult
+from .decode import BatchDecode
 from .merge import merge_state, merge_state_, merge_states
 from .plan import Plan
 from .prefill import BatchPrefill, PrefillPlan
 from .profiles.record import Profile
+from .result import AttentionResult, DecodeResult
 from .runtime import BuildError, DeviceUnusableError, NoDeviceError, ensure_icd, select_device
 from .spec import AttentionSpec
 
 ensure_icd()
 
-__all__ = ["AttentionSpec", "BatchDecode", "BatchPrefill", "CacheFullError", "DecodeResult",
-           "PagedKVCache", "Plan", "PrefillPlan",
-           "Profile", "BuildError", "DeviceUnusableError", "NoDeviceError", "merge_state", "merge_state_", "merge_states", "select_device"]
+__all__ = ["AttentionResult", "AttentionSpec", "BatchDecode", "BatchPrefill", "BuildError",
+           "CacheFullError", "DecodeResult", "DeviceUnusableError", "NoDeviceError",
+           "PagedKVCache", "Plan", "PrefillPlan", "Profile", "merge_state", "merge_state_",
+           "merge_states", "select_device"]
 __version__ = "0.1.0"

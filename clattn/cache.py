@@ -26,13 +26,12 @@ import numpy as np
 
 from . import cpu_backend, host_memory, runtime, signatures, validate
 from .cache_tables import CacheFullError, PageTable, StepTables
-from .codegen import render_append
 from .decode import BatchDecode
-from .fit import append_geometry
+from .numbers import is_int
 from .quant import QUANTIZED, check_quantizable, quantize, region_views
-from .result import DecodeResult
+from .result import AttentionResult
 from .rope import parse_rope_scaling, rope_tables, rotate
-from .spec import INT32_MAX, LSE_DTYPE, AttentionSpec, is_int
+from .spec import INT32_MAX, LSE_DTYPE, AttentionSpec
 from .staging import Call
 from .validate import check_array, is_host
 
@@ -153,15 +152,14 @@ class PagedKVCache:
                 spec.rope_scaling, spec.max_position_embeddings), spec.max_position_embeddings)
         self.table = PageTable(spec, self.num_pages, _checked_rollback(rollback))
         self._lock = threading.RLock()
-        self._step: _Step | None = None
+        self._step: _StepInProgress | None = None
         self.bytes_uploaded = 0  # bytes the cache sent to the device (tables, k, v, q)
         shape = spec.pool_shape(self.num_pages)
         if self.backend == "cpu":
             self.pools = [np.zeros(shape, spec.pool_dtype) for _ in range(self.num_layers)]
             return
-        setup = self.decoder.setup
-        self._rt = setup.runtime
-        self.geometry = append_geometry(spec.head_dim, spec.dtype, setup.profile, setup.limits)
+        self._rt = self.decoder.opencl.runtime
+        self.geometry = self.decoder.opencl.fit_append()
         cl = runtime.cl()
         size = int(np.prod(shape)) * spec.pool_dtype.itemsize
         limit = int(self._rt.device.max_mem_alloc_size)
@@ -175,7 +173,7 @@ class PagedKVCache:
             a = host_memory.empty(q, shape, spec.pool_dtype)
             a.events.append(cl.enqueue_fill_buffer(q, a.base_data, np.uint8(0), 0, size))
             self.pools.append(a)
-        self._device = _DeviceSteps(self)
+        self._device = _DeviceKernels(self)
 
     # -- sequences ------------------------------------------------------------------
     def add(self, seq_id: Hashable, *, window: int | None = None, sink: int = 0,
@@ -271,7 +269,7 @@ class PagedKVCache:
                                 f"progress; call end() or cancel() first")
             tables = self.table.reserve(seq_ids, lengths, rope=self.rope)
             try:
-                self._step = _Step(self, tables)
+                self._step = _StepInProgress(self, tables)
             except BaseException:
                 self.table.release(tables)
                 raise
@@ -284,6 +282,23 @@ class PagedKVCache:
         step = self._current("positions")
         t = step.tables
         return t.q_pos if self.rope == "attend" else t.k_pos
+
+    @property
+    def step_tables(self) -> StepTables | None:
+        """The host tables of the step in progress (None between steps), to be read, not
+        written: one virtual sequence per new token (the last token of a sequence sees all
+        of its rows), as the cache's kernels take them."""
+        step = self._step
+        return None if step is None else step.tables
+
+    @property
+    def upload_events(self) -> tuple:
+        """The events of the table uploads the device may still be reading (empty on the
+        CPU backend). pyopencl waits for a copy from host memory when its event is
+        dropped: the cache holds them until their buffers are reused."""
+        if self.backend == "cpu":
+            return ()
+        return self._device.upload_events()
 
     @property
     def num_tokens(self) -> int:
@@ -302,7 +317,7 @@ class PagedKVCache:
             self._layer(layer)
             return step.append(layer, k, v)
 
-    def attend(self, layer: int, q: Any, *, out: Any = None, lse: Any = None) -> DecodeResult:
+    def attend(self, layer: int, q: Any, *, out: Any = None, lse: Any = None) -> AttentionResult:
         """Attention of the step's new queries ``q [T, H_qo, D]`` over ``layer``'s cache.
 
         Each new token attends to the sequence up to and including itself (a prompt
@@ -349,7 +364,7 @@ class PagedKVCache:
             raise StepError(f"{what}: not allowed while a step is in progress; end() or "
                             f"cancel() it first")
 
-    def _current(self, what: str) -> "_Step":
+    def _current(self, what: str) -> "_StepInProgress":
         if self._step is None:
             raise StepError(f"{what}: no step in progress; call begin(seq_ids, lengths) first")
         return self._step
@@ -359,7 +374,7 @@ class PagedKVCache:
             raise LayerIndexError(f"layer={layer!r}: the cache has layers 0..{self.num_layers - 1}")
 
 
-class _Step:
+class _StepInProgress:
     """One step: its tables, which layers were appended, and (device) its launches."""
 
     def __init__(self, cache: PagedKVCache, tables: StepTables) -> None:
@@ -445,7 +460,7 @@ class _Step:
             if scales is not None:
                 sview[page, :, slot] = scales
 
-    def attend(self, layer: int, q: Any, out: Any, lse: Any) -> DecodeResult:
+    def attend(self, layer: int, q: Any, out: Any, lse: Any) -> AttentionResult:
         cache, t = self.cache, self.tables
         if not self.appended[layer]:
             raise StepError(f"attend: layer {layer} has not been appended this step; call "
@@ -460,7 +475,7 @@ class _Step:
                 k_pos_offset=t.k_pos_offset if attend_rope else None,
                 rotary_mode=int(attend_rope), rope_scale=cache.rope_scale,
                 rope_theta=cache.rope_theta, sm_scale=cache.sm_scale, out=out, lse=lse)
-            return DecodeResult(o, s)
+            return AttentionResult(o, s)
         dev = cache._device
         if dev.ready(q, self.q_shape) and out is not None and lse is not None and \
                 dev.ready(out, self.q_shape) and dev.ready(lse, self.q_shape[:2], LSE_DTYPE):
@@ -476,11 +491,13 @@ class _Step:
         dlse = call.output("lse", lse, self.q_shape[:2], LSE_DTYPE)
         res = dev.attend(cache.pools[layer], dq, dout, dlse, call.wait_list())
         o, s = call.finish([dout, dlse], list(res.events), host=is_host(q))
-        return DecodeResult(o, s, res.event, res.events)
+        return AttentionResult(o, s, res.event, res.events)
 
 
-class _DeviceSteps:
-    """The cache's kernel objects and buffers on the device, made once per cache.
+class _DeviceKernels:
+    """The cache's bound kernel objects and its table and staging buffers on the device,
+    made once per cache; the kernels, the split workspace and the plans' tables are the
+    decoder's :class:`~clattn.opencl_backend.OpenCLBackend`'s.
 
     Creating and typing a kernel object costs 0.3-1.3 ms on the CPU drivers and a
     pyopencl array view 40 us, so a step sets the new tables (``(buffer, offset)`` pairs
@@ -503,21 +520,20 @@ class _DeviceSteps:
         self.in_order = not (self.queue.properties &
                              cl.command_queue_properties.OUT_OF_ORDER_EXEC_MODE_ENABLE)
         self.dtype = spec.np_dtype
-        decode, merge = dec._kernels()  # builds (and may refit the geometry) first
-        self.geometry, self.merge_geometry = dec.geometry, dec.merge_geometry
+        opencl = self.opencl = dec.opencl
+        decode, merge = opencl.decode_kernels()  # builds (and may refit the geometry) first
+        self.geometry, self.merge_geometry = opencl.decode_geometry, opencl.merge_geometry
         attend_rope = int(cache.rope == "attend")
         none = dict.fromkeys(("q", "pages", "out", "lse", "page_indptr", "page_indices",
                               "last_page_len", "window_offset", "sink_size", "q_pos",
                               "k_pos_offset", "ws_o", "ws_s", "part_indptr"))
         self.decode = decode.bind(**none, num_pages=cache.num_pages, nnz=0, n_ws=0, split=0,
-                                  part_rows=0, **dec._scalars(attend_rope, cache.rope_theta,
-                                                              cache.rope_scale, cache.sm_scale))
+                                  part_rows=0, **opencl.scalars(attend_rope, cache.rope_theta,
+                                                                cache.rope_scale, cache.sm_scale))
         self.merge = merge.bind(vin=None, sv=None, indptr=None, fixed_k=-1, skip_single=1,
                                 n_states=0, out=None, lse=None, N=0, H=spec.num_qo_heads)
-        key = ("append", spec.key(), cache.geometry)
-        source = lambda: render_append(spec, cache.geometry)  # noqa: E731
-        turns, long_from, att = dec._rope_buffer(int(cache.rope == "append"), cache.rope_theta,
-                                                 cache.rope_scale)
+        turns, long_from, att = opencl.rope_buffer(int(cache.rope == "append"), cache.rope_theta,
+                                                   cache.rope_scale)
         # byte pools: one flag per layer, set by the check pass to the epoch of an append
         # it refuses (the append then writes nothing); read back by end()
         self.quantized = spec.k_format in QUANTIZED or spec.v_format in QUANTIZED
@@ -529,10 +545,10 @@ class _DeviceSteps:
         args = dict(k=None, v=None, pages=None, num_pages=cache.num_pages, slots=None,
                     n_tokens=0, k_pos=None, rotary_mode=int(cache.rope == "append"),
                     rope_turns=turns, long_from=long_from, rope_att=att, flags=None, epoch=-1)
-        self.append_k = rt.launcher(key, signatures.APPEND, source).bind(**args)
-        self.check_k = rt.launcher(key, signatures.APPEND_CHECK, source).bind(**args) \
+        self.append_k = opencl.append_kernel(signatures.APPEND).bind(**args)
+        self.check_k = opencl.append_kernel(signatures.APPEND_CHECK).bind(**args) \
             if self.quantized else None
-        self.copy_k = rt.launcher(key, signatures.PAGE_COPY, source).bind(
+        self.copy_k = opencl.append_kernel(signatures.PAGE_COPY).bind(
             pages=None, num_pages=cache.num_pages, copies=None, n_copies=0)
         # [buffer, capacity (ints), its step's events, the upload into it]: pyopencl's event
         # of a copy from host memory waits for the copy when it is dropped, so the upload's
@@ -541,10 +557,12 @@ class _DeviceSteps:
         self.ring = [[None, 0, [], None], [None, 0, [], None]]
         self.ring_at = 0
         self.stage = {"k": [None, 0, []], "v": [None, 0, []]}  # host k/v staging buffers
-        self.ws = (0, None, None)
         self.plan_key: Any = None
         self.plan = self.plan_buf = None
-        self.ws_event = None
+
+    def upload_events(self) -> tuple:
+        """The table uploads held in the ring."""
+        return tuple(slot[3] for slot in self.ring if slot[3] is not None)
 
     # -- per step --------------------------------------------------------------------
     def start(self, t: StepTables) -> None:
@@ -568,11 +586,7 @@ class _DeviceSteps:
         H, D = spec.num_qo_heads, spec.head_dim
         ws_o = ws_s = None
         if plan.split:
-            if self.ws[0] < plan.n_ws:
-                n = plan.n_ws
-                self.ws = (n, cl.Buffer(self.ctx, cl.mem_flags.READ_WRITE, n * H * D * 4),
-                           cl.Buffer(self.ctx, cl.mem_flags.READ_WRITE, n * H * 4))
-            ws_o, ws_s = self.ws[1], self.ws[2]
+            ws_o, ws_s = self.opencl.workspace(plan.n_ws)
             self.merge.set(vin=(ws_o, 0), sv=(ws_s, 0), indptr=self.plan_buf,
                            n_states=plan.n_ws, N=t.T)
             self.merge_sizes = self.merge_geometry.sizes(t.T * H, D)
@@ -616,9 +630,7 @@ class _DeviceSteps:
                                        window_offset=t.window_offset, sink_size=t.sink_size)
         self.plan, self.plan_key = plan, key
         if plan.split:
-            cl = runtime.cl()
-            self.plan_buf = cl.Buffer(self.ctx, cl.mem_flags.READ_ONLY |
-                                      cl.mem_flags.COPY_HOST_PTR, hostbuf=plan.part_indptr)
+            self.plan_buf = self.opencl.plan_table(plan, self.queue)
             self.cache.bytes_uploaded += plan.part_indptr.nbytes
         return plan
 
@@ -710,24 +722,25 @@ class _DeviceSteps:
                 f"The step is still open: cancel() it (or append those layers again)")
 
     def attend(self, pool: Any, q: Any, out: Any, lse: Any,
-               waits: list | None = None) -> DecodeResult:
+               waits: list | None = None) -> AttentionResult:
         waits = waits if waits is not None else q.events + out.events + lse.events
         if not self.in_order:
             waits = self.waits + pool.events + waits
-            if self.split and self.ws_event is not None:
-                waits.append(self.ws_event)  # layers share the workspace: ordered on it
-        evts = [self.decode.launch(self.queue, *self.decode_sizes, waits, q=q, pages=pool,
-                                   out=out, lse=lse)]
+        if self.split:
+            evts = self.opencl.decode_then_merge(
+                self.queue, waits, (self.decode.launch, *self.decode_sizes,
+                                    dict(q=q, pages=pool, out=out, lse=lse)),
+                (self.merge.launch, *self.merge_sizes, dict(out=out, lse=lse)),
+                queue_orders=self.in_order)
+        else:  # no workspace to order: the decode kernel alone, on the per-layer path
+            evts = (self.decode.launch(self.queue, *self.decode_sizes, waits, q=q, pages=pool,
+                                       out=out, lse=lse),)
         if not self.in_order:
             pool.events.append(evts[0])  # the next write of the pool waits for this read
-        if self.split:
-            evts.append(self.merge.launch(self.queue, *self.merge_sizes, [evts[0]], out=out,
-                                          lse=lse))
-            self.ws_event = evts[-1]
         out.events[:] = [evts[-1]]
         lse.events[:] = [evts[-1]]
         self._track(evts[-1])
-        return DecodeResult(out, lse, evts[-1], tuple(evts))
+        return AttentionResult(out, lse, evts[-1], tuple(evts))
 
 
 def _stored(x: np.ndarray, fmt: str, name: str) -> tuple[np.ndarray, np.ndarray | None]:

@@ -23,7 +23,8 @@ from typing import Hashable, Sequence
 
 import numpy as np
 
-from .spec import INT32_MAX, AttentionSpec, is_int
+from .numbers import is_int
+from .spec import INT32_MAX, AttentionSpec
 
 I32 = np.int32
 _POS_LIMIT = INT32_MAX

@@ -8,8 +8,10 @@ import sys
 from . import runtime
 from .codegen import render_decode, render_merge
 from .device import probed_limits, resolve_profile
-from .fit import Limits, decode_geometry, merge_geometry
-from .profiles import device_info, fit, format_profiles_report
+from .device_fit import fit_device
+from .fit import Limits, merge_geometry
+from .profiles import device_info
+from .profiles_report import format_profiles_report
 from .spec import AttentionSpec
 from .tune import command as tune_command
 from .tune.report import device_report
@@ -63,16 +65,16 @@ def cmd_render(args: argparse.Namespace) -> int:
     profile = _json_arg("--profile", args.profile) \
         if args.profile and args.profile.lstrip().startswith("{") else args.profile
     prof, rule = resolve_profile(info, profile)
-    prof, notes = fit(prof, info) if info else (prof, [])
     limits = probed_limits(runtime.Runtime.for_device(dev), info) if info else Limits()
+    fit = fit_device(prof, info, spec if args.kernel == "decode" else None, limits)
     head = [f"clattn {args.kernel} kernel for {spec}",
             f"device: {dev.name if dev is not None else 'none (generic limits)'}",
-            f"profile: {prof.name} ({rule})"] + [f"note: {n}" for n in notes]
+            f"profile: {prof.name} ({rule})"] + [f"note: {n}" for n in fit.notes]
     if args.kernel == "decode":
-        geom = decode_geometry(spec, prof, limits)
+        geom = fit.geometry
         src = render_decode(spec, geom)
     else:
-        geom = merge_geometry(spec.head_dim, spec.dtype, prof, limits)
+        geom = merge_geometry(spec.head_dim, spec.dtype, fit.profile, limits)
         src = render_merge(spec.head_dim, spec.dtype, spec.dtype, geom)
     head.append(f"geometry: {geom}")
     print("\n".join("// " + h for h in head))

@@ -1,28 +1,24 @@
 """The app-facing decode API: build once per model configuration, run per layer."""
 from __future__ import annotations
 
-import threading
-import warnings
 from typing import Any
 
 import numpy as np
 
-from . import cpu_backend, host_memory, runtime, signatures
-from .codegen import render_decode, render_merge
+from . import cpu_backend, host_memory, runtime
+from .codegen import render_decode
 from .decode_step import DecodeStep, upload_tables
-from .device import DeviceSetup, build_fitted, open_backend
-from .fit import DecodeGeometry, decode_geometry, merge_geometry
-from .launch import Launcher
+from .device import DeviceSetup, open_backend, warn_notes
+from .fit import DecodeGeometry, MergeGeometry
+from .numbers import is_int
+from .opencl_backend import OpenCLBackend
 from .plan import Plan, make_plan
 from .profiles.record import Profile
-from .result import DecodeResult
-from .rope import kernel_turns, parse_rope_scaling, rope_tables
-from .spec import INDEX_DTYPE, INT32_MAX, LSE_DTYPE, AttentionSpec, default_sm_scale, is_int
-from .staging import Call, events_list, note_allocation
+from .result import AttentionResult
+from .spec import INDEX_DTYPE, INT32_MAX, LSE_DTYPE, AttentionSpec
+from .staging import Call, events_list
 from .validate import check_array, check_decode, check_tables, chunk_lengths, is_host
 
-_CACHE_PLANS = 8  # plan tables kept on the device per BatchDecode
-_CACHE_ROPE = 16  # RoPE tables kept per BatchDecode (a caller varying rope_scale stays bounded)
 _CPU_PROFILE = Profile(name="cpu-backend", strategy="rows")
 
 
@@ -57,26 +53,30 @@ class BatchDecode:
         if not isinstance(spec, AttentionSpec):
             raise TypeError(f"spec: expected an AttentionSpec, got {type(spec).__name__}")
         self.spec = spec
-        self._lock = threading.Lock()
         self.setup: DeviceSetup | None = open_backend(device, backend, profile)
         self.backend = "opencl" if self.setup else "cpu"
-        self._launchers: tuple[Launcher, Launcher] | None = None
-        self._turns: dict = {}
-        self._ws: tuple | None = None
-        self._plan_tables: dict = {}
-        self._ws_event = None  # the last launch that used the workspace
+        #: the kernels, tables and workspace on the device (None on the CPU backend)
+        self.opencl: OpenCLBackend | None = None
         if self.setup:
-            prof = self.setup.profile
-            self.geometry: DecodeGeometry = decode_geometry(spec, prof, self.setup.limits)
-            for note in self.geometry.notes:
-                warnings.warn(f"clattn: {note}", RuntimeWarning, stacklevel=2)
-            self.merge_geometry = merge_geometry(spec.head_dim, spec.dtype, prof, self.setup.limits)
+            self.opencl = OpenCLBackend(spec, self.setup)
+            warn_notes(self.opencl.fit_decode(), stacklevel=2)
 
     # -- introspection -------------------------------------------------------------
     @property
     def profile(self) -> Profile | None:
         """The fitted profile this decoder runs (None on the CPU backend)."""
         return self.setup.profile if self.setup else None
+
+    @property
+    def geometry(self) -> DecodeGeometry:
+        """The decode kernel's fitted geometry (refitted if the built kernel allows fewer
+        work-items per group than it asked)."""
+        return self.opencl.decode_geometry
+
+    @property
+    def merge_geometry(self) -> MergeGeometry:
+        """The geometry of the kernel that merges split partitions."""
+        return self.opencl.merge_geometry
 
     def source(self) -> str:
         """The OpenCL C this object runs (rendered for its device's profile)."""
@@ -109,31 +109,9 @@ class BatchDecode:
 
     def build(self) -> "BatchDecode":
         """Compile now (otherwise the first run compiles); returns self."""
-        if self.setup:
-            self._kernels()
+        if self.opencl:
+            self.opencl.decode_kernels()
         return self
-
-    def _kernels(self) -> tuple[Launcher, Launcher]:
-        with self._lock:
-            if self._launchers is None:
-                rt = self.setup.runtime
-                decode = self._fitted_decode_launcher(rt)
-                mprg = rt.program(render_merge(self.spec.head_dim, self.spec.dtype, "float32",
-                                               self.merge_geometry))
-                self._launchers = (decode, Launcher(mprg, signatures.MERGE_VARLEN,
-                                                    rt.dummy_int()))
-            return self._launchers
-
-    def _fitted_decode_launcher(self, rt: Any) -> Launcher:
-        """Build the decode kernel, fitted again if the compiled kernel allows fewer
-        work-items per group than the geometry asks."""
-        spec, setup = self.spec, self.setup
-        launcher, self.geometry = build_fitted(
-            setup, self.geometry,
-            lambda g: Launcher(rt.program(render_decode(spec, g)), signatures.DECODE,
-                               rt.dummy_int()),
-            lambda limits: decode_geometry(spec, setup.profile, limits), "decode")
-        return launcher
 
     # -- planning ------------------------------------------------------------------
     def plan(self, page_indptr: np.ndarray, last_page_len: np.ndarray | None = None, *,
@@ -176,24 +154,9 @@ class BatchDecode:
         _check_split(split)
         if not len(chunk):  # an empty batch: nothing to split
             split = False
-        wg = len(chunk) * self.spec.num_kv_heads * self.geometry.gdz
+        wg = len(chunk) * self.spec.num_kv_heads * self.opencl.decode_geometry.gdz
         cus = int(self.setup.info.get("max_compute_units") or 1)
         return make_plan(chunk, wg, cus, self.setup.profile, self.spec.page_size, split=split)
-
-    def _workspace(self, n_ws: int) -> tuple[Any, Any]:
-        cl = runtime.cl()
-        H, D = self.spec.num_qo_heads, self.spec.head_dim
-        if self._ws is None or self._ws[0] < n_ws:
-            ctx = self.setup.runtime.context
-            n = max(n_ws, 1)
-            try:
-                self._ws = (n, cl.Buffer(ctx, cl.mem_flags.READ_WRITE, n * H * D * 4),
-                            cl.Buffer(ctx, cl.mem_flags.READ_WRITE, n * H * 4))
-            except cl.Error as exc:
-                note_allocation(exc, "the split-KV workspace", n * H * (D + 1) * 4,
-                                self.setup.runtime)
-                raise
-        return self._ws[1], self._ws[2]
 
     # -- running -------------------------------------------------------------------
     def run(self, q: Any, pages: Any, page_indptr: Any, page_indices: Any,
@@ -202,7 +165,7 @@ class BatchDecode:
             rotary_mode: int = 0, rope_scale: float = 1.0, rope_theta: float = 1e4,
             sm_scale: float | None = None, out: Any = None, lse: Any = None,
             plan: Plan | None = None, split: bool | int | None = None, queue: Any = None,
-            wait_for: list | None = None) -> DecodeResult:
+            wait_for: list | None = None) -> AttentionResult:
         """Attend one query token per sequence to its paged keys and values.
 
         All arrays are numpy arrays (copied in, results copied back: the call waits) or
@@ -251,7 +214,7 @@ class BatchDecode:
 
         Returns
         -------
-        DecodeResult
+        AttentionResult
             ``(out, lse, event)``; ``lse`` is base 2; an empty chunk gives ``out = 0``,
             ``lse = -inf``. ``.events`` lists every kernel event of the call.
         """
@@ -264,7 +227,7 @@ class BatchDecode:
             check_host_call(plan, Plan, "BatchDecode.plan()", queue, wait_for)
             if plan is not None and hasattr(page_indptr, "shape"):
                 _check_plan_batch(plan, page_indptr.shape[0] - 1)
-            return DecodeResult(*run_on_host(cpu_backend.batch_decode, spec, (
+            return AttentionResult(*run_on_host(cpu_backend.batch_decode, spec, (
                 q, pages, page_indptr, page_indices, last_page_len), kw, out, lse))
         args = check_decode(spec, q, pages, page_indptr, page_indices, last_page_len,
                             out=out, lse=lse, **kw)
@@ -277,27 +240,25 @@ class BatchDecode:
         named.update(q=call.input("q", q), pages=call.input("pages", pages))
         dout = call.output("out", out, (B, H, D), spec.np_dtype)
         dlse = call.output("lse", lse, (B, H), LSE_DTYPE)
-        ws_o, ws_s = self._workspace(plan.n_ws) if plan.split else (None, None)
-        pindptr = call.input("plan", self._plan_table(plan, call.queue)) if plan.split else None
+        opencl = self.opencl
+        ws_o, ws_s = opencl.workspace(plan.n_ws) if plan.split else (None, None)
+        pindptr = call.input("plan", opencl.plan_table(plan, call.queue)) if plan.split else None
         named.update(out=dout, lse=dlse, ws_o=ws_o, ws_s=ws_s, n_ws=plan.n_ws,
                      part_indptr=pindptr, split=int(plan.split),
                      part_rows=plan.part_rows if plan.split else 0,
-                     **self._scalars(rotary_mode, rope_theta, rope_scale, sm_scale))
-        decode, merge = self._kernels()
-        events: list = []
+                     **opencl.scalars(rotary_mode, rope_theta, rope_scale, sm_scale))
+        decode, merge = opencl.decode_kernels()
+        events: tuple = ()
         if B > 0:
-            gsz = self.geometry.global_size(B, spec.num_kv_heads, plan.num_parts if plan.split else 1)
-            with self._lock:  # split runs share the workspace: ordered on it
-                waits = call.wait_list(self._ws_event if plan.split else None)
-                events.append(decode(call.queue, gsz, self.geometry.local_size(), waits, **named))
-                if plan.split:
-                    mg, ml = self.merge_geometry.sizes(B * H, D)
-                    events.append(merge(call.queue, mg, ml, [events[-1]], vin=(ws_o, 0),
-                                        sv=(ws_s, 0), indptr=pindptr, fixed_k=-1, skip_single=1,
-                                        n_states=plan.n_ws, out=dout, lse=dlse, N=B, H=H))
-                    self._ws_event = events[-1]
+            geom = opencl.decode_geometry
+            gsz = geom.global_size(B, spec.num_kv_heads, plan.num_parts if plan.split else 1)
+            merging = (merge, *opencl.merge_geometry.sizes(B * H, D), dict(
+                vin=(ws_o, 0), sv=(ws_s, 0), indptr=pindptr, fixed_k=-1, skip_single=1,
+                n_states=plan.n_ws, out=dout, lse=dlse, N=B, H=H)) if plan.split else None
+            events = opencl.decode_then_merge(call.queue, call.wait_list(),
+                                              (decode, gsz, geom.local_size(), named), merging)
         o, s = call.finish([dout, dlse], events, host=is_host(q))
-        return DecodeResult(o, s, events[-1] if events else None, tuple(events))
+        return AttentionResult(o, s, events[-1] if events else None, tuple(events))
 
     def prepare(self, page_indptr: Any, page_indices: Any, last_page_len: Any = None, *,
                 num_pages: int, length_info: Any = None, window_offset: Any = None,
@@ -338,19 +299,10 @@ class BatchDecode:
         call = Call(self.setup.runtime, queue)
         tables = upload_tables(call, spec, args, page_indptr, page_indices, length_info,
                                window_offset, sink_size, q_pos, k_pos_offset, rotary_mode)
-        tables["part_indptr"] = call.input("plan", self._plan_table(plan, call.queue)) \
+        tables["part_indptr"] = call.input("plan", self.opencl.plan_table(plan, call.queue)) \
             if plan.split else None
-        tables.update(self._scalars(rotary_mode, rope_theta, rope_scale, sm_scale))
+        tables.update(self.opencl.scalars(rotary_mode, rope_theta, rope_scale, sm_scale))
         return DecodeStep(self, args, plan, tables, call.wait_list(), int(num_pages))
-
-    def _scalars(self, rotary_mode: int, rope_theta: float, rope_scale: float,
-                 sm_scale: float | None) -> dict:
-        """The scalar and RoPE-table arguments of the decode kernel."""
-        turns, long_from, att = self._rope_buffer(rotary_mode, rope_theta, rope_scale)
-        D = self.spec.head_dim
-        return dict(rotary_mode=int(rotary_mode),
-                    sm_scale=default_sm_scale(D) if sm_scale is None else float(sm_scale),
-                    rope_turns=turns, long_from=long_from, rope_att=att)
 
     def _checked_plan(self, plan: Plan | None, args: Any, split: bool | int | None) -> Plan:
         """The caller's plan, checked against this call, or a new one."""
@@ -367,49 +319,6 @@ class BatchDecode:
                 np.any(np.maximum(1, -(-args.chunk // plan.part_rows)) > np.diff(plan.part_indptr)):
             raise ValueError("plan: the page table grew since the plan was made; plan again")
         return plan
-
-    def _plan_table(self, plan: Plan, queue: Any) -> Any:
-        """The plan's partition table on the device (uploaded once per plan, a few kept)."""
-        with self._lock:
-            hit = self._plan_tables.get(id(plan))
-            if hit is None or hit[0] is not plan:
-                try:
-                    hit = (plan, runtime.cl().array.to_device(queue, plan.part_indptr))
-                except runtime.cl().Error as exc:
-                    note_allocation(exc, "the plan's partition table", plan.part_indptr.nbytes,
-                                    self.setup.runtime)
-                    raise
-                self._plan_tables[id(plan)] = hit
-                while len(self._plan_tables) > _CACHE_PLANS:
-                    self._plan_tables.pop(next(iter(self._plan_tables)))
-            return hit[1]
-
-    def _rope_buffer(self, rotary_mode: int, theta: float, scale: float) -> tuple[Any, int, float]:
-        """(frequency table buffer, first long-factor position, attention factor)."""
-        if not rotary_mode:
-            return None, 2**31 - 1, 1.0
-        key = (float(theta), float(scale))
-        with self._lock:
-            hit = self._turns.get(key)
-            if hit is None:
-                while len(self._turns) >= _CACHE_ROPE:
-                    self._turns.pop(next(iter(self._turns)))
-                cl = runtime.cl()
-                spec = self.spec
-                scaling = parse_rope_scaling(spec.rope_scaling, spec.max_position_embeddings)
-                inv, att, long_from = rope_tables(spec.rotary_dim, float(theta), scaling,
-                                                  spec.max_position_embeddings)
-                turns = kernel_turns(inv, scale)
-                try:
-                    buf = cl.Buffer(self.setup.runtime.context,
-                                    cl.mem_flags.READ_ONLY | cl.mem_flags.COPY_HOST_PTR,
-                                    hostbuf=turns)
-                except cl.Error as exc:
-                    note_allocation(exc, "the RoPE frequency table", turns.nbytes,
-                                    self.setup.runtime)
-                    raise
-                hit = self._turns[key] = (buf, int(long_from), float(att))
-            return hit
 
 
 def _check_plan_batch(plan: Plan, B: int) -> None:

@@ -11,9 +11,8 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from . import runtime
 from .plan import Plan
-from .result import DecodeResult
+from .result import AttentionResult
 from .spec import LSE_DTYPE
 from .staging import Call, events_list
 from .validate import DecodeArgs, check_operands, is_host
@@ -23,8 +22,8 @@ class DecodeStep:
     """One batch's decode tables on the device; :meth:`run` attends one layer.
 
     Made by :meth:`clattn.BatchDecode.prepare`. A step may be run from several threads
-    (launches are serialised on it); split steps order their launches on the step's
-    own workspace.
+    (launches are serialised on it); split steps order their launches on the decoder's
+    workspace (:meth:`clattn.opencl_backend.OpenCLBackend.decode_then_merge`).
     """
 
     def __init__(self, dec: Any, args: DecodeArgs, plan: Plan, tables: dict,
@@ -34,32 +33,28 @@ class DecodeStep:
         self.batch = args.B
         self.num_pages = num_pages
         spec = dec.spec
-        rt = dec.setup.runtime
-        self._rt = rt
+        opencl = self._opencl = dec.opencl
+        self._rt = opencl.runtime
         self._shapes = ((args.B, spec.num_qo_heads, spec.head_dim), spec.pool_shape(num_pages),
                         (args.B, spec.num_qo_heads))
         self._dtype = spec.np_dtype
         self._pool_dtype = spec.pool_dtype
         self._table_events = list(events)  # uploads of the tables: waited for once
         self._lock = threading.Lock()
-        self._ws_event = None
-        decode, merge = dec._kernels()
+        decode, merge = opencl.decode_kernels()
         H, D = spec.num_qo_heads, spec.head_dim
-        ws = (None, None)
-        if plan.split:
-            cl = runtime.cl()
-            ws = (cl.Buffer(rt.context, cl.mem_flags.READ_WRITE, max(plan.n_ws, 1) * H * D * 4),
-                  cl.Buffer(rt.context, cl.mem_flags.READ_WRITE, max(plan.n_ws, 1) * H * 4))
-        self._sizes = (dec.geometry.global_size(args.B, spec.num_kv_heads,
-                                                plan.num_parts if plan.split else 1),
-                       dec.geometry.local_size())
+        ws = opencl.workspace(plan.n_ws) if plan.split else (None, None)
+        geom = opencl.decode_geometry
+        self._sizes = (geom.global_size(args.B, spec.num_kv_heads,
+                                        plan.num_parts if plan.split else 1),
+                       geom.local_size())
         unset = dict(q=None, pages=None, out=None, lse=None)
         self._decode = decode.bind(**unset, **tables, ws_o=ws[0], ws_s=ws[1],
                                    n_ws=plan.n_ws, split=int(plan.split),
                                    part_rows=plan.part_rows if plan.split else 0)
         self._merge = None
         if plan.split:
-            self._merge_sizes = dec.merge_geometry.sizes(args.B * H, D)
+            self._merge_sizes = opencl.merge_geometry.sizes(args.B * H, D)
             self._merge = merge.bind(vin=(ws[0], 0), sv=(ws[1], 0), indptr=tables["part_indptr"],
                                      fixed_k=-1, skip_single=1, n_states=plan.n_ws,
                                      out=None, lse=None, N=args.B, H=H)
@@ -80,7 +75,7 @@ class DecodeStep:
         return True
 
     def run(self, q: Any, pages: Any, *, out: Any = None, lse: Any = None, queue: Any = None,
-            wait_for: list | None = None) -> DecodeResult:
+            wait_for: list | None = None) -> AttentionResult:
         """Attend one layer: ``q [B, H_qo, D]`` over ``pages [P, 2, H_kv, page_size, D]``.
 
         Arrays as in :meth:`clattn.BatchDecode.run` (numpy in and out, or device arrays
@@ -89,7 +84,7 @@ class DecodeStep:
 
         Returns
         -------
-        DecodeResult
+        AttentionResult
             ``(out, lse, event)`` with ``.events``.
         """
         spec = self.decoder.spec
@@ -102,23 +97,22 @@ class DecodeStep:
         dq, dpages = call.input("q", q), call.input("pages", pages)
         dout = call.output("out", out, self._shapes[0], self._dtype)
         dlse = call.output("lse", lse, self._shapes[2], LSE_DTYPE)
-        events: list = []
+        events: tuple = ()
         if self.batch > 0:
+            operands = dict(q=dq, pages=dpages, out=dout, lse=dlse)
+            merging = None if self._merge is None else \
+                (self._merge.launch, *self._merge_sizes, dict(out=dout, lse=dlse))
             with self._lock:
-                waits = call.wait_list(*self._table_events, self._ws_event)
-                events.append(self._decode.launch(call.queue, *self._sizes, waits, q=dq,
-                                                  pages=dpages, out=dout, lse=dlse))
+                events = self._opencl.decode_then_merge(
+                    call.queue, call.wait_list(*self._table_events),
+                    (self._decode.launch, *self._sizes, operands), merging)
                 self._table_events = []  # once a launch waited for them (it may raise)
-                if self._merge is not None:
-                    events.append(self._merge.launch(call.queue, *self._merge_sizes, [events[-1]],
-                                                     out=dout, lse=dlse))
-                    self._ws_event = events[-1]
         o, s = call.finish([dout, dlse], events, host=is_host(q))
-        return DecodeResult(o, s, events[-1] if events else None, tuple(events))
+        return AttentionResult(o, s, events[-1] if events else None, tuple(events))
 
 
     def _run_fast(self, q: Any, pages: Any, out: Any, lse: Any,
-                  wait_for: list | None) -> DecodeResult:
+                  wait_for: list | None) -> AttentionResult:
         """The per-layer path: device operands already checked, outputs given, no split."""
         waits = events_list(wait_for)
         for a in (q, pages, out, lse):
@@ -133,7 +127,7 @@ class DecodeStep:
         # stands for all of them (pyopencl's add_event would block on old ones instead)
         out.events[:] = [evt]
         lse.events[:] = [evt]
-        return DecodeResult(out, lse, evt)
+        return AttentionResult(out, lse, evt)
 
 
 def upload_tables(call: Call, spec: Any, args: DecodeArgs, page_indptr: Any, page_indices: Any,

@@ -3,11 +3,12 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 from . import runtime
-from .fit import Limits
 from .compiler_probe import prefetch_works, storage_half_works
+from .device_fit import fit_device
+from .fit import Limits
 from .profiles.record import Profile
 from .runtime import cl as _cl
 
@@ -19,13 +20,19 @@ _WARNED_NO_DEVICE = False
 
 @dataclass
 class DeviceSetup:
-    """A device's runtime, what it reports, the profile it gets and why."""
+    """A device's runtime, what it reports, the profile it gets and why.
+
+    ``wishes``: the profile as matched or given; ``profile``: the wishes trimmed to the
+    device's facts (:func:`clattn.device_fit.fit_device`), ``notes`` saying what was cut.
+    """
 
     runtime: Any
     info: dict
     profile: Profile
     rule: str
     limits: Limits
+    wishes: Profile
+    notes: tuple = ()
 
 
 def warn_cpu_fallback(reason: str) -> None:
@@ -58,16 +65,23 @@ def resolve_profile(info: dict, profile: Any = None) -> tuple[Profile, str]:
 
 
 def device_setup(runtime: Any, profile: Any = None) -> DeviceSetup:
-    """Resolve and fit the profile for ``runtime``'s device (warns once if reduced)."""
+    """Resolve the profile for ``runtime``'s device and trim it to the device's facts;
+    the trim's notes are kept for the object that fits its kernel to show
+    (:func:`warn_notes`)."""
     from . import profiles as reg
 
     info = reg.device_info(runtime.device)
     prof, rule = resolve_profile(info, profile)
-    fitted, notes = reg.fit(prof, info)
-    if notes:
-        warnings.warn(f"clattn: profile {prof.name!r} reduced to fit {runtime.device.name!r}: "
-                      + "; ".join(notes), RuntimeWarning, stacklevel=3)
-    return DeviceSetup(runtime, info, fitted, rule, probed_limits(runtime, info))
+    fit = fit_device(prof, info)
+    return DeviceSetup(runtime, info, fit.profile, rule, probed_limits(runtime, info),
+                       wishes=prof, notes=fit.notes)
+
+
+def warn_notes(notes: Iterable[str], what: str = "", stacklevel: int = 3) -> None:
+    """One RuntimeWarning per note of a fit, ``clattn: <what><note>`` (``stacklevel``
+    counted from the caller)."""
+    for note in notes:
+        warnings.warn(f"clattn: {what}{note}", RuntimeWarning, stacklevel=stacklevel + 1)
 
 
 def probed_limits(runtime: Any, info: Mapping[str, Any]) -> Limits:
@@ -130,5 +144,5 @@ def build_fitted(setup: DeviceSetup, geometry: Any, build: Callable[[Any], Any],
         warnings.warn(f"clattn: the {what} kernel allows {allowed} work-items per group on "
                       f"{device.name!r}, the geometry asked for {want}: "
                       f"{'; '.join(smaller.notes) or 'fitted again'}", RuntimeWarning,
-                      stacklevel=5)
+                      stacklevel=4)
         setup.limits, geometry = limits, smaller

@@ -198,7 +198,7 @@ def tiled_heads(G: int, gdz: int) -> int:
     return -(-G // gdz)
 
 
-def _tiled_local_bytes(d: int, bdx: int, bdz: int, tile: int, heads: int,
+def tiled_local_bytes(d: int, bdx: int, bdz: int, tile: int, heads: int,
                        reduction: str) -> int:
     """Local memory of the tiled decode kernel: with the local-memory reduction, the row
     loop's partial dot products and their sums (``bdz x tile`` rows x ``heads`` x
@@ -328,12 +328,12 @@ def decode_geometry(spec: AttentionSpec, profile: Profile, limits: Limits) -> De
                    f"({heads} heads)")
 
     def need() -> int:
-        return _tiled_local_bytes(D, bdx, bdz, tile, heads, reduction)
+        return tiled_local_bytes(D, bdx, bdz, tile, heads, reduction)
 
     # fewer rows per step (more barriers per row) until local memory fits; the merge of
     # the row slices needs fewer slices, given as many more rows each
     while need() > limits.local_mem_size and (bdz > 1 or tile > 1):
-        if _tiled_local_bytes(D, bdx, bdz, 1, heads, "subgroup") > limits.local_mem_size \
+        if tiled_local_bytes(D, bdx, bdz, 1, heads, "subgroup") > limits.local_mem_size \
                 and bdz > 1:
             bdz //= 2
             tile = min(tile * 2, cap)

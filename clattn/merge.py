@@ -17,7 +17,7 @@ from . import cpu_backend, runtime, signatures
 from .codegen import render_merge
 from .fit import merge_geometry
 from .profiles.record import Profile
-from .device import device_setup, warn_cpu_fallback
+from .device import device_setup, warn_cpu_fallback, warn_notes
 from .spec import LSE_DTYPE
 from .staging import Call
 from .validate import check_array, check_merge_k, check_merge_pair, is_host
@@ -39,6 +39,7 @@ def _cached_setup(rt: Any, profile: Any):
         hit = _setups.get(key)
     if hit is None or hit[0] is not rt:
         hit = (rt, device_setup(rt, profile))
+        warn_notes(hit[1].notes, stacklevel=3)
         with _lock:
             _setups[key] = hit
     return hit[1]

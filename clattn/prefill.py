@@ -9,23 +9,22 @@ query per sequence is a decode whose query sits at the chunk's last row.
 from __future__ import annotations
 
 import functools
-import threading
-import warnings
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from . import cpu_backend, runtime, signatures
+from . import cpu_backend
 from .codegen import render_prefill
-from .decode import BatchDecode, check_host_call, run_on_host
+from .decode import check_host_call, run_on_host
 from .decode_step import upload_tables
-from .device import DeviceSetup, build_fitted, open_backend
-from .fit import PrefillGeometry, prefill_geometry
-from .launch import Launcher
-from .result import DecodeResult
+from .device import DeviceSetup, open_backend, warn_notes
+from .fit import PrefillGeometry
+from .opencl_backend import OpenCLBackend
+from .profiles.record import Profile
+from .result import AttentionResult
 from .spec import INDEX_DTYPE, LSE_DTYPE, AttentionSpec
-from .staging import Call, note_allocation
+from .staging import Call
 from .validate import PrefillArgs, check_array, check_prefill, chunk_lengths, is_host
 
 
@@ -100,50 +99,43 @@ class BatchPrefill:
     ...                           last_page_len, plan=plan)                # doctest: +SKIP
     """
 
-    # BatchDecode's, over the same attributes (spec, setup, _lock, _turns, _kernels):
-    # the fitted profile, compiling ahead, the RoPE tables and the kernel's scalars
-    profile = BatchDecode.profile
-    build = BatchDecode.build
-    _rope_buffer = BatchDecode._rope_buffer
-    _scalars = BatchDecode._scalars
-
     def __init__(self, spec: AttentionSpec, device: Any = None, *, backend: str = "auto",
                  profile: Any = None) -> None:
         if not isinstance(spec, AttentionSpec):
             raise TypeError(f"spec: expected an AttentionSpec, got {type(spec).__name__}")
         self.spec = spec
-        self._lock = threading.Lock()
-        self._turns: dict = {}
-        self._units: tuple | None = None
-        self._launcher: Launcher | None = None
         self.setup: DeviceSetup | None = open_backend(device, backend, profile)
         self.backend = "opencl" if self.setup else "cpu"
+        #: the kernel, tables and RoPE tables on the device (None on the CPU backend)
+        self.opencl: OpenCLBackend | None = None
         if self.setup:
-            self.geometry: PrefillGeometry = prefill_geometry(spec, self.setup.profile,
-                                                              self.setup.limits)
-            for note in self.geometry.notes:
-                warnings.warn(f"clattn: prefill: {note}", RuntimeWarning, stacklevel=2)
+            self.opencl = OpenCLBackend(spec, self.setup)
+            warn_notes(self.setup.notes, stacklevel=2)
+            warn_notes(self.opencl.fit_prefill(), "prefill: ", stacklevel=2)
 
     # -- introspection -------------------------------------------------------------
+    @property
+    def profile(self) -> Profile | None:
+        """The fitted profile this object runs (None on the CPU backend)."""
+        return self.setup.profile if self.setup else None
+
+    @property
+    def geometry(self) -> PrefillGeometry:
+        """The prefill kernel's fitted geometry (refitted if the built kernel allows fewer
+        work-items per group than it asked)."""
+        return self.opencl.prefill_geometry
+
+    def build(self) -> "BatchPrefill":
+        """Compile now (otherwise the first run compiles); returns self."""
+        if self.opencl:
+            self.opencl.prefill_kernel()
+        return self
+
     def source(self) -> str:
         """The OpenCL C this object runs (rendered for its device's profile)."""
         if not self.setup:
             raise RuntimeError("the CPU backend runs numpy code, not OpenCL")
         return render_prefill(self.spec, self.geometry)
-
-    def _kernels(self) -> Launcher:
-        """The built kernel; a tiled kernel the driver allows fewer work-items per group
-        than the geometry asks (CL_KERNEL_WORK_GROUP_SIZE) is fitted again to that limit
-        and rebuilt, with one warning."""
-        with self._lock:
-            if self._launcher is None:
-                rt, spec, setup = self.setup.runtime, self.spec, self.setup
-                self._launcher, self.geometry = build_fitted(
-                    setup, self.geometry,
-                    lambda g: rt.launcher(("prefill", spec.key(), g), signatures.PREFILL,
-                                          lambda: render_prefill(spec, g)),
-                    lambda limits: prefill_geometry(spec, setup.profile, limits), "prefill")
-            return self._launcher
 
     # -- planning ------------------------------------------------------------------
     def plan(self, qo_indptr: np.ndarray, page_indptr: np.ndarray | None = None,
@@ -206,19 +198,6 @@ class BatchPrefill:
         _check_split(plan, args, n_q)
         return plan
 
-    def _unit_table(self, plan: PrefillPlan, queue: Any) -> Any:
-        """The plan's unit table on the device: uploaded once for the layers of a step
-        (the last plan's is kept)."""
-        with self._lock:
-            if self._units is None or self._units[0] is not plan:
-                try:
-                    self._units = (plan, runtime.cl().array.to_device(queue, plan.units))
-                except runtime.cl().Error as exc:
-                    note_allocation(exc, "the plan's unit table", plan.units.nbytes,
-                                    self.setup.runtime)
-                    raise
-            return self._units[1]
-
     # -- running -------------------------------------------------------------------
     def run(self, q: Any, pages: Any, qo_indptr: Any, page_indptr: Any, page_indices: Any,
             last_page_len: Any = None, *, length_info: Any = None, window_offset: Any = None,
@@ -226,7 +205,7 @@ class BatchPrefill:
             rotary_mode: int = 0, causal: bool = True, rope_scale: float = 1.0,
             rope_theta: float = 1e4, sm_scale: float | None = None, out: Any = None,
             lse: Any = None, plan: PrefillPlan | None = None,
-            queue: Any = None, wait_for: list | None = None) -> DecodeResult:
+            queue: Any = None, wait_for: list | None = None) -> AttentionResult:
         """Attend every sequence's new queries (causally) to its paged keys and values.
 
         Arrays are all numpy (copied in, results copied back: the call waits) or all
@@ -276,7 +255,7 @@ class BatchPrefill:
 
         Returns
         -------
-        DecodeResult
+        AttentionResult
             ``(out, lse, event)`` with ``.events``; ``out [total_q, H_qo, D]``, ``lse
             [total_q, H_qo]`` (base 2). A causal query attends at least its own row.
         """
@@ -289,14 +268,15 @@ class BatchPrefill:
             check_host_call(plan, PrefillPlan, "BatchPrefill.plan()", queue, wait_for)
             fn = cpu_backend.batch_prefill if plan is None else \
                 functools.partial(_planned_host_prefill, plan)
-            return DecodeResult(*run_on_host(fn, spec, (
+            return AttentionResult(*run_on_host(fn, spec, (
                 q, pages, qo_indptr, page_indptr, page_indices, last_page_len), kw, out, lse))
         args = check_prefill(spec, q, pages, qo_indptr, page_indptr, page_indices,
                              last_page_len, out=out, lse=lse, **kw)
         t = args.tables
         T, H, D = args.total_q, spec.num_qo_heads, spec.head_dim
         plan = self._checked_plan(plan, args)
-        call = Call(self.setup.runtime, queue, wait_for)
+        opencl = self.opencl
+        call = Call(opencl.runtime, queue, wait_for)
         if not is_host(qo_indptr):  # not read by the kernel (the plan splits q): its context
             call.input("qo_indptr", qo_indptr)  # is checked all the same
         named = upload_tables(call, spec, t, page_indptr, page_indices, length_info,
@@ -307,16 +287,17 @@ class BatchPrefill:
         named.update(q=call.input("q", q), pages=call.input("pages", pages),
                      total_q=T, batch=t.B,
                      q_pos_mode=int(bool(rotary_mode) and q_pos is not None), causal=int(causal),
-                     units=self._unit_table(plan, call.queue) if n_units else None,
+                     units=opencl.unit_table(plan, call.queue) if n_units else None,
                      n_units=n_units, out=dout, lse=dlse,
-                     **self._scalars(rotary_mode, rope_theta, rope_scale, sm_scale))
+                     **opencl.scalars(rotary_mode, rope_theta, rope_scale, sm_scale))
         events: list = []
         if n_units and T:
-            kernel = self._kernels()
-            events.append(kernel(call.queue, self.geometry.global_size(n_units, spec.num_kv_heads),
-                                 self.geometry.local_size(), call.wait_list(), **named))
+            kernel = opencl.prefill_kernel()
+            geom = opencl.prefill_geometry
+            events.append(kernel(call.queue, geom.global_size(n_units, spec.num_kv_heads),
+                                 geom.local_size(), call.wait_list(), **named))
         o, s = call.finish([dout, dlse], events, host=is_host(q))
-        return DecodeResult(o, s, events[-1] if events else None, tuple(events))
+        return AttentionResult(o, s, events[-1] if events else None, tuple(events))
 
 
 def _check_split(plan: PrefillPlan, args: PrefillArgs, n_q: np.ndarray | None) -> None:

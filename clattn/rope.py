@@ -14,7 +14,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from .spec import is_int, is_positive_finite
+from .numbers import is_int, is_positive_finite
 
 #: rope types clattn implements (HF ``rope_type`` values plus GPT-J's pairing)
 ROPE_TYPES = ("default", "linear", "llama3", "llama4", "longrope", "yarn", "gptj")

@@ -11,7 +11,9 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from .numbers import is_int, is_number, is_positive_finite  # noqa: F401 - also spec's names
 from .quant import BLOCK, KV_FORMATS, QUANTIZED, PageLayout, bytes_per_value
+from .rope import parse_rope_scaling, rope_tables
 
 #: storage dtypes clattn accepts for q, pages and out (accumulation is always f32)
 DTYPES = {"float16": np.dtype(np.float16), "float32": np.dtype(np.float32)}
@@ -25,25 +27,6 @@ DEFAULT_ROPE_THETA = 10000.0
 INT32_MAX = 2**31 - 1
 
 
-def is_int(x: Any) -> bool:
-    """An integer (Python or numpy), not a bool."""
-    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
-
-
-def is_number(x: Any) -> bool:
-    """A real number that ``float()`` takes (not a string, bytes or a bool)."""
-    if isinstance(x, (str, bytes, bool, np.bool_)):
-        return False
-    try:
-        float(x)
-    except (TypeError, ValueError):
-        return False
-    return True
-
-
-def is_positive_finite(x: Any) -> bool:
-    """A number (:func:`is_number`) that is positive and finite."""
-    return is_number(x) and math.isfinite(float(x)) and float(x) > 0
 LOG2E = 1.4426950408889634
 
 
@@ -141,7 +124,6 @@ class AttentionSpec:
         object.__setattr__(self, "rope_scaling", scaling)
         # validates the scaling dict now (raises on unknown or dynamic types); the parsed,
         # hashable form is what equality and hashing compare
-        from .rope import parse_rope_scaling, rope_tables
         key = parse_rope_scaling(scaling, self.max_position_embeddings)
         object.__setattr__(self, "_rope_key", key)
         # the tables at the usual base: list lengths and every derived value checked now,

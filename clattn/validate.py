@@ -14,7 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from .spec import DTYPES, INDEX_DTYPE, INT32_MAX, LSE_DTYPE, AttentionSpec, is_number
+from .numbers import is_number
+from .spec import DTYPES, INDEX_DTYPE, INT32_MAX, LSE_DTYPE, AttentionSpec
 
 
 def is_host(a: Any) -> bool:

@@ -127,3 +127,29 @@ def test_a_failed_launch_keeps_the_tables_upload_events(device):
     assert not step._table_events
     ref_out, ref_lse = naive_decode(args[0], args[1], *args[2:5])
     compare(r.out.get(), r.lse.get(), ref_out, ref_lse, np.float32)
+
+
+def test_split_runs_share_the_decoders_workspace(device):
+    """A step prepared for a small split plan, then runs whose plans need more states:
+    the decoder's one workspace grows, the step keeps running right on the buffers it
+    was prepared with, and split launches of the step and of run() interleave exactly."""
+    spec = clattn.AttentionSpec(4, 2, 32, page_size=8, dtype="float32")
+    small = make_case(spec, [40, 3], seed=5)
+    large = make_case(spec, [300, 170, 9], seed=6)
+    dec = clattn.BatchDecode(spec, device)
+    args_s, kw_s = decode_args(small)
+    args_l, kw_l = decode_args(large)
+    plan_s = dec.plan(args_s[2], args_s[4], split=8)
+    plan_l = dec.plan(args_l[2], args_l[4], split=8)
+    assert plan_s.split and plan_l.split and plan_l.n_ws > plan_s.n_ws
+    step = dec.prepare(*args_s[2:], num_pages=small["pages"].shape[0], plan=plan_s, **kw_s)
+    first = dec.opencl.workspace(plan_s.n_ws)
+    ref_s = naive_decode(*args_s, **kw_s)
+    ref_l = naive_decode(*args_l, **kw_l)
+    for _ in range(3):
+        res = step.run(small["q"], small["pages"])
+        compare(res.out, res.lse, *ref_s, spec.dtype)
+        res = dec.run(*args_l, plan=plan_l, **kw_l)
+        compare(res.out, res.lse, *ref_l, spec.dtype)
+    grown = dec.opencl.workspace(plan_l.n_ws)
+    assert grown[0] is not first[0] and dec.opencl.workspace(1)[0] is grown[0]

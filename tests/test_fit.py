@@ -8,7 +8,8 @@ import pytest
 import clattn
 from clattn.codegen import render_decode
 from clattn.fit import Limits, decode_geometry
-from clattn.profiles import builtin_profiles, fit, match
+from clattn.device_fit import fit_device
+from clattn.profiles import builtin_profiles, match
 
 from cases import config_scenario
 from model_configs import load_models, model
@@ -21,7 +22,8 @@ SHAPES = [(32, 8, 128), (14, 2, 64), (8, 4, 256), (32, 32, 96)]
 @pytest.mark.parametrize("rec", RECORDS, ids=[f"{r['id']}" for r in RECORDS])
 def test_every_wish_reaches_the_kernel_or_is_reported(rec):
     m = match(rec, user=False)
-    fitted, profile_notes = fit(m.profile, rec)
+    trimmed = fit_device(m.profile, rec)
+    fitted, profile_notes = trimmed.profile, trimmed.notes
     limits = Limits.from_info(rec)
     for shape in SHAPES:
         spec = clattn.AttentionSpec(*shape, page_size=16, dtype="float16")
@@ -58,7 +60,7 @@ def test_adreno_subgroup_wish_reaches_the_kernel():
     m = match(rec, user=False)
     assert m.profile.reduction == "subgroup" and m.profile.subgroup_size == 64
     spec = clattn.AttentionSpec(32, 8, 128, page_size=16, dtype="float16")
-    geom = decode_geometry(spec, fit(m.profile, rec)[0], Limits.from_info(rec))
+    geom = decode_geometry(spec, fit_device(m.profile, rec).profile, Limits.from_info(rec))
     assert (geom.reduction, geom.subgroup_size, geom.bdx, geom.vec) == ("subgroup", 64, 64, 2)
     src = render_decode(spec, geom)
     assert 'qcom_reqd_sub_group_size("half")' in src
@@ -115,3 +117,48 @@ def test_cpu_profiles_fit_every_model_without_a_note(name):
             for cap in (8, 16):
                 geom = decode_geometry(spec, prof, Limits(rows_max_vec=cap))
                 assert geom.notes == (), (prof.name, dtype, cap)
+
+
+@pytest.mark.parametrize("rec", RECORDS, ids=[f"{r['id']}" for r in RECORDS])
+def test_every_command_shows_the_one_fits_notes(rec):
+    """``clattn profiles`` and ``clattn tune`` print the notes of one fit, the one
+    BatchDecode warns for the same spec: the device's cuts and the decode kernel's."""
+    from clattn.device_fit import REPORT_SPEC, report_fit
+    from clattn.profiles_report import device_block
+    from clattn.tune.session import _choice
+
+    m = match(rec, user=False)
+    fit = report_fit(m.profile, rec)
+    try:
+        geom = decode_geometry(REPORT_SPEC, fit.profile, Limits.from_info(rec))
+    except ValueError:
+        geom = None
+    if geom is not None:
+        assert fit.geometry == geom and set(geom.notes) <= set(fit.notes)
+    block = device_block(rec, user=False)
+    for note in fit.notes:
+        assert f"  fitted:  {note}" in block
+    if not fit.notes:
+        assert "fitted:  no changes needed" in block
+    assert _choice(m, rec).fit_notes == fit.notes
+
+
+def test_batch_decode_warns_the_one_fits_notes(device):
+    """BatchDecode shows each note of the one fit (the device's cuts, then the decode
+    kernel's) as one warning: a GPU profile on a CPU device cuts several wishes."""
+    import warnings
+
+    from clattn.device_fit import fit_device
+    spec = clattn.AttentionSpec(32, 8, 128, page_size=16, dtype="float16")
+    from clattn.profiles import device_info
+    past = 2 ** int(device_info(device)["max_work_group_size"]).bit_length()
+    wishes = builtin_profiles()["adreno-7xx"].with_(thread_limit=past, merge_threads=past)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        dec = clattn.BatchDecode(spec, device, profile=wishes)
+    setup = dec.setup
+    fit = fit_device(setup.wishes, setup.info, spec, setup.limits)
+    assert fit.notes[0].startswith(f"thread_limit {past} -> ") and len(fit.notes) > 2
+    shown = [str(w.message) for w in caught if str(w.message).startswith("clattn: ")]
+    assert shown == [f"clattn: {n}" for n in fit.notes]
+    assert dec.geometry == fit.geometry and dec.profile == fit.profile

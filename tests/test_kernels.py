@@ -304,7 +304,7 @@ def test_rope_runtime_scalars_no_rebuild(device_target, get_decoder):
     for dtype in DTYPES:
         sc = WIN[dtype]
         dec = get_decoder(sc.spec, device_target)
-        kernels = dec._kernels()
+        kernels = dec.opencl.decode_kernels()
         case = window_case(sc.spec, [45, 0, 17, 1], window=[10, 0, 16, 0], sinks=[3, 0, 1, 0],
                            seed=11, rope=True, pos_offset=[99_950, 0, 3, 100_000])
         for theta, scale, sm in ((500000.0, 1.0, None), (10000.0, 1.0, None),
@@ -313,7 +313,7 @@ def test_rope_runtime_scalars_no_rebuild(device_target, get_decoder):
             check(dec, sc, case, rotary_mode=1, rope_theta=theta, rope_scale=scale, sm_scale=sm,
                   what=f"theta={theta} scale={scale}: ")
         check(dec, sc, case, rotary_mode=0, what="rotary_mode=0: ")
-        assert dec._kernels()[0] is kernels[0], "rebuilt"
+        assert dec.opencl.decode_kernels()[0] is kernels[0], "rebuilt"
 
 
 # ---------------------------------------------------------------------------- split-KV

@@ -6,13 +6,11 @@ from pathlib import Path
 
 import pytest
 
+from clattn.device_fit import fit_device
 from clattn.profiles import (
     FIELDS,
     builtin_profiles,
-    describe,
     device_info,
-    fit,
-    format_profiles_report,
     get_profile,
     match,
     save_user_profile,
@@ -20,6 +18,13 @@ from clattn.profiles import (
     user_profiles,
 )
 from clattn.profiles import registry
+from clattn.profiles_report import describe, format_profiles_report
+
+def fit(profile, info):
+    """The device part of the one fit (no spec), as ``(profile, notes)``."""
+    f = fit_device(profile, info)
+    return f.profile, list(f.notes)
+
 
 DATA = Path(__file__).parent / "data" / "devices.json"
 RECORDS = {r["id"]: r for r in json.loads(DATA.read_text(encoding="utf-8"))["records"]}

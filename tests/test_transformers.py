@@ -455,7 +455,7 @@ def test_mask_pattern_check():
 def test_token_views_do_not_copy():
     """q/k/v in transformers' layout ([B, L, H, D] memory seen as [B, H, L, D]) reach the
     device from a numpy view of the torch tensor: the upload is the only copy."""
-    from clattn.integrations.hf_cache import _Step
+    from clattn.integrations.hf_cache import GroupForward
 
     x = torch.randn(3, 1, 8, 64).transpose(1, 2)  # a decode step's q
-    assert np.shares_memory(cltf._tokens(x, _Step()), x.numpy())
+    assert np.shares_memory(cltf._tokens(x, GroupForward()), x.numpy())

@@ -15,7 +15,8 @@ import pytest
 import clattn
 from clattn.codegen import render_prefill
 from clattn.fit import PREFILL_MAX_KB, PREFILL_ROWS, Limits, prefill_geometry
-from clattn.profiles import builtin_profiles, fit, match
+from clattn.device_fit import fit_device
+from clattn.profiles import builtin_profiles, match
 from clattn.profiles.registry import prefill_text
 
 from cases import compare, spec_scenario
@@ -58,7 +59,7 @@ def _check_wishes(prof, geom, where):
 def test_every_prefill_wish_is_honoured_or_cut_on_every_device(rec):
     limits = Limits.from_info(rec)
     for name, prof in PROFILES.items():
-        fitted = fit(prof, rec)[0]
+        fitted = fit_device(prof, rec).profile
         for shape in SHAPES:
             spec = clattn.AttentionSpec(*shape, page_size=16, dtype="float16")
             geom = _geometry(spec, fitted, limits)
@@ -80,7 +81,7 @@ def test_every_prefill_wish_is_honoured_or_cut_on_every_device(rec):
 
 @pytest.mark.parametrize("rec", RECORDS, ids=[r["id"] for r in RECORDS])
 def test_the_matched_profiles_prefill_values_reach_the_kernel(rec):
-    prof = fit(match(rec, user=False).profile, rec)[0]
+    prof = fit_device(match(rec, user=False).profile, rec).profile
     limits = Limits.from_info(rec)
     for shape in SHAPES[:4]:
         spec = clattn.AttentionSpec(*shape, page_size=16, dtype="float16")

@@ -89,7 +89,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from clattn import BatchPrefill, PagedKVCache, cpu_backend, runtime  # noqa: E402
 from clattn.merge import merge_state_, merge_states  # noqa: E402
-from clattn.quant import KV_FORMATS, bytes_per_value, pack_pool, row_bytes  # noqa: E402
+from clattn.quant import KV_FORMATS, QUANTIZED, bytes_per_value, pack_pool, row_bytes  # noqa: E402
 from clattn.spec import AttentionSpec, default_sm_scale  # noqa: E402
 from clattn.tune import ceilings as ceil  # noqa: E402
 from clattn.tune.checks import TOL, compare, decoder  # noqa: E402
@@ -1094,6 +1094,7 @@ def steady_steps(cache: PagedKVCache, ids: list[str], x: StepInputs, n: int) -> 
     begin, of the layers' appends and attends, and of the whole step, all of the step
     whose whole is the median (so that the parts add up within it)."""
     cl = runtime.cl()
+    quantized = cache.spec.k_format in QUANTIZED or cache.spec.v_format in QUANTIZED
     x.queue.finish()
     gate = cl.UserEvent(x.queue.context)
     cl.enqueue_marker(x.queue, wait_for=[gate])
@@ -1104,12 +1105,12 @@ def steady_steps(cache: PagedKVCache, ids: list[str], x: StepInputs, n: int) -> 
             t0 = time.perf_counter()
             cache.begin(ids)
             t1 = time.perf_counter()
-            held += [slot[3] for slot in cache._device.ring]
+            held += cache.upload_events
             for layer in range(cache.num_layers):
                 cache.append(layer, x.dev["k"], x.dev["v"])
                 cache.attend(layer, x.dev["q"], out=x.out[layer], lse=x.lse[layer])
             t2 = time.perf_counter()
-            if cache._device.quantized:  # end() reads the check's flags: it would wait
+            if quantized:  # end() reads the device check's flags: it would wait
                 cache.cancel()
             else:
                 cache.end()

@@ -317,13 +317,14 @@ def variant(profile: str, shape: str) -> Variant:
     """Fit ``profile`` to its representative record for ``shape`` and derive what Oclgrind
     can run (local-memory reduction, vload_half, at most 32 KiB of local memory)."""
     from clattn import profiles as reg
-    from clattn.fit import Limits, _tiled_local_bytes, decode_geometry, tiled_heads
+    from clattn.device_fit import fit_device
+    from clattn.fit import tiled_heads, tiled_local_bytes
     rec = representative(profile)
     info = rec or {}
-    prof, fit_notes = reg.fit(reg.get_profile(profile, user=False), info)
     spec = spec_for(shape)
-    dev = decode_geometry(spec, prof, Limits.from_info(info))
-    notes = list(fit_notes) + list(dev.notes)
+    fit = fit_device(reg.get_profile(profile, user=False), info, spec)
+    dev = fit.geometry
+    notes = list(fit.notes)
     g = dev
     if g.reduction == "subgroup":
         g = replace(g, reduction="local", subgroup_size=None, subgroup_attr="", pragmas=())
@@ -335,7 +336,7 @@ def variant(profile: str, shape: str) -> Variant:
                      "the device loads the same bytes natively)")
 
     def need(x):
-        return _tiled_local_bytes(spec.head_dim, x.bdx, x.bdz, x.tile,
+        return tiled_local_bytes(spec.head_dim, x.bdx, x.bdz, x.tile,
                                   tiled_heads(spec.group_size, x.gdz), x.reduction)
     fitted = g
     while need(fitted) > OCLGRIND_LOCAL and (fitted.bdz > 1 or fitted.tile > 1):
@@ -394,7 +395,7 @@ def _run_child(payload: dict) -> None:
     g = payload["geometry"]
     geom = DecodeGeometry(**{k: tuple(v) if isinstance(v, list) else v for k, v in g.items()})
     dec = clattn.BatchDecode(spec, "oclgrind", backend="opencl", profile=payload["profile"])
-    dec.geometry = geom  # the representative device's geometry, not Oclgrind's own
+    dec.opencl.decode_geometry = geom  # the representative device's, not Oclgrind's own
     cpu = clattn.BatchDecode(spec, backend="cpu")
     rng = np.random.default_rng(0)
     for n in payload["lengths"]:

@@ -322,6 +322,11 @@ MUTANTS = [
          "if v is not None and refs.get(name) is not None:")],
         ["tests/test_decode_step.py", "-k", "equals_run"],
         "a prepared step keeps the first layer's q and pages", "python"),
+    Mutant("split-workspace-unordered", "clattn/opencl_backend.py", [
+        ("if last is not None and not (queue_orders and last[1] is queue):",
+         "if False:")],
+        ["tests/test_kernels.py", "-k", "two_split_runs_in_flight"],
+        "split launches sharing the workspace are not ordered on its last user", "python"),
     Mutant("minus-inf-part-nan", COMMON, [
         ("return mx == -INFINITY ? 0.0f : mx;", "return mx;")],
         ["tests/test_fuzz.py", "-k", "minus_inf and not cpu"],

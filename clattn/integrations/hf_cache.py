@@ -344,7 +344,8 @@ class ClattnCache(Cache):
         self._next_id += 1
         return self._next_id
 
-    def _rows_for(self, batch: int) -> list:
+    def rows_for(self, batch: int) -> list:
+        """The cache's sequence ids of a forward's ``batch`` rows (added on first use)."""
         if self.rows is None:
             self.rows = [self._new_id() for _ in range(batch)]
             for g in self.groups.values():
@@ -455,7 +456,7 @@ class _Group:
             pool = self.cache.pools[0]
             self.queue, self.context = pool.queue, pool.context
         self.buffers: dict = {}
-        self.step: _Step | None = None
+        self.step: GroupForward | None = None
         self.recorded = 0  # positions appended since the last crop while recording the past
         self.key: tuple = ()  # the shapes, dtypes, scaling and softcap of its first layer
 
@@ -499,7 +500,7 @@ class _Group:
         return hit
 
 
-class _Step:
+class GroupForward:
     """One forward over one layer kind: which of the ``B x L`` new positions are tokens
     (``sel``: their flat indices, None for all), the lengths given to ``begin``, the
     attention path and, for BatchPrefill, the per-sequence tables and plan."""
@@ -520,9 +521,9 @@ def prefill_tables(cache: Any, on_device: bool, queue: Any) -> tuple | None:
     None when BatchPrefill cannot give the step's answer: a sequence whose window has
     begun to slide (BatchPrefill keeps one window per sequence; the cache's own chunk
     attend gives each token its own). The step's token tables are the cache's
-    (``PagedKVCache._step.tables``: the last token of a sequence sees all of its rows)."""
-    step = getattr(cache, "_step", None)
-    t = getattr(step, "tables", None)
+    (:attr:`clattn.PagedKVCache.step_tables`: the last token of a sequence sees all of its
+    rows)."""
+    t = cache.step_tables
     if t is None:
         return None
     lengths = np.asarray(t.lengths, np.int64)

@@ -32,8 +32,8 @@ from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
 from clattn import CacheFullError, runtime
 
-from .hf_cache import (DEFAULTS, NAME, PENDING, ClattnCache, UnsupportedFeatureError, _Step,
-                       check_config, prefill_tables)
+from .hf_cache import (DEFAULTS, NAME, PENDING, ClattnCache, GroupForward,
+                       UnsupportedFeatureError, check_config, prefill_tables)
 
 __all__ = ["ClattnCache", "ClattnMask", "UnsupportedFeatureError", "attention",
            "check_model", "mask", "register"]
@@ -282,7 +282,7 @@ def _paged(owner: ClattnCache, index: int, module: Any, query: torch.Tensor,
     if isinstance(attention_mask, ClattnMask):
         attention_mask.check_pattern(window, index)
     B, _, L, _ = query.shape
-    rows = owner._rows_for(B)
+    rows = owner.rows_for(B)
     g = owner.group(index, module, query, key, value, scaling, kwargs.get("softcap"))
     step = g.step
     local = g.local[index]
@@ -326,7 +326,7 @@ def _refuse(module: Any, query: torch.Tensor, dropout: float, is_causal: Any,
 
 def _begin(g: Any, rows: list, attention_mask: Any, B: int, L: int, layer: Any) -> Any:
     """Begin the layer kind's step: the new tokens of each row that are not padding."""
-    step = _Step()
+    step = GroupForward()
     cache = g.cache
     past = layer.cumulative_length - L
     valid = None

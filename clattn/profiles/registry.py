@@ -1,7 +1,8 @@
-"""Device-profile registry: built-in profiles as data, user overlay, matching and fitting.
+"""Device-profile registry: built-in profiles as data, user overlay and matching.
 
 Profiles are *wishes* (what the kernels should try); device limits are *facts*.
-:func:`match` picks the wish for a device, :func:`fit` trims it to the facts.
+:func:`match` picks the wish for a device; :func:`clattn.device_fit.fit_device` fits it
+to the facts.
 
 Entry format (``builtin.json``, user files)::
 
@@ -23,13 +24,13 @@ from __future__ import annotations
 import json
 import os
 import re
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 from ..fileio import write_atomic
-from .device_info import architecture, device_type, fp16_support, subgroup_support
+from .device_info import architecture, device_type
 from .record import NULLABLE, Profile
 
 BUILTIN_PATH = Path(__file__).with_name("builtin.json")
@@ -37,8 +38,6 @@ LEVELS = ("device", "architecture", "vendor", "type", "default")
 ENTRY_KEYS = ("name", "label", "base", "source", "notes", "match", "params")
 MATCH_KEYS = ("device", "architecture", "vendor", "type", "default")
 VENDOR_FIELDS = ("device_vendor", "platform_name", "device_name", "device_version")
-#: below this much local memory not even a small K/V tile fits beside the reduction scratch
-MIN_LOCAL_KV_BYTES = 16 * 1024
 ENV_PROFILE = "CLATTN_PROFILE"
 ENV_CONFIG_DIR = "CLATTN_CONFIG_DIR"
 
@@ -320,7 +319,8 @@ def _load_override(value: str, resolver: _Resolver) -> Profile:
     return resolver.profile(value)
 
 
-def _as_info(info: Any) -> Mapping[str, Any]:
+def as_info(info: Any) -> Mapping[str, Any]:
+    """A device record as given, or a ``pyopencl.Device``'s (:func:`.device_info`)."""
     if isinstance(info, Mapping):
         return info
     from .device_info import device_info
@@ -333,7 +333,7 @@ def match(info: Mapping[str, Any], *, user: bool = True) -> Match:
     With ``user`` (default), ``$CLATTN_PROFILE`` forces a profile (name or JSON path)
     and the user profile directory is searched before the built-ins.
     """
-    info = _as_info(info)
+    info = as_info(info)
     users = _user_entries() if user else []
     resolver = _Resolver(users)
     forced = os.environ.get(ENV_PROFILE, "").strip() if user else ""
@@ -354,59 +354,6 @@ def match(info: Mapping[str, Any], *, user: bool = True) -> Match:
                f"device_vendor {info.get('device_vendor')!r}, "
                f"device_type {device_type(info)[0]!r}")
     return Match(resolver.profile(e.name, user=False), f"{level}: {e.label} ({why})", level)
-
-
-# --- fitting ------------------------------------------------------------------------------
-
-def _pow2_floor(n: int) -> int:
-    return 1 << (max(1, n).bit_length() - 1)
-
-
-def fit(profile: Profile, info: Mapping[str, Any]) -> tuple[Profile, list[str]]:
-    """Trim a profile (a wish) to what the device reports (facts); one note per cut.
-
-    Unknown facts (None) cut nothing. Thread counts drop to the largest power of two
-    within max_work_group_size and max_work_item_sizes[0].
-    """
-    info = _as_info(info)
-    changes: dict[str, Any] = {}
-    notes: list[str] = []
-    limits = {"max_work_group_size": info.get("max_work_group_size")}
-    sizes = info.get("max_work_item_sizes")
-    if isinstance(sizes, (list, tuple)) and sizes:
-        limits["max_work_item_sizes[0]"] = sizes[0]
-    known = {k: v for k, v in limits.items() if isinstance(v, int) and v > 0}
-    if known:
-        cap = min(known.values())
-        why = ", ".join(f"{k} {v}" for k, v in known.items() if v == cap)
-        for key in ("thread_limit", "merge_threads"):
-            if getattr(profile, key) > cap:
-                changes[key] = _pow2_floor(cap)
-                notes.append(f"{key} {getattr(profile, key)} -> {changes[key]} (device {why})")
-    if profile.reduction == "subgroup":
-        sg = subgroup_support(info)
-        sg_sizes = info.get("sub_group_sizes")
-        why = None
-        if sg is False:
-            why = ("no sub-group support (no cl_khr_subgroups / cl_intel_subgroups, "
-                   "no OpenCL 3.0 sub-groups)")
-        elif profile.subgroup_size and isinstance(sg_sizes, list) and sg_sizes and \
-                profile.subgroup_size not in sg_sizes:
-            why = f"sub-group size {profile.subgroup_size} not in the device's {sg_sizes}"
-        if why:
-            changes.update(reduction="local", subgroup_size=None)
-            notes.append(f"reduction subgroup -> local: {why}")
-    if profile.native_fp16 and fp16_support(info) is False:
-        # a preference ("use half loads where the device has them"), not a limit: no note
-        changes["native_fp16"] = False
-    local = info.get("local_mem_size_bytes")
-    if profile.use_local_kv and (info.get("local_mem_type") == "none" or (
-            isinstance(local, int) and local < MIN_LOCAL_KV_BYTES)):
-        changes["use_local_kv"] = False
-        notes.append(f"use_local_kv on -> off: local memory {local} bytes "
-                     f"(< {MIN_LOCAL_KV_BYTES})")
-    fitted = profile.with_(**changes) if changes else profile
-    return fitted, notes
 
 
 # --- queries, saving, reports -------------------------------------------------------------
@@ -462,7 +409,8 @@ def prefill_text(p: Profile) -> str:
     return f"{v(p.prefill_tc)}x{v(p.prefill_rm)}, kb {v(p.prefill_kb)}, qb {v(p.prefill_qb)}"
 
 
-def _table(user: bool = True) -> str:
+def profiles_table(user: bool = True) -> str:
+    """Every profile, user profiles first, with its match level and parameters."""
     r = _Resolver(_user_entries() if user else [])
     cols = ("name", "base", "level", "family", "strategy", "threads", "rows", "vec",
             "local_kv", "reduction", "fp16", "prefill", "source")
@@ -482,33 +430,3 @@ def _table(user: bool = True) -> str:
     head = ("Profiles (match order: user profiles, then device > architecture > vendor > type"
             " > default; * = user profile" + (f" from {user_profile_dir()}" if user else "") + ")")
     return "\n".join([head, *lines])
-
-
-def _device_block(info: Mapping[str, Any], user: bool = True) -> str:
-    m = match(info, user=user)
-    fitted, warnings = fit(m.profile, info)
-    params = ", ".join(f"{f.name}={getattr(fitted, f.name)!r}" for f in fields(fitted)
-                       if f.name not in ("name", "source"))
-    lines = [f"Device: {info.get('device_name')!r} on {info.get('platform_name')!r} "
-             f"({info.get('device_version')!r})",
-             f"  profile: {m.profile.name}  [{m.level}]",
-             f"  why:     {m.rule}",
-             f"  source:  {m.profile.source}"]
-    lines += [f"  fitted:  {w}" for w in warnings] or ["  fitted:  no changes needed"]
-    lines.append(f"  params:  {params}")
-    return "\n".join(lines)
-
-
-def describe(info: Mapping[str, Any] | None = None, *, user: bool = True) -> str:
-    """The registry table and, given a device, which profile it gets, why, and the fit."""
-    parts = [_table(user)]
-    if info is not None:
-        parts.append(_device_block(_as_info(info), user))
-    return "\n\n".join(parts)
-
-
-def format_profiles_report(infos: list[Mapping[str, Any]], *, user: bool = True) -> str:
-    """What ``clattn profiles`` prints: the table, then one block per device."""
-    parts = [_table(user)]
-    parts += [_device_block(_as_info(i), user) for i in infos] or ["No OpenCL devices found."]
-    return "\n\n".join(parts)

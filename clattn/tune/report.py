@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from ..device_fit import REPORT_SHAPE
 from ..profiles import device_info
 from ..profiles.record import Profile
 from .ceilings import FMA_CHAINS, FmaPeak, Latency, Measurement, Transfer
@@ -266,6 +267,7 @@ def format_report(rep: Report) -> str:
              f"[{info.get('platform_name')}], {rep.date}", "", "Device", format_device(info)]
     p = rep.profile
     lines.append(f"  profile              {p.name} [{p.level}]: {p.rule}")
+    lines.append(f"  fit for              {REPORT_SHAPE}")
     lines += [f"  fitted               {n}" for n in p.fit_notes]
     lines += _ceiling_lines(rep.ceilings)
     lines += _checks_lines(f"Correctness vs the CPU backend (profile {p.name})", rep.correctness)

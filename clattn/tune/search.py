@@ -21,8 +21,8 @@ from typing import Any, Callable, Iterable, Mapping
 
 from .. import runtime
 from ..decode import BatchDecode
+from ..device_fit import fit_device
 from ..fit import Limits, decode_geometry, merge_geometry
-from ..profiles import fit as fit_profile
 from ..profiles.record import STRATEGIES, Profile
 from .ceilings import host_available_bytes, sizing
 from .checks import VERIFY_LENGTHS, check_decode, decoder, make_case
@@ -550,7 +550,7 @@ class Tuner:
 
         ``force``: past the caps and the budget (the seeds).
         """
-        prof, _ = fit_profile(prof, self.info)
+        prof = fit_device(prof, self.info).profile
         kkey = self._kernel_key(prof)
         key = (kkey, tuple(getattr(prof, k) for k in PLAN_FIELDS))
         if key in self._keys:

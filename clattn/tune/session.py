@@ -16,7 +16,8 @@ import time
 from typing import Any, Callable
 
 from .. import runtime
-from ..profiles import device_info, fit, match
+from ..device_fit import report_fit
+from ..profiles import device_info, match
 from . import ceilings
 from .checks import correctness, kv_bytes
 from .report import CeilingsResult, ProfileChoice, Report
@@ -48,8 +49,8 @@ def measure_ceilings(rt: Any, settings: Settings) -> CeilingsResult:
 
 
 def _choice(m: Any, info: dict) -> ProfileChoice:
-    prof, notes = fit(m.profile, info)
-    return ProfileChoice(m.profile.name, m.level, m.rule, tuple(notes), prof)
+    fit = report_fit(m.profile, info)
+    return ProfileChoice(m.profile.name, m.level, m.rule, fit.notes, fit.profile)
 
 
 def tune_device(device: Any, settings: Settings, *, progress: bool = True,

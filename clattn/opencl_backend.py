@@ -1,0 +1,251 @@
+"""One attention spec on one OpenCL device: the device twin of :mod:`clattn.cpu_backend`.
+
+:class:`OpenCLBackend` owns, for one :class:`~clattn.AttentionSpec` on one
+:class:`~clattn.device.DeviceSetup`:
+
+* the fitted geometries of the decode, merge, prefill and append kernels;
+* every built kernel, each through :meth:`clattn.runtime.Runtime.launcher`;
+* the RoPE frequency tables and the scalar arguments the decode and prefill kernels take;
+* the split-KV workspace, grown when a plan needs more than any before it, with the event
+  of its last user that orders every split launch on it;
+* the plans' tables on the device;
+* the decode-then-merge launch sequence (:meth:`OpenCLBackend.decode_then_merge`).
+
+:class:`~clattn.BatchDecode`, :class:`~clattn.DecodeStep`, :class:`~clattn.BatchPrefill`
+and :class:`~clattn.PagedKVCache` hold one and call its public methods.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from . import runtime, signatures
+from .codegen import render_append, render_decode, render_merge, render_prefill
+from .device import DeviceSetup, build_fitted
+from .device_fit import fit_device
+from .fit import (DecodeGeometry, MergeGeometry, PrefillGeometry, append_geometry,
+                  decode_geometry, merge_geometry, prefill_geometry)
+from .launch import Launcher
+from .plan import Plan
+from .rope import kernel_turns, parse_rope_scaling, rope_tables
+from .spec import AttentionSpec, default_sm_scale
+from .staging import note_allocation
+
+PLANS_KEPT = 8  # plan tables kept on the device per backend
+ROPE_KEPT = 16  # RoPE tables kept per backend (a caller varying rope_scale stays bounded)
+#: the first long-factor position of a call without RoPE (no row reaches it)
+NO_LONG_FROM = 2**31 - 1
+
+
+class OpenCLBackend:
+    """The kernels, tables and workspace of one spec on one device.
+
+    Parameters
+    ----------
+    spec : AttentionSpec
+        The attention every kernel of this backend computes.
+    setup : DeviceSetup
+        The device's runtime, its fitted profile and its limits (a kernel the driver
+        allows fewer work-items per group lowers ``setup.limits``).
+
+    Notes
+    -----
+    The geometries are fitted by :meth:`fit_decode`, :meth:`fit_prefill` and
+    :meth:`fit_append` (each returns the fit's notes for its caller to show); a kernel
+    method needs its fit first. Every method may be called from several threads.
+    """
+
+    def __init__(self, spec: AttentionSpec, setup: DeviceSetup) -> None:
+        self.spec = spec
+        self.setup = setup
+        self.runtime = setup.runtime
+        self.decode_geometry: DecodeGeometry | None = None
+        self.merge_geometry: MergeGeometry | None = None
+        self.prefill_geometry: PrefillGeometry | None = None
+        self.append_geometry: MergeGeometry | None = None
+        self._lock = threading.Lock()
+        self._decode: tuple[Launcher, Launcher] | None = None
+        self._prefill: Launcher | None = None
+        self._turns: dict = {}
+        self._plan_tables: dict = {}
+        self._units: tuple | None = None
+        self._ws: tuple | None = None
+        self._ws_last: tuple | None = None  # (event, queue) of the last split launch
+
+    # -- geometries ----------------------------------------------------------------
+    def fit_decode(self) -> tuple:
+        """Fit the decode and merge kernels to the device; returns the one fit's notes
+        (:func:`clattn.device_fit.fit_device`: every wish of the profile that was cut,
+        for the device or for the decode kernel, with its reason)."""
+        spec, setup = self.spec, self.setup
+        fit = fit_device(setup.wishes, setup.info, spec, setup.limits)
+        self.decode_geometry = fit.geometry
+        self.merge_geometry = merge_geometry(spec.head_dim, spec.dtype, setup.profile,
+                                             setup.limits)
+        return fit.notes
+
+    def fit_prefill(self) -> tuple:
+        """Fit the prefill kernel to the device; returns the prefill kernel's cuts (the
+        device's are ``setup.notes``)."""
+        self.prefill_geometry = prefill_geometry(self.spec, self.setup.profile,
+                                                 self.setup.limits)
+        return self.prefill_geometry.notes
+
+    def fit_append(self) -> MergeGeometry:
+        """Fit the KV-cache append and page-copy kernels to the device."""
+        spec, setup = self.spec, self.setup
+        self.append_geometry = append_geometry(spec.head_dim, spec.dtype, setup.profile,
+                                               setup.limits)
+        return self.append_geometry
+
+    # -- kernels -------------------------------------------------------------------
+    def decode_kernels(self) -> tuple[Launcher, Launcher]:
+        """``(decode, merge)``, built once. A decode kernel the driver allows fewer
+        work-items per group than its geometry asks is fitted again to that limit and
+        rebuilt, with one warning (:attr:`decode_geometry` then holds the new fit)."""
+        with self._lock:
+            if self._decode is None:
+                rt, spec, setup = self.runtime, self.spec, self.setup
+                decode, self.decode_geometry = build_fitted(
+                    setup, self.decode_geometry,
+                    lambda g: rt.launcher(("decode", spec.key(), g), signatures.DECODE,
+                                          lambda: render_decode(spec, g)),
+                    lambda limits: decode_geometry(spec, setup.profile, limits), "decode")
+                mg = self.merge_geometry
+                merge = rt.launcher(("merge", spec.head_dim, spec.dtype, "float32", mg),
+                                    signatures.MERGE_VARLEN,
+                                    lambda: render_merge(spec.head_dim, spec.dtype, "float32", mg))
+                self._decode = (decode, merge)
+            return self._decode
+
+    def prefill_kernel(self) -> Launcher:
+        """The prefill kernel, built once; refitted and rebuilt as :meth:`decode_kernels`
+        does when the driver allows fewer work-items per group."""
+        with self._lock:
+            if self._prefill is None:
+                rt, spec, setup = self.runtime, self.spec, self.setup
+                self._prefill, self.prefill_geometry = build_fitted(
+                    setup, self.prefill_geometry,
+                    lambda g: rt.launcher(("prefill", spec.key(), g), signatures.PREFILL,
+                                          lambda: render_prefill(spec, g)),
+                    lambda limits: prefill_geometry(spec, setup.profile, limits), "prefill")
+            return self._prefill
+
+    def append_kernel(self, table: Any) -> Launcher:
+        """The kernel of ``table`` (:data:`~clattn.signatures.APPEND`, ``APPEND_CHECK`` or
+        ``PAGE_COPY``) from the append program, built once."""
+        spec, geom = self.spec, self.append_geometry
+        return self.runtime.launcher(("append", spec.key(), geom), table,
+                                     lambda: render_append(spec, geom))
+
+    # -- tables and scalars --------------------------------------------------------
+    def rope_buffer(self, rotary_mode: int, theta: float, scale: float) -> tuple[Any, int, float]:
+        """``(frequency table buffer, first long-factor position, attention factor)`` of
+        RoPE with ``theta`` and ``scale`` (made once, a few kept); without RoPE ``(None,
+        NO_LONG_FROM, 1.0)``."""
+        if not rotary_mode:
+            return None, NO_LONG_FROM, 1.0
+        key = (float(theta), float(scale))
+        with self._lock:
+            hit = self._turns.get(key)
+            if hit is None:
+                while len(self._turns) >= ROPE_KEPT:
+                    self._turns.pop(next(iter(self._turns)))
+                cl = runtime.cl()
+                spec = self.spec
+                scaling = parse_rope_scaling(spec.rope_scaling, spec.max_position_embeddings)
+                inv, att, long_from = rope_tables(spec.rotary_dim, float(theta), scaling,
+                                                  spec.max_position_embeddings)
+                turns = kernel_turns(inv, scale)
+                try:
+                    buf = cl.Buffer(self.runtime.context,
+                                    cl.mem_flags.READ_ONLY | cl.mem_flags.COPY_HOST_PTR,
+                                    hostbuf=turns)
+                except cl.Error as exc:
+                    note_allocation(exc, "the RoPE frequency table", turns.nbytes, self.runtime)
+                    raise
+                hit = self._turns[key] = (buf, int(long_from), float(att))
+            return hit
+
+    def scalars(self, rotary_mode: int, rope_theta: float, rope_scale: float,
+                sm_scale: float | None) -> dict:
+        """The scalar and RoPE-table arguments of the decode and prefill kernels, by name."""
+        turns, long_from, att = self.rope_buffer(rotary_mode, rope_theta, rope_scale)
+        D = self.spec.head_dim
+        return dict(rotary_mode=int(rotary_mode),
+                    sm_scale=default_sm_scale(D) if sm_scale is None else float(sm_scale),
+                    rope_turns=turns, long_from=long_from, rope_att=att)
+
+    def plan_table(self, plan: Plan, queue: Any) -> Any:
+        """The plan's partition table on the device (uploaded once per plan, a few kept)."""
+        with self._lock:
+            hit = self._plan_tables.get(id(plan))
+            if hit is None or hit[0] is not plan:
+                try:
+                    hit = (plan, runtime.cl().array.to_device(queue, plan.part_indptr))
+                except runtime.cl().Error as exc:
+                    note_allocation(exc, "the plan's partition table", plan.part_indptr.nbytes,
+                                    self.runtime)
+                    raise
+                self._plan_tables[id(plan)] = hit
+                while len(self._plan_tables) > PLANS_KEPT:
+                    self._plan_tables.pop(next(iter(self._plan_tables)))
+            return hit[1]
+
+    def unit_table(self, plan: Any, queue: Any) -> Any:
+        """A prefill plan's unit table on the device: uploaded once for the layers of a
+        step (the last plan's is kept)."""
+        with self._lock:
+            if self._units is None or self._units[0] is not plan:
+                try:
+                    self._units = (plan, runtime.cl().array.to_device(queue, plan.units))
+                except runtime.cl().Error as exc:
+                    note_allocation(exc, "the plan's unit table", plan.units.nbytes,
+                                    self.runtime)
+                    raise
+            return self._units[1]
+
+    # -- the split workspace -------------------------------------------------------
+    def workspace(self, n_ws: int) -> tuple[Any, Any]:
+        """``(partial outputs, partial LSEs)`` buffers for ``n_ws`` split states: the one
+        workspace, grown when ``n_ws`` exceeds every earlier request. Every launch that
+        uses it goes through :meth:`decode_then_merge`, which orders them on it."""
+        with self._lock:
+            if self._ws is None or self._ws[0] < n_ws:
+                cl = runtime.cl()
+                H, D = self.spec.num_qo_heads, self.spec.head_dim
+                ctx = self.runtime.context
+                n = max(n_ws, 1)
+                try:
+                    self._ws = (n, cl.Buffer(ctx, cl.mem_flags.READ_WRITE, n * H * D * 4),
+                                cl.Buffer(ctx, cl.mem_flags.READ_WRITE, n * H * 4))
+                except cl.Error as exc:
+                    note_allocation(exc, "the split-KV workspace", n * H * (D + 1) * 4,
+                                    self.runtime)
+                    raise
+            return self._ws[1], self._ws[2]
+
+    def decode_then_merge(self, queue: Any, waits: list, decode: tuple,
+                          merge: tuple | None = None, queue_orders: bool = False) -> tuple:
+        """Enqueue the decode kernel and, for a split plan, the merge of its partitions
+        from the workspace into ``out``/``lse``.
+
+        ``decode`` and ``merge`` are ``(launch, global_size, local_size, args)``: ``launch``
+        a :class:`~clattn.launch.Launcher` or a bound kernel's ``launch``, called
+        ``launch(queue, global_size, local_size, wait_for, **args)``. A split decode (one
+        with ``merge``) waits for the workspace's last user, except when ``queue_orders``
+        says ``queue`` is in order and that user ran on it. Returns the events, in launch
+        order.
+        """
+        launch, gsz, lsz, args = decode
+        if merge is None:
+            return (launch(queue, gsz, lsz, waits, **args),)
+        with self._lock:
+            last = self._ws_last
+            if last is not None and not (queue_orders and last[1] is queue):
+                waits = waits + [last[0]]
+            first = launch(queue, gsz, lsz, waits, **args)
+            launch, gsz, lsz, args = merge
+            done = launch(queue, gsz, lsz, [first], **args)
+            self._ws_last = (done, queue)
+        return first, done
