@@ -89,6 +89,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from clattn import BatchPrefill, PagedKVCache, cpu_backend, runtime  # noqa: E402
 from clattn.merge import merge_state_, merge_states  # noqa: E402
+from clattn.models import MODEL_SHAPES  # noqa: E402
 from clattn.quant import KV_FORMATS, QUANTIZED, bytes_per_value, pack_pool, row_bytes  # noqa: E402
 from clattn.spec import AttentionSpec, default_sm_scale  # noqa: E402
 from clattn.tune import ceilings as ceil  # noqa: E402
@@ -97,15 +98,8 @@ from clattn.tune.roofline import decode_roofline  # noqa: E402
 from clattn.tune.timing import cell, event_seconds, sample, table  # noqa: E402
 from clattn.tune.workloads import PagePool, Workload, pool_pages, rotating_tables  # noqa: E402
 
-MODELS = {  # name: (H_qo, H_kv, D)
-    "Llama-3.2-1B": (32, 8, 64),
-    "Llama-3-8B": (32, 8, 128),
-    "Qwen2.5-0.5B": (14, 2, 64),
-    "Gemma-2-2B": (8, 4, 256),
-    "Phi-3-mini": (32, 32, 96),
-}
-LAYERS = {"Llama-3.2-1B": 16, "Llama-3-8B": 32, "Qwen2.5-0.5B": 24, "Gemma-2-2B": 26,
-          "Phi-3-mini": 32}
+#: the benchmark's models by name
+MODELS = {m.name: m for m in MODEL_SHAPES}
 GiB = 1 << 30
 PAGE = 16
 #: (new tokens, cached tokens) per sequence of the prefill rows
@@ -135,8 +129,8 @@ def chunk(text: str) -> tuple[int, int]:
 
 def model_spec(name: str, dtype: str, fmt: str | None = None) -> AttentionSpec:
     """The spec of a model of :data:`MODELS`; ``fmt`` stores both K and V pages."""
-    hqo, hkv, d = MODELS[name]
-    return AttentionSpec(hqo, hkv, d, page_size=PAGE, dtype=dtype, k_format=fmt, v_format=fmt)
+    m = MODELS[name]
+    return AttentionSpec(m.num_qo_heads, m.num_kv_heads, m.head_dim, page_size=PAGE, dtype=dtype, k_format=fmt, v_format=fmt)
 
 
 def page_bytes(spec: AttentionSpec) -> int:
@@ -615,7 +609,7 @@ def format_costs(models: list[str], formats: list[str]) -> tuple:
     """The section of bytes per KV row (one K or V row of one KV head) per page format."""
     rows = []
     for name in models:
-        d = MODELS[name][2]
+        d = MODELS[name].head_dim
         for fmt in dict.fromkeys(["float16"] + formats):
             spec = model_spec(name, "float16", fmt)
             data, total = row_bytes(fmt, d), d * bytes_per_value(fmt)
@@ -1218,7 +1212,7 @@ def suite_cache(args: argparse.Namespace, deadline: Deadline) -> dict:
     if args.smoke:
         models, batches, contexts, dtypes = ["Qwen2.5-0.5B"], [1], [64], ["float16"]
     rows = [dict(model=name, dtype=dt, format=fmt or dt, B=B, ctx=ctx,
-                 layers=args.layers or (2 if args.smoke else LAYERS[name]))
+                 layers=args.layers or (2 if args.smoke else MODELS[name].layers))
             for name in models for dt in dtypes for fmt in args.formats or [None]
             for B in batches for ctx in contexts]
     run_rows(rows, deadline, lambda row: _cache_row(args, db, row))

@@ -54,14 +54,10 @@ if str(ROOT) not in sys.path:
 DEVICES_JSON = ROOT / "tests" / "data" / "devices.json"  # recorded OpenCL devices
 GPU_FIGURES_JSON = Path(__file__).resolve().parent / "gpu_devices.json"  # published figures
 
-#: real model shapes: name -> (num_qo_heads, num_kv_heads, head_dim, softcap); f16
-SHAPES: dict[str, tuple[int, int, int, float | None]] = {
-    "Llama-3.2-1B": (32, 8, 64, None),
-    "Llama-3-8B": (32, 8, 128, None),
-    "Qwen2.5-0.5B": (14, 2, 64, None),
-    "Gemma-2-2B": (8, 4, 256, 50.0),
-    "Phi-3-mini": (32, 32, 96, None),
-}
+from clattn.models import MODEL_SHAPES, ModelShape  # noqa: E402
+
+#: real model shapes by name (f16 pages)
+SHAPES: dict[str, ModelShape] = {m.name: m for m in MODEL_SHAPES}
 DTYPE = "float16"
 ITEM = 2  # bytes of an f16
 PAGE_SIZE = 16
@@ -284,10 +280,11 @@ def representative(profile: str) -> dict | None:
 
 def spec_for(shape: str, kv_heads: int | None = None):
     from clattn.spec import AttentionSpec
-    hq, hkv, d, cap = SHAPES[shape]
-    g = hq // hkv
-    k = hkv if kv_heads is None else kv_heads
-    return AttentionSpec(g * k, k, d, page_size=PAGE_SIZE, dtype=DTYPE, softcap=cap)
+    m = SHAPES[shape]
+    g = m.num_qo_heads // m.num_kv_heads
+    k = m.num_kv_heads if kv_heads is None else kv_heads
+    return AttentionSpec(g * k, k, m.head_dim, page_size=PAGE_SIZE, dtype=DTYPE,
+                         softcap=m.softcap)
 
 
 @dataclass(frozen=True)
@@ -578,7 +575,7 @@ def estimate(row: PerRow, dev: Mapping[str, Any], context: int, *,
 
     The busy fraction is work-groups / ``wg_slots`` (one work-group per core), capped at 1.
     """
-    hq, hkv, d, _ = SHAPES[row.shape]
+    hkv = SHAPES[row.shape].num_kv_heads
     rows = context * hkv
     c = row.counts
     slots_wg = value(dev, "wg_slots")
@@ -610,7 +607,7 @@ def planned_work_groups(row: PerRow, dev: Mapping[str, Any], context: int) -> in
     import numpy as np
     from clattn.plan import make_plan
     from clattn.profiles import get_profile
-    hq, hkv, d, _ = SHAPES[row.shape]
+    hkv = SHAPES[row.shape].num_kv_heads
     v = variant(row.profile, row.shape)
     wg = hkv * v.device_geometry.gdz
     plan = make_plan(np.array([context]), wg, int(value(dev, "compute_units")),
@@ -664,14 +661,14 @@ class SplitChoice:
 def merge_us(row: PerRow, dev: Mapping[str, Any], parts: int) -> float:
     """The split merge pass: ``parts`` f32 states per query head read (v and lse), the f16
     output written, at the DRAM bandwidth, plus one launch (:data:`LAUNCH_US`)."""
-    hq, _, d, _ = SHAPES[row.shape]
+    hq, d = SHAPES[row.shape].num_qo_heads, SHAPES[row.shape].head_dim
     nbytes = parts * hq * (d + 1) * 4 + hq * (d * ITEM + 4)
     return nbytes / (value(dev, "dram_gbs") * 1e9) * 1e6 + LAUNCH_US
 
 
 def split_choice(row: PerRow, dev: Mapping[str, Any], context: int) -> SplitChoice:
     """The model's verdict on split-KV for one sequence (issue 15, item 4)."""
-    _, hkv, _, _ = SHAPES[row.shape]
+    hkv = SHAPES[row.shape].num_kv_heads
     wg = hkv * variant(row.profile, row.shape).device_geometry.gdz
 
     def cost(parts: int) -> float:

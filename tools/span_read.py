@@ -75,9 +75,9 @@ __kernel void clattn_read_spans(const __global float8* restrict buf,
 def model_spans() -> dict[int, list[str]]:
     """Span bytes -> the bench models (and dtypes) whose per-head page region it is."""
     spans: dict[int, list[str]] = {}
-    for name, (_, _, d) in MODELS.items():
+    for name, m in MODELS.items():
         for dtype, size in (("f16", 2), ("f32", 4)):
-            spans.setdefault(PAGE * d * size, []).append(f"{name} {dtype}")
+            spans.setdefault(PAGE * m.head_dim * size, []).append(f"{name} {dtype}")
     return dict(sorted(spans.items()))
 
 
