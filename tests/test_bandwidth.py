@@ -280,8 +280,10 @@ def test_source_mentions_every_width():
 # -- tools/bench.py -------------------------------------------------------------------------------
 
 def _load_bench():
-    spec = importlib.util.spec_from_file_location("clattn_bench", os.path.join(ROOT, "tools",
-                                                                               "bench.py"))
+    tools = os.path.join(ROOT, "tools")
+    if tools not in sys.path:  # bench imports its sibling tools/common.py
+        sys.path.insert(0, tools)
+    spec = importlib.util.spec_from_file_location("clattn_bench", os.path.join(tools, "bench.py"))
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     return bench

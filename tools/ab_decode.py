@@ -30,12 +30,8 @@ from pathlib import Path
 import numpy as np
 import pyopencl.array as cla
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tools"))
-
-import clattn  # noqa: E402
-from bench import MODELS, PAGE  # noqa: E402
+from common import MODELS, PAGE, ROOT  # first: it puts clattn on the path
+import clattn
 
 
 def load_revision(rev: str, into: Path):

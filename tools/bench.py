@@ -85,11 +85,11 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import numpy as np  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
+# common first: it puts the package on the import path
+from common import (GiB, MODELS, PAGE, ROOT, csv, gib, io_bytes, kv_bytes, log,  # noqa: E402
+                    model_spec, page_bytes)
 from clattn import BatchPrefill, PagedKVCache, cpu_backend, runtime  # noqa: E402
 from clattn.merge import merge_state_, merge_states  # noqa: E402
-from clattn.models import MODEL_SHAPES  # noqa: E402
 from clattn.quant import KV_FORMATS, QUANTIZED, bytes_per_value, pack_pool, row_bytes  # noqa: E402
 from clattn.spec import AttentionSpec, default_sm_scale  # noqa: E402
 from clattn.tune import ceilings as ceil  # noqa: E402
@@ -98,10 +98,6 @@ from clattn.tune.roofline import decode_roofline  # noqa: E402
 from clattn.tune.timing import cell, event_seconds, sample, table  # noqa: E402
 from clattn.tune.workloads import PagePool, Workload, pool_pages, rotating_tables  # noqa: E402
 
-#: the benchmark's models by name
-MODELS = {m.name: m for m in MODEL_SHAPES}
-GiB = 1 << 30
-PAGE = 16
 #: (new tokens, cached tokens) per sequence of the prefill rows
 PREFILL_CHUNKS = [(512, 0), (128, 4096)]
 #: values packed on the host at once for a quantized pool (the block repeated over it)
@@ -111,47 +107,10 @@ KEY_COLS = ("model", "dtype", "format", "B", "ctx", "n", "N", "layers")
 
 
 # -- small utilities ---------------------------------------------------------------------
-def log(msg: str) -> None:
-    """A progress line on stderr."""
-    print(msg, file=sys.stderr, flush=True)
-
-
-def csv(text: str | None, cast: Callable = str) -> list | None:
-    """``"a,b"`` -> ``[cast("a"), cast("b")]``; None stays None."""
-    return None if text is None else [cast(x.strip()) for x in text.split(",") if x.strip()]
-
-
 def chunk(text: str) -> tuple[int, int]:
     """``"128:4096"`` -> ``(128, 4096)``: new tokens, cached tokens."""
     new, _, cached = text.partition(":")
     return int(new), int(cached or 0)
-
-
-def model_spec(name: str, dtype: str, fmt: str | None = None) -> AttentionSpec:
-    """The spec of a model of :data:`MODELS`; ``fmt`` stores both K and V pages."""
-    m = MODELS[name]
-    return AttentionSpec(m.num_qo_heads, m.num_kv_heads, m.head_dim, page_size=PAGE, dtype=dtype, k_format=fmt, v_format=fmt)
-
-
-def page_bytes(spec: AttentionSpec) -> int:
-    """Bytes of one page of the spec's pool (K and V, every KV head, scales and padding)."""
-    return int(np.prod(spec.pool_shape(1))) * spec.pool_dtype.itemsize
-
-
-def kv_bytes(spec: AttentionSpec, B: int, ctx: int) -> int:
-    """Bytes of the K and V rows a decode reads (data and block scales of the page format)."""
-    return int(B * ctx * spec.bytes_per_token)
-
-
-def io_bytes(spec: AttentionSpec, B: int, ctx: int) -> int:
-    """Bytes a decode must move: K and V attended, q in, out and lse written."""
-    hqo, d = spec.num_qo_heads, spec.head_dim
-    return kv_bytes(spec, B, ctx) + 2 * B * hqo * d * spec.itemsize + B * hqo * 4
-
-
-def gib(n: float) -> str:
-    """``1.5 GiB``."""
-    return f"{n / GiB:.2f} GiB"
 
 
 def short_plan(plan: Any) -> str:
@@ -1312,7 +1271,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 def source_version() -> str:
     """The git commit of the checkout (``+dirty`` with uncommitted changes to clattn/)."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = str(ROOT)
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, text=True,
                               capture_output=True, timeout=10).stdout.strip()

@@ -47,17 +47,13 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from common import MODELS, ROOT, csv  # first: it puts clattn on the path
 
 DEVICES_JSON = ROOT / "tests" / "data" / "devices.json"  # recorded OpenCL devices
 GPU_FIGURES_JSON = Path(__file__).resolve().parent / "gpu_devices.json"  # published figures
 
-from clattn.models import MODEL_SHAPES, ModelShape  # noqa: E402
-
 #: real model shapes by name (f16 pages)
-SHAPES: dict[str, ModelShape] = {m.name: m for m in MODEL_SHAPES}
+SHAPES = MODELS
 DTYPE = "float16"
 ITEM = 2  # bytes of an f16
 PAGE_SIZE = 16
@@ -967,8 +963,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.child:
         _run_child(json.loads(sys.stdin.read()))
         return 0
-    split = (lambda s: [x.strip() for x in s.split(",") if x.strip()] if s else None)
-    profiles, shapes = split(a.profiles), split(a.shapes)
+    profiles, shapes = csv(a.profiles), csv(a.shapes)
     if a.print_baseline:
         print(print_baseline(count_all(profiles, shapes, jobs=a.jobs, cache=not a.no_cache)))
         return 0

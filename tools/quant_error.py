@@ -25,20 +25,17 @@ Examples
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import warnings
 
 import numpy as np
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
-sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
+from common import MODELS, ROOT  # first: it puts clattn on the path
+
+sys.path.insert(0, str(ROOT / "tests"))
 
 import clattn  # noqa: E402
 from clattn import cpu_backend, quant  # noqa: E402
-from bench import MODELS  # noqa: E402  (the benchmark's five shapes)
 
 FORMATS = ("q8_0", "q4_0")
 

@@ -29,18 +29,12 @@ from __future__ import annotations
 import argparse
 import math
 import statistics
-import sys
-from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tools"))
-
-from bench import MODELS, PAGE  # noqa: E402
-from clattn import compiler_probe, host_memory, runtime  # noqa: E402
-from clattn.tune import ceilings, timing  # noqa: E402
+from common import MODELS, PAGE  # first: it puts clattn on the path
+from clattn import compiler_probe, host_memory, runtime
+from clattn.tune import ceilings, timing
 
 LINE = 64  # bytes per read step and per prefetch hint
 
