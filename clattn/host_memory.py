@@ -15,9 +15,9 @@ faster on PoCL at 16k tokens (median 1.10x over five models, f16 and f32, B 1 an
 (``tools/ab_decode.py --pools``).
 
 The memory stays the runtime's: it lives exactly as long as the buffer does, through every
-queued command, mapping and sub-buffer. (An earlier version mapped the memory itself and
-handed it over with ``CL_MEM_USE_HOST_PTR``; a mapping or sub-buffer of the pool then
-outlived its memory, and exiting with work in flight crashed.)
+queued command, mapping and sub-buffer. clattn never maps the memory itself and hands it
+over with ``CL_MEM_USE_HOST_PTR``: a mapping or sub-buffer of the pool would then outlive
+its memory, and exiting with work in flight would crash.
 
 Other devices (GPUs, Oclgrind, which reports every device type), hosts without
 ``madvise(MADV_HUGEPAGE)`` and THP mode ``never`` get the plain ``pyopencl.array.empty``

@@ -34,8 +34,8 @@ Suites
             calls' own cost with the queue held (one step; 8 steps back to back), bytes
             uploaded per step.
   gpu-model the tiled (GPU) decode kernel's work per KV row counted under Oclgrind for
-            every GPU profile x model shape, issue 15's verdict and the modelled time per
-            device (tools/gpu_model.py; docs/gpu_model.md).
+            every GPU profile x model shape, the verdict against the baseline counts and the
+            modelled time per device (tools/gpu_model.py; docs/gpu_model.md).
 
 Every timed configuration is first checked against the CPU backend on the same inputs
 (decode: clattn.cpu_backend.batch_decode on the row's page set, one sequence at a time;
@@ -1301,8 +1301,8 @@ def _print_markdown(argv: list[str] | None, res: dict, version: str, elapsed: fl
 # -- gpu-model suite ---------------------------------------------------------------------
 def suite_gpu_model(args: argparse.Namespace, deadline: Deadline) -> dict:
     """The tiled kernel's work per KV row counted under Oclgrind for every GPU profile x
-    model shape (or ``--profile`` / ``--models``), issue 15's verdict against the counts
-    before its rework, and the modelled time per device (tools/gpu_model.py,
+    model shape (or ``--profile`` / ``--models``), the verdict against the baseline
+    kernels' counts, and the modelled time per device (tools/gpu_model.py,
     docs/gpu_model.md); counts are cached per kernel source."""
     import gpu_model as gm  # noqa: PLC0415 - a sibling tool, imported only for this suite
     profiles = [args.profile] if args.profile else None
@@ -1344,8 +1344,8 @@ def suite_gpu_model(args: argparse.Namespace, deadline: Deadline) -> dict:
           ("follows", "planner follows the model", "")]
     return {"sections": [
         ("Tiled decode: counted work per KV row (Oclgrind, f16, local-memory form)", counts, c1),
-        ("Issue 15's done-when against the counts before the rework (tools/gpu_model.py "
-         "BASELINE)", verdicts, c2),
+        ("Today's counts against the baseline kernels' (tools/gpu_model.py BASELINE)",
+         verdicts, c2),
         ("Modelled time per token per layer (B=1; tools/gpu_devices.json; *: sub-group "
          "device counted in the local form, an upper bound)", model, c3)],
         "ceilings": None, "header": []}

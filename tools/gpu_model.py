@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""A cost model of the tiled decode kernel from counted work (issue 15, item 2).
+"""A cost model of the tiled decode kernel from counted work.
 
 For every built-in GPU profile (strategy "tiled") and every real model shape, the decode
 kernel the profile gets on a representative recorded device of its family
@@ -61,7 +61,7 @@ BASE_ROWS = 256  # the smaller run has about this many rows (a whole number of s
 CONTEXTS = (4096, 32768)  # rows per sequence for the modelled times
 OCLGRIND_LOCAL = 32768  # bytes of local memory Oclgrind's device offers
 COUNT_VERSION = 1  # bump when what a count holds changes (invalidates the cache)
-GLOBAL_LIMIT = 1.05  # issue 15: global bytes loaded per KV byte, tables and q included
+GLOBAL_LIMIT = 1.05  # the most global bytes loaded per KV byte, tables and q included
 
 
 # ------------------------------------------------------------------ the Oclgrind report
@@ -611,7 +611,7 @@ def planned_work_groups(row: PerRow, dev: Mapping[str, Any], context: int) -> in
     return wg * (plan.num_parts if plan.split else 1)
 
 
-# ------------------------------------------------------------------ split-KV (item 4)
+# ------------------------------------------------------------------ split-KV
 #: microseconds one more kernel launch costs on a GPU driver (the merge pass of a split):
 #: an educated guess (dispatch overheads of 5-20 us are what mobile OpenCL drivers show in
 #: public measurements; no figure per device is published)
@@ -663,7 +663,7 @@ def merge_us(row: PerRow, dev: Mapping[str, Any], parts: int) -> float:
 
 
 def split_choice(row: PerRow, dev: Mapping[str, Any], context: int) -> SplitChoice:
-    """The model's verdict on split-KV for one sequence (issue 15, item 4)."""
+    """The model's verdict on split-KV for one sequence."""
     hkv = SHAPES[row.shape].num_kv_heads
     wg = hkv * variant(row.profile, row.shape).device_geometry.gdz
 
@@ -712,8 +712,8 @@ def split_table(rows: list[PerRow], devices: list[dict],
     return "\n".join(lines)
 
 
-# ------------------------------------------------------------------ before / after (item 3)
-#: the counts of the kernels before issue 15's rework (templates of commit dd74fba), per
+# ------------------------------------------------------------------ against the baseline
+#: the counts of the baseline kernels (templates of commit dd74fba), per
 #: "profile/shape": (global B/KV B, local-memory loads B/KV B, local stores B/KV B,
 #: work-group barriers per row, other instructions per row); printed anew by
 #: ``python tools/gpu_model.py --print-baseline``
@@ -786,7 +786,7 @@ BASELINE: dict[str, tuple] = {
 }
 BASELINE_FIELDS = ("global B/KV B", "local ld B/KV B", "local st B/KV B", "WG barriers/row",
                    "other instr/row")
-IMPROVE = 4.0  # issue 15: adreno*/mali* need local loads per KV byte and barriers per row 4x lower
+IMPROVE = 4.0  # adreno*/mali*: local loads per KV byte and barriers per row 4x below BASELINE
 
 
 def _figures(r: PerRow) -> tuple:
@@ -795,7 +795,7 @@ def _figures(r: PerRow) -> tuple:
 
 
 def verdict(r: PerRow) -> dict:
-    """Issue 15's done-when figures of one row against :data:`BASELINE`: the global-load
+    """The figures of one row against :data:`BASELINE` and the limits: the global-load
     limit (every profile) and the 4x cuts in local loads and barriers (adreno*, mali*)."""
     now = _figures(r)
     before = BASELINE.get(f"{r.profile}/{r.shape}")
@@ -812,7 +812,7 @@ def verdict(r: PerRow) -> dict:
 
 
 def compare_table(rows: list[PerRow]) -> str:
-    """Markdown table: today's counts next to :data:`BASELINE`, with issue 15's verdict."""
+    """Markdown table: today's counts next to :data:`BASELINE`, with the verdict."""
     lines = ["| profile | shape | global B/KV B before -> now | local ld B/KV B before -> now "
              "(cut) | WG barriers/row before -> now (cut) | other instr/row before -> now | "
              "done? |", "|" + "---|" * 7]
@@ -911,13 +911,13 @@ def report(profiles: Iterable[str] | None = None, shapes: Iterable[str] | None =
         "",
         counts_table(rows),
         "",
-        f"Global loads above {GLOBAL_LIMIT} bytes per KV byte (issue 15's limit): "
+        f"Global loads above {GLOBAL_LIMIT} bytes per KV byte (the limit): "
         f"{len(over)} of {len(rows)}"
         + (" (" + ", ".join(f"{r.profile}/{r.shape} {r.per_kv_byte('global_load'):.2f}"
                             for r in over[:6]) + (", ..." if len(over) > 6 else "") + ")"
            if over else ""),
         "",
-        "## Before (templates of commit dd74fba) and now: issue 15's done-when figures",
+        "## Before (baseline templates of commit dd74fba) and now: the limits' verdict",
         "",
         compare_table(rows),
         "",

@@ -73,7 +73,7 @@ def k(*words: str) -> str:
 
 
 MUTANTS = [
-    # ---- issue 17: what the audit found surviving -------------------------------------
+    # ---- f16 rounding, RoPE from HF configs, split partitions, q rounding ---------------
     Mutant("f16-store-rtz", COMMON, [
         ("vstore_half_rte(${val}, 0, ${ptr});", "vstore_half_rtz(${val}, 0, ${ptr});"),
         ("vstore_half${vec}_rte(${val}, 0, ${ptr});", "vstore_half${vec}_rtz(${val}, 0, ${ptr});")],
@@ -118,7 +118,7 @@ MUTANTS = [
          '+ 0x1000u) & 0xffffe000u);')],
         [KT, "-k", k("model_shapes", TILED)],
         "the tiled kernel keeps the scaled q at f16 precision", "kernel"),
-    # ---- what the audit found caught already ------------------------------------------
+    # ---- sinks, lse, pages, GQA, softcap, exp2/log2 and the online softmax -------------
     Mutant("sinks-dropped", DECODE, [
         ("const int sink = clamp(sink_size[b], 0, wo);", "const int sink = 0 * clamp(sink_size[b], 0, wo);")],
         [KT, "-k", k("window", "not cpu")],

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""What quantized KV pages cost in accuracy (issue 13's report; a developer script).
+"""What quantized KV pages cost in accuracy (a developer script).
 
 1. Attention error: for the five model shapes of the benchmarks, decode attention over
    q8_0 and q4_0 pages against unquantized f32 attention (float64 oracle), with keys that
