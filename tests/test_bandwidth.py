@@ -388,7 +388,8 @@ def test_bench_skips_rows_that_do_not_fit():
 
 
 def test_bench_gpu_model_suite(oclgrind_device, tmp_path):
-    """``--suite gpu-model`` prints the counts, the verdict against the baseline and the modelled times."""
+    """``--suite gpu-model`` prints the counts, the verdict against the baseline and the
+    modelled times."""
     out = tmp_path / "g.json"
     cmd = [sys.executable, os.path.join(ROOT, "tools", "bench.py"), "--suite", "gpu-model",
            "--smoke", "--json", str(out)]
