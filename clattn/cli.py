@@ -58,36 +58,36 @@ def _json_arg(option: str, text: str) -> object:
         raise ValueError(f"{option}: malformed JSON ({exc})") from None
 
 
-def _render_decode(spec: AttentionSpec, fit: DeviceFit, limits: Limits,
+def _render_decode(spec: AttentionSpec, fitted: DeviceFit, limits: Limits,
                    args: argparse.Namespace) -> tuple[Any, str]:
-    return fit.geometry, render_decode(spec, fit.geometry)
+    return fitted.geometry, render_decode(spec, fitted.geometry)
 
 
-def _render_split_merge(spec: AttentionSpec, fit: DeviceFit, limits: Limits,
+def _render_split_merge(spec: AttentionSpec, fitted: DeviceFit, limits: Limits,
                         args: argparse.Namespace) -> tuple[Any, str]:
-    geom = merge_geometry(spec.head_dim, spec.dtype, fit.profile, limits)
+    geom = merge_geometry(spec.head_dim, spec.dtype, fitted.profile, limits)
     return geom, render_merge(spec.head_dim, spec.dtype, "float32", geom)
 
 
-def _render_merge(spec: AttentionSpec, fit: DeviceFit, limits: Limits,
+def _render_merge(spec: AttentionSpec, fitted: DeviceFit, limits: Limits,
                   args: argparse.Namespace) -> tuple[Any, str]:
-    geom = merge_geometry(spec.head_dim, spec.dtype, fit.profile, limits)
+    geom = merge_geometry(spec.head_dim, spec.dtype, fitted.profile, limits)
     return geom, render_merge(spec.head_dim, spec.dtype, spec.dtype, geom)
 
 
-def _render_append(spec: AttentionSpec, fit: DeviceFit, limits: Limits,
+def _render_append(spec: AttentionSpec, fitted: DeviceFit, limits: Limits,
                    args: argparse.Namespace) -> tuple[Any, str]:
-    geom = append_geometry(spec.head_dim, spec.dtype, fit.profile, limits)
+    geom = append_geometry(spec.head_dim, spec.dtype, fitted.profile, limits)
     return geom, render_append(spec, geom)
 
 
-def _render_prefill(spec: AttentionSpec, fit: DeviceFit, limits: Limits,
+def _render_prefill(spec: AttentionSpec, fitted: DeviceFit, limits: Limits,
                     args: argparse.Namespace) -> tuple[Any, str]:
-    geom = prefill_geometry(spec, fit.profile, limits)
+    geom = prefill_geometry(spec, fitted.profile, limits)
     return geom, render_prefill(spec, geom)
 
 
-def _render_half_probe(spec: AttentionSpec, fit: DeviceFit, limits: Limits,
+def _render_half_probe(spec: AttentionSpec, fitted: DeviceFit, limits: Limits,
                        args: argparse.Namespace) -> tuple[Any, str]:
     return f"lanes={args.lanes}", render_half_probe(args.lanes)
 
@@ -122,9 +122,9 @@ def cmd_render(args: argparse.Namespace) -> int:
     if args.strategy:
         prof, rule = replace(prof, strategy=args.strategy), f"{rule}, strategy {args.strategy}"
     limits = probed_limits(runtime.Runtime.for_device(dev), info) if info else Limits()
-    fit = fit_device(prof, info, spec if args.kind == "decode" else None, limits)
-    geom, src = RENDER_KINDS[args.kind][1](spec, fit, limits, args)
-    notes = list(fit.notes) + [n for n in getattr(geom, "notes", ()) if n not in fit.notes]
+    fitted = fit_device(prof, info, spec if args.kind == "decode" else None, limits)
+    geom, src = RENDER_KINDS[args.kind][1](spec, fitted, limits, args)
+    notes = list(fitted.notes) + [n for n in getattr(geom, "notes", ()) if n not in fitted.notes]
     head = [f"clattn {args.kind} kernel for {spec}",
             f"device: {dev.name if dev is not None else 'none (generic limits)'}",
             f"profile: {prof.name} ({rule})"] + [f"note: {n}" for n in notes]
