@@ -112,15 +112,17 @@ def same(got, ref) -> None:
     assert diff <= BOUND, f"logits differ by {diff}"
 
 
-def on_clattn(cache, restarts: int, prompts: int, forwards: int) -> None:
+def on_clattn(cache, restarts: int, prompts: int, forwards: int, pads=None) -> None:
     """Every one of ``forwards`` forwards ran on clattn: ``prompts`` prompt steps (the
     first, and each recompute after a restart), a decode step for each other one (one
-    layer kind: every layer has the window), and no token stored twice."""
+    layer kind: every layer has the same window or none), and each row stores its
+    positions but its ``pads`` padding ones, once."""
     assert isinstance(cache, ClattnCache)
     assert cache.restarts == restarts
     assert cache.steps["prefill"] + cache.steps["chunk"] == prompts
     assert cache.steps["decode"] == forwards - prompts
-    assert [cache.get_seq_length()] * len(cache.rows) == \
+    pads = [0] * len(cache.rows) if pads is None else pads
+    assert [cache.get_seq_length() - p for p in pads] == \
         [g.cache.length(r) for g in cache.groups.values() for r in cache.rows]
 
 
@@ -167,3 +169,47 @@ def test_passed_cache_kept_across_turns(target, name="Phi-4-mini"):
     # turn 1: a prompt step and 3 decode steps; turn 2: the new prompt tokens, 3 decode
     # steps to the switch, the recompute, 4 decode steps after it
     on_clattn(cache, 1, 3, first + second)
+
+
+def _batch() -> dict:
+    """Three left-padded prompts of 5, 9 and 12 tokens."""
+    g = torch.Generator().manual_seed(5)
+    ids = torch.zeros(3, 12, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate((5, 9, 12)):
+        ids[i, 12 - p:] = torch.randint(3, VOCAB, (p,), generator=g)
+        mask[i, 12 - p:] = 1
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+def _repeats() -> dict:
+    """A prompt of repeated n-grams, so that prompt lookup finds drafts."""
+    base = prompt(5)
+    return {"input_ids": torch.cat([base, base, base[:, :3]], 1), "prompt_lookup_num_tokens": 4}
+
+
+@pytest.mark.parametrize("case", ["left-padded batch", "beam search", "prompt lookup"])
+def test_batches_beams_and_drafts_cross_the_switch(case, target, name="Phi-4-mini"):
+    """Every row of a left-padded batch, beams (rows re-mapped by forks before the
+    switch) and prompt lookup (whose crops bring the sequence back below the switch, so
+    that the model drops the cache again, as eager's) recompute on clattn."""
+    m = model(name)
+    kw = {"left-padded batch": _batch(),
+          "beam search": {"input_ids": prompt(9), "num_beams": 3},
+          "prompt lookup": _repeats()}[case]
+    new = 12
+    ids = kw.pop("input_ids")
+    ref = generate(m, ids, new, **kw)
+    cltf.register(**where(target))
+    try:
+        got = generate(m, ids, new, attn_implementation="clattn", **kw)
+    finally:
+        cltf.register()
+    same(got, ref)
+    if case == "prompt lookup":  # how many forwards depends on the drafts accepted
+        assert got.cache.restarts >= 1
+        assert got.cache.get_seq_length() >= ids.shape[1] + new - 1
+    else:
+        mask = kw.get("attention_mask")
+        pads = None if mask is None else (mask == 0).sum(1).tolist()
+        on_clattn(got.cache, 1, 2, new, pads)
