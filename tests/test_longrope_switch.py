@@ -85,7 +85,7 @@ def prompt(n: int) -> torch.Tensor:
     return torch.randint(3, VOCAB, (1, n), generator=torch.Generator().manual_seed(n))
 
 
-GEN = dict(do_sample=False, output_logits=True, return_dict_in_generate=True)
+GEN = {"do_sample": False, "output_logits": True, "return_dict_in_generate": True}
 
 
 def generate(m, ids: torch.Tensor, new: int, **kw):

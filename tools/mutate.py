@@ -446,8 +446,8 @@ MUTANTS = [
         "a longrope model's generate drops the ClattnCache at the switch: eager from there"),
     Mutant("longrope-past-keys-kept-short", "clattn/integrations/transformers.py", [
         ("            given.reset()  # the recompute appends every position from 0",
-         "            inputs.update({n: inputs[n][:, given.get_seq_length():]\n"
-         "                           for n in (\"input_ids\", \"position_ids\")})")],
+         ("            inputs.update({n: inputs[n][:, given.get_seq_length():]\n"
+          "                           for n in (\"input_ids\", \"position_ids\")})"))],
         ["tests/test_longrope_switch.py", "-k", k("cpu", "Phi-3.5-mini", "10")],
         "at the longrope switch the cache is kept instead of recomputed: the past keys "
         "keep their short-factor rotation"),

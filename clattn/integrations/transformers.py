@@ -64,9 +64,10 @@ def register(device: Any = None, *, prefill: bool = True, page_size: int = 16,
         How the caches store keys and values (None: the model's dtype); ``"q8_0"`` and
         ``"q4_0"`` quantize on append (llama.cpp's ``--cache-type-k/-v``).
     patch_generate : bool
-        Give ``generate`` a ClattnCache when the model attends with clattn, and accept
+        Give ``generate`` a ClattnCache when the model attends with clattn, accept
         ``generate(..., attn_implementation=...)`` (transformers' own ``generate`` has
-        no such argument).
+        no such argument), and keep the ClattnCache a model's generate code drops to
+        recompute the sequence (longrope models at their switch of rotary factors).
     """
     DEFAULTS.update(device=device, prefill=bool(prefill), page_size=int(page_size),
                     backend=backend, profile=profile, k_format=k_format, v_format=v_format)
