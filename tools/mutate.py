@@ -443,6 +443,17 @@ MUTANTS = [
         ("g.recorded = g.recorded + L if layer.record_past else 0", "g.recorded = 0")],
         ["tests/test_transformers.py", "-k", k("assisted_decoding", "intel")],
         "assisted decoding: a sliding-window layer gives back pages a crop needs"),
+    Mutant("longrope-cache-drop-not-handled", "clattn/integrations/transformers.py", [
+        ("            _keep_cache_on_restart(type(self))\n", "")],
+        ["tests/test_longrope_switch.py", "-k", k("cpu", "Phi-3.5-mini", "10")],
+        "a longrope model's generate drops the ClattnCache at the switch: eager from there"),
+    Mutant("longrope-past-keys-kept-short", "clattn/integrations/transformers.py", [
+        ("            given.reset()  # the recompute appends every position from 0",
+         ("            inputs.update({n: inputs[n][:, given.get_seq_length():]\n"
+          "                           for n in (\"input_ids\", \"position_ids\")})"))],
+        ["tests/test_longrope_switch.py", "-k", k("cpu", "Phi-3.5-mini", "10")],
+        "at the longrope switch the cache is kept instead of recomputed: the past keys "
+        "keep their short-factor rotation"),
 ]
 
 
