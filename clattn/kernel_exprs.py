@@ -109,18 +109,33 @@ def prefill_rows_tiles(rows: int, kb: int, nv: int, vec: int) -> PrefillRowsTile
     return PrefillRowsTiles(m, nrv, rg, nk, mv, ni)
 
 
-def raw_load(ptr: str, vec: int, dtype: str, native_half: bool) -> str:
+def raw_load(ptr: str, vec: int, dtype: str, native_half: bool, by_dtype: bool = False) -> str:
     """float<vec> of the storage elements at ``ptr``, with no library call.
 
     The CPU kernels' load through common.clh.mako's ``raw_loads`` typedefs: ``dtype``
     ``"float"`` reads them as they are; ``"half"`` converts through ``ldn_t`` (the device
-    converts half vectors itself, ``native_half``) or ``clattn_h2f``.
+    converts half vectors itself, ``native_half``) or ``clattn_h2f``. The pointer is read
+    as ``ld_t`` (the kernel's storage type), or with ``by_dtype`` as ``dtype``'s own
+    (``ldf_t``/``ldh_t``: a kernel reading both types).
     """
     if dtype == "float":
-        return "*(const __global ld_t*)(%s)" % ptr
+        return "*(const __global %s*)(%s)" % ("ldf_t" if by_dtype else "ld_t", ptr)
     if native_half:
         return "convert_%s(*(const __global ldn_t*)(%s))" % (vtype("float", vec), ptr)
-    return "clattn_h2f(*(const __global ld_t*)(%s))" % ptr
+    return "clattn_h2f(*(const __global %s*)(%s))" % ("ldh_t" if by_dtype else "ld_t", ptr)
+
+
+def raw_store(val: str, ptr: str, vec: int, dtype: str, native_half: bool) -> str:
+    """Statement storing the float<vec> ``val`` as ``dtype`` at ``ptr``, no library call.
+
+    The inverse of :func:`raw_load` with ``by_dtype``; f16 rounds to nearest even
+    (natively through ``ldn_t``, or ``clattn_f2h``).
+    """
+    if dtype == "float":
+        return "*(__global ldf_t*)(%s) = %s;" % (ptr, val)
+    if native_half:
+        return "*(__global ldn_t*)(%s) = convert_%s_rte(%s);" % (ptr, vtype("half", vec), val)
+    return "*(__global ldh_t*)(%s) = clattn_f2h(%s);" % (ptr, val)
 
 
 def lanes(kind: int, vec: int, name: str, lane: str | int, fmt_k: str, fmt_v: str,

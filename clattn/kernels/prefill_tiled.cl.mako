@@ -34,13 +34,10 @@ MP = TR * RM      # rows of the q tile (QB * G live at most)
 RK = KB // TC     # keys per thread in the score phase
 RD = D // TC      # head_dim columns per thread in the value phase
 NT = TC * TR
-HALF = ROT // 2
-def score(x):
-    return kx.score(x, SOFTCAP)
 def kl(kind, name, lane):
     """One float of a K (0) / V (1) row at `name`, any page format."""
     return kx.lanes(kind, 1, name, lane, KFMT, VFMT, BYTE_POOL, False,
-                        lambda v, ptr: capture(c.loadv, v, ptr))
+                    lambda v, ptr: capture(c.loadv, v, ptr))
 %>\
 ## element e of a row rotated at position pos: x cos + sign * partner sin, times att
 <%def name="rotated(x, partner_expr, e, pos)">\
@@ -127,7 +124,7 @@ void clattn_prefill(${SIGNATURE})
         for (int a = 0; a < ${RM}; ++a) {
             float mx = -INFINITY;
             for (int k = 0; k < ${RK}; ++k) {
-                s[a][k] = r0 + tc + ${TC} * k <= lim[a] ? ${score("s[a][k]")} : -INFINITY;
+                s[a][k] = r0 + tc + ${TC} * k <= lim[a] ? ${kx.score("s[a][k]", SOFTCAP)} : -INFINITY;
                 mx = fmax(mx, s[a][k]);
             }
             red_m[tr * ${RM} + a][tc] = mx;
