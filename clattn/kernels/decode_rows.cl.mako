@@ -49,13 +49,13 @@ ${d.setup()}
             }
         }
 </%def>
+## Straight-line code: every loop over head_dim chunks (NV) and group heads (G) is
+## unrolled here, so the accumulators are plain variables a CPU compiler keeps in
+## registers; the loads are unaligned vector loads through a typedef (no vload
+## library calls, which some CPU drivers do not inline). Quantized kinds: a block's
+## scale multiplies its partial dot product (K) or the weight (V) once, not every value:
+## CPB chunks of V values per block of 32.
 <%
-# Straight-line code: every loop over head_dim chunks (NV) and group heads (G) is
-# unrolled here, so the accumulators are plain variables a CPU compiler keeps in
-# registers; the loads are unaligned vector loads through a typedef (no vload
-# library calls, which some CPU drivers do not inline). Quantized kinds: a block's
-# scale multiplies its partial dot product (K) or the weight (V) once, not every value:
-# CPB chunks of V values per block of 32.
 V, HALF, CPB, NB = VEC, ROT // 2, max(32 // VEC, 1), D // 32
 FV, UI = kx.vtype("float", V), kx.vtype("uint", V)
 NRV = ROPE.vectors(V) if VEC_ROPE else 0   # rotated vectors
