@@ -109,6 +109,29 @@ def prefill_rows_tiles(rows: int, kb: int, nv: int, vec: int) -> PrefillRowsTile
     return PrefillRowsTiles(m, nrv, rg, nk, mv, ni)
 
 
+def storage_load(vec: int, ptr: str, dtype: str, native_half: bool) -> str:
+    """float<vec> of the elements of OpenCL type ``dtype`` (``"float"``/``"half"``) at
+    the element pointer ``ptr``, through the library's loads (natively converted half
+    vectors with ``native_half``)."""
+    if dtype == "float":
+        return ("(%s)[0]" % ptr) if vec == 1 else ("vload%d(0, %s)" % (vec, ptr))
+    if native_half:
+        return ("convert_float((%s)[0])" % ptr) if vec == 1 else \
+            ("convert_float%d(vload%d(0, %s))" % (vec, vec, ptr))
+    return ("vload_half(0, %s)" % ptr) if vec == 1 else ("vload_half%d(0, %s)" % (vec, ptr))
+
+
+def storage_store(vec: int, val: str, ptr: str, dtype: str) -> str:
+    """Statement storing the float<vec> ``val`` as ``dtype`` at the element pointer
+    ``ptr`` (f16 rounded to nearest even)."""
+    if dtype == "float":
+        return ("(%s)[0] = (%s);" % (ptr, val)) if vec == 1 else \
+            ("vstore%d(%s, 0, %s);" % (vec, val, ptr))
+    if vec == 1:
+        return "vstore_half_rte(%s, 0, %s);" % (val, ptr)
+    return "vstore_half%d_rte(%s, 0, %s);" % (vec, val, ptr)
+
+
 def raw_load(ptr: str, vec: int, dtype: str, native_half: bool, by_dtype: bool = False) -> str:
     """float<vec> of the storage elements at ``ptr``, with no library call.
 

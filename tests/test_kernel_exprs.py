@@ -101,6 +101,14 @@ def test_lanes_page_formats():
                     lambda v, p: "LOAD%d(%s)" % (v, p)) == "LOAD2(vp + 4)"
 
 
+def test_storage_loads_and_stores():
+    assert kx.storage_load(1, "p", "float", False) == "(p)[0]"
+    assert kx.storage_load(4, "p", "half", True) == "convert_float4(vload4(0, p))"
+    assert kx.storage_load(8, "p", "half", False) == "vload_half8(0, p)"
+    assert kx.storage_store(1, "x", "p", "float") == "(p)[0] = (x);"
+    assert kx.storage_store(4, "x", "p", "half") == "vstore_half4_rte(x, 0, p);"
+
+
 def test_raw_loads_and_private_vectors():
     assert kx.raw_load("p", 4, "float", False) == "*(const __global ld_t*)(p)"
     assert kx.raw_load("p", 4, "half", True) == "convert_float4(*(const __global ldn_t*)(p))"

@@ -75,9 +75,11 @@ def k(*words: str) -> str:
 
 MUTANTS = [
     # ---- issue 17: what the audit found surviving -------------------------------------
-    Mutant("f16-store-rtz", COMMON, [
-        ("vstore_half_rte(${val}, 0, ${ptr});", "vstore_half_rtz(${val}, 0, ${ptr});"),
-        ("vstore_half${vec}_rte(${val}, 0, ${ptr});", "vstore_half${vec}_rtz(${val}, 0, ${ptr});")],
+    Mutant("f16-store-rtz", EXPRS, [
+        ('return "vstore_half_rte(%s, 0, %s);" % (val, ptr)',
+         'return "vstore_half_rtz(%s, 0, %s);" % (val, ptr)'),
+        ('return "vstore_half%d_rte(%s, 0, %s);" % (vec, val, ptr)',
+         'return "vstore_half%d_rtz(%s, 0, %s);" % (vec, val, ptr)')],
         [KT, "-k", k("model_shapes", "float16", "not cpu")],
         "the decode's f16 store rounds toward zero (rows and tiled kernels)", "kernel"),
     Mutant("f2h-truncates", COMMON, [

@@ -26,11 +26,7 @@ ${c.prelude(poly=STRATEGY == "rows", lanes=(PW,) if STRATEGY == "rows" else ())}
 typedef ${"half" if VIN == "half" else "float"} in_t;
 <%
 def loadin(vec, ptr):
-    if VIN == "float":
-        return ("(%s)[0]" % ptr) if vec == 1 else ("vload%d(0, %s)" % (vec, ptr))
-    if NATIVE_HALF:
-        return ("convert_float((%s)[0])" % ptr) if vec == 1 else ("convert_float%d(vload%d(0, %s))" % (vec, vec, ptr))
-    return ("vload_half(0, %s)" % ptr) if vec == 1 else ("vload_half%d(0, %s)" % (vec, ptr))
+    return kx.storage_load(vec, ptr, VIN, NATIVE_HALF)
 %>
 
 /* a pair merge of float<V> lanes (V = 1: float, the tiled merge's; PW: the rows merge's,
