@@ -243,7 +243,7 @@ MUTANTS = [
     Mutant("tiled-local-reduction-short", DECODE, [
         ("for (int x = 0; x < ${BDX}; ++x) t += pt[x];",
          "for (int x = 0; x < ${BDX} - 1; ++x) t += pt[x];")],
-        [KT, "-k", k("model_shapes", "pocl-tiled")],
+        [KT, "-k", k("model_shapes", "pocl", "tiled")],
         "the local-memory dot-product reduction drops a lane (tiled)", "kernel"),
     Mutant("tiled-subgroup-reduce-max", DECODE, [
         ("s[j][g] = sub_group_reduce_add(", "s[j][g] = sub_group_reduce_max(")],
@@ -252,7 +252,7 @@ MUTANTS = [
     Mutant("tiled-shared-page-shifted", DECODE, [
         ("pg[j] = pg_step[tz * ${TILE} + j];",
          "pg[j] = pg_step[(tz * ${TILE} + j + 1) % ${ROWS}];")],
-        [KT, "-k", k("model_shapes", "pocl-tiled")],
+        [KT, "-k", k("model_shapes", "pocl", "tiled")],
         "each row takes the page-table entry read for the next row (tiled, local form)",
         "kernel"),
     Mutant("plan-floor-partitions", "clattn/plan.py", [
