@@ -8,6 +8,7 @@ from mako.lookup import TemplateLookup
 
 from . import signatures
 from .fit import DecodeGeometry, MergeGeometry, PrefillGeometry
+from .kernel_exprs import RopePairs
 from .quant import row_bytes
 from .rope import parse_rope_scaling
 from .spec import AttentionSpec
@@ -24,17 +25,22 @@ def _cl_dtype(dtype: str) -> str:
     return "half" if dtype == "float16" else "float"
 
 
+def _rope_pairs(spec: AttentionSpec) -> RopePairs:
+    """The RoPE pairing of ``spec``'s rotary dims (template parameter ROPE)."""
+    scaling = parse_rope_scaling(spec.rope_scaling, spec.max_position_embeddings)
+    return RopePairs(spec.rotary_dim, scaling.interleaved)
+
+
 def render_decode(spec: AttentionSpec, geom: DecodeGeometry) -> str:
     """OpenCL C source of the decode kernel for ``spec`` with geometry ``geom``.
 
     The template is ``decode_<strategy>.cl.mako``; its parameter list comes from the
     argument table :data:`clattn.signatures.DECODE`.
     """
-    scaling = parse_rope_scaling(spec.rope_scaling, spec.max_position_embeddings)
     table = signatures.DECODE
     return _lookup().get_template(f"decode_{geom.strategy}.cl.mako").render(
         D=spec.head_dim, HQO=spec.num_qo_heads, HKV=spec.num_kv_heads, G=spec.group_size,
-        PS=spec.page_size, ROT=spec.rotary_dim, INTERLEAVED=scaling.interleaved,
+        PS=spec.page_size, ROT=spec.rotary_dim, ROPE=_rope_pairs(spec),
         SLIDING=spec.sliding_window, SOFTCAP=spec.softcap, DTYPE=_cl_dtype(spec.dtype),
         DENORMS=geom.denorms, STORAGE_HALF=geom.storage_half, NATIVE_HALF=geom.native_fp16,
         PRAGMAS=geom.pragmas, VEC=geom.vec, TILE=geom.tile, PREFETCH=geom.prefetch,
@@ -70,11 +76,10 @@ def render_append(spec: AttentionSpec, geom: MergeGeometry) -> str:
     """OpenCL C source of the KV-cache append and page-copy kernels (``append.cl.mako``;
     tables :data:`clattn.signatures.APPEND` and :data:`~clattn.signatures.PAGE_COPY`; a byte
     pool adds :data:`~clattn.signatures.APPEND_CHECK`)."""
-    scaling = parse_rope_scaling(spec.rope_scaling, spec.max_position_embeddings)
     app, cp = signatures.APPEND, signatures.PAGE_COPY
     return _lookup().get_template("append.cl.mako").render(
         D=spec.head_dim, HKV=spec.num_kv_heads, PS=spec.page_size, ROT=spec.rotary_dim,
-        INTERLEAVED=scaling.interleaved, DTYPE=_cl_dtype(spec.dtype),
+        ROPE=_rope_pairs(spec), DTYPE=_cl_dtype(spec.dtype),
         NATIVE_HALF=geom.native_fp16, DENORMS=geom.denorms, STORAGE_HALF=geom.storage_half,
         PRAGMAS=(), STRATEGY=geom.strategy, VEC=geom.vec, MH=geom.mh,
         APPEND_SIGNATURE=app.signature(), APPEND_FIXUP=app.fixup(),
@@ -85,11 +90,10 @@ def render_append(spec: AttentionSpec, geom: MergeGeometry) -> str:
 def render_prefill(spec: AttentionSpec, geom: PrefillGeometry) -> str:
     """OpenCL C source of the prefill kernel (``prefill_<strategy>.cl.mako``; argument
     table :data:`clattn.signatures.PREFILL`)."""
-    scaling = parse_rope_scaling(spec.rope_scaling, spec.max_position_embeddings)
     table = signatures.PREFILL
     return _lookup().get_template(f"prefill_{geom.strategy}.cl.mako").render(
         D=spec.head_dim, HQO=spec.num_qo_heads, HKV=spec.num_kv_heads, G=spec.group_size,
-        PS=spec.page_size, ROT=spec.rotary_dim, INTERLEAVED=scaling.interleaved,
+        PS=spec.page_size, ROT=spec.rotary_dim, ROPE=_rope_pairs(spec),
         SLIDING=spec.sliding_window, SOFTCAP=spec.softcap, DTYPE=_cl_dtype(spec.dtype),
         DENORMS=geom.denorms, STORAGE_HALF=geom.storage_half, NATIVE_HALF=geom.native_fp16,
         PRAGMAS=(), VEC=geom.vec, QB=geom.qb, KB=geom.kb, RM=geom.rm, TC=geom.tc, TR=geom.tr,

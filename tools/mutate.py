@@ -44,6 +44,7 @@ ROOT = Path(__file__).resolve().parent.parent
 DECODE = "clattn/kernels/decode*.mako"          # the decode templates (rows, tiled, shared)
 COMMON = "clattn/kernels/common.clh.mako"
 MERGE = "clattn/kernels/merge.cl.mako"
+EXPRS = "clattn/kernel_exprs.py"                # the C expressions the templates splice in
 IGNORE = (".git", ".venv", "__pycache__", ".pytest_cache", ".hypothesis", "*.egg-info",
           "build", "dist", ".mypy_cache", ".ruff_cache")
 #: text in pytest's output meaning "the mutated code does not build", not "a test caught it"
@@ -74,9 +75,11 @@ def k(*words: str) -> str:
 
 MUTANTS = [
     # ---- f16 rounding, RoPE from HF configs, split partitions, q rounding ---------------
-    Mutant("f16-store-rtz", COMMON, [
-        ("vstore_half_rte(${val}, 0, ${ptr});", "vstore_half_rtz(${val}, 0, ${ptr});"),
-        ("vstore_half${vec}_rte(${val}, 0, ${ptr});", "vstore_half${vec}_rtz(${val}, 0, ${ptr});")],
+    Mutant("f16-store-rtz", EXPRS, [
+        ('return "vstore_half_rte(%s, 0, %s);" % (val, ptr)',
+         'return "vstore_half_rtz(%s, 0, %s);" % (val, ptr)'),
+        ('return "vstore_half%d_rte(%s, 0, %s);" % (vec, val, ptr)',
+         'return "vstore_half%d_rtz(%s, 0, %s);" % (vec, val, ptr)')],
         [KT, "-k", k("model_shapes", "float16", "not cpu")],
         "the decode's f16 store rounds toward zero (rows and tiled kernels)", "kernel"),
     Mutant("f2h-truncates", COMMON, [
@@ -86,9 +89,9 @@ MUTANTS = [
         "the CPU kernels' integer f32->f16 conversion (drivers without cl_khr_fp16 or "
         "__fp16) truncates",
         "kernel"),
-    Mutant("merge-native-f16-rtz", MERGE, [
-        ('convert_%s_rte(%s);" % (ptr, FV.replace("float", "half"), val)',
-         'convert_%s_rtz(%s);" % (ptr, FV.replace("float", "half"), val)')],
+    Mutant("merge-native-f16-rtz", EXPRS, [
+        ('convert_%s_rte(%s);" % (ptr, vtype("half", vec), val)',
+         'convert_%s_rtz(%s);" % (ptr, vtype("half", vec), val)')],
         [KT, "tests/test_kernel_numerics.py", "-k", k("split or merge", "intel")],
         "the merge kernel's native f16 store (cl_khr_fp16 drivers) rounds toward zero",
         "kernel"),
@@ -141,7 +144,7 @@ MUTANTS = [
          "const int h = min(g0 + g, ${G - 1}) * ${HKV} + kvh;")],
         [KT, "-k", k("model_shapes", TILED)],
         "query head mapping swapped (tiled)", "kernel"),
-    Mutant("softcap-skipped", "clattn/kernels/decode_common.clh.mako", [
+    Mutant("softcap-skipped", EXPRS, [
         ('return "(%.9ef * tanh((%s) * %.9ef) * CLATTN_LOG2E)" % (softcap, x, 1.0 / softcap)',
          'return "((%s) * CLATTN_LOG2E)" % x')],
         [KT, "-k", k("gemma2_softcap", "not cpu")],
@@ -172,7 +175,7 @@ MUTANTS = [
         [KT, "-k", k("model_shapes", ROWS)],
         "the rows kernel never rescales its state when a block raises the max", "kernel"),
     Mutant("max-test-skipped", DECODE, [
-        ('if (${hred_or("up", W)}) {', "if (0) {")],
+        ('if (${kx.hred_or("up", W)}) {', "if (0) {")],
         [KT, "-k", k("model_shapes", ROWS)],
         "the rows kernel never looks for a new max (its exponent base stays 0)", "kernel"),
     Mutant("block-second-half-unmasked", DECODE, [
@@ -195,7 +198,7 @@ MUTANTS = [
         [KT, "-k", k("rope_types_large_positions", "not cpu")],
         "the RoPE angle drops the low part of the frequency (f32 angles at 1e5)", "kernel"),
     Mutant("rope-att-dropped-rows", DECODE, [
-        ("${f}[i] = (a * cs - bb * sn) * rope_att;", "${f}[i] = (a * cs - bb * sn);")],
+        ("${f}[${x}] = (a * cs - bb * sn) * rope_att;", "${f}[${x}] = (a * cs - bb * sn);")],
         [KT, "-k", k("rope_types_large_positions", "yarn or longrope", ROWS)],
         "the attention factor (yarn, longrope) is not applied to half of q's pairs (rows)",
         "kernel"),
@@ -205,10 +208,8 @@ MUTANTS = [
         [KT, "-k", k("rope_types_large_positions", "yarn or longrope", TILED)],
         "the attention factor is not applied (tiled)", "kernel"),
     Mutant("partial-rotary-pairs", DECODE, [
-        ("const float a = ${f}[i], bb = ${f}[i + ${ROT // 2}];",
-         "const float a = ${f}[i], bb = ${f}[i + ${D // 2}];"),
-        ("${f}[i + ${ROT // 2}] = (bb * cs + a * sn) * rope_att;",
-         "${f}[i + ${D // 2}] = (bb * cs + a * sn) * rope_att;")],
+        ('<% x, y = ROPE.dims("i") %>',
+         '<% x, y = ROPE.dims("i") if ROPE.interleaved else ("i", "i + %d" % (D // 2)) %>')],
         [KT, "-k", k("rope_types_large_positions", "partial", ROWS)],
         "partial rotary dims pair i with i + head_dim/2 instead of i + rotary_dim/2",
         "kernel"),
@@ -242,7 +243,7 @@ MUTANTS = [
     Mutant("tiled-local-reduction-short", DECODE, [
         ("for (int x = 0; x < ${BDX}; ++x) t += pt[x];",
          "for (int x = 0; x < ${BDX} - 1; ++x) t += pt[x];")],
-        [KT, "-k", k("model_shapes", "pocl-tiled")],
+        [KT, "-k", k("model_shapes", "pocl", "tiled")],
         "the local-memory dot-product reduction drops a lane (tiled)", "kernel"),
     Mutant("tiled-subgroup-reduce-max", DECODE, [
         ("s[j][g] = sub_group_reduce_add(", "s[j][g] = sub_group_reduce_max(")],
@@ -251,7 +252,7 @@ MUTANTS = [
     Mutant("tiled-shared-page-shifted", DECODE, [
         ("pg[j] = pg_step[tz * ${TILE} + j];",
          "pg[j] = pg_step[(tz * ${TILE} + j + 1) % ${ROWS}];")],
-        [KT, "-k", k("model_shapes", "pocl-tiled")],
+        [KT, "-k", k("model_shapes", "pocl", "tiled")],
         "each row takes the page-table entry read for the next row (tiled, local form)",
         "kernel"),
     Mutant("plan-floor-partitions", "clattn/plan.py", [
@@ -259,12 +260,12 @@ MUTANTS = [
         ["tests/test_plan.py"],
         "the planner rounds partition counts down (the kernel's last partition hides it)"),
     # ---- quantized pages, non-finite states, prepared steps ---------------------------
-    Mutant("q4-nibbles-swapped", DECODE, [
+    Mutant("q4-nibbles-swapped", EXPRS, [
         ('codes = "(%s & (%s)15)" % (b, u) if lane % 32 < 16 else "(%s >> (%s)4)" % (b, u)',
          'codes = "(%s & (%s)15)" % (b, u) if lane % 32 >= 16 else "(%s >> (%s)4)" % (b, u)')],
         ["tests/test_quant.py", "-k", "decode and q4_0"],
         "q4 lanes read from the wrong nibble", "kernel"),
-    Mutant("q8-scale-ignored", DECODE, [
+    Mutant("q8-scale-ignored", EXPRS, [
         ('return "(convert_%s(*(const __global %s*)(%s + (%s))) * %s)" % (fv, c, name, lane, scale)',
          'return "(convert_%s(*(const __global %s*)(%s + (%s))))" % (fv, c, name, lane)')],
         ["tests/test_quant.py", "-k", "decode and q8_0"],

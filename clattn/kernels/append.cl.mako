@@ -10,7 +10,7 @@ clattn_page_copy  copy-on-write: for each copy c of the [C, 3] table (src page, 
 
 Template parameters (clattn.codegen.render_append; geometry clattn.fit.append_geometry):
   D, HKV, PS          head_dim, KV heads, page size
-  ROT, INTERLEAVED    rotary dims; GPT-J pairs (2i, 2i+1) instead of halves (i, i + ROT/2)
+  ROT, ROPE           rotary dims; their pairing (clattn.kernel_exprs.RopePairs)
   DTYPE, NATIVE_HALF, DENORMS, PRAGMAS   storage type and the prelude's switches
   STRATEGY, VEC, MH   rows (CPU drivers): work-groups of one work-item, each striding over
                       (token, head) rows, VEC elements at a time; tiled (GPUs): D/VEC
@@ -69,14 +69,9 @@ vstore${VEC}(vload${VEC}(0, ${src}), 0, ${dst});\
                     const __global float2* tt = rope_turns + (pos >= long_from ? ${ROT // 2} : 0);
                     const __global st_t* kx = k + ((ulong)t * ${HKV} + h) * ${D};
                     for (int e = e0; e < e0 + ${VEC}; ++e) {
-% if INTERLEAVED:
-                        const int fi = e >> 1, pe = e ^ 1;
-                        const float sgn = (e & 1) ? 1.0f : -1.0f;
-% else:
-                        const int fi = e < ${ROT // 2} ? e : e - ${ROT // 2};
-                        const int pe = e < ${ROT // 2} ? e + ${ROT // 2} : e - ${ROT // 2};
-                        const float sgn = e < ${ROT // 2} ? -1.0f : 1.0f;
-% endif
+% for line in ROPE.element_decls("e"):
+                        ${line}
+% endfor
                         float x = ${c.loadv(1, "kx + e")};
                         if (e < ${ROT}) {
                             const float ang = clattn_rope_angle(pos, tt[fi]);

@@ -25,14 +25,9 @@ inline void clattn_block(const __global st_t* row, const int b, const int rotate
         const int e = b * 32 + i;
         float val = ${c.loadv(1, "row + e")};
         if (rotate && e < ${ROT}) {
-% if INTERLEAVED:
-            const int fi = e >> 1, pe = e ^ 1;
-            const float sgn = (e & 1) ? 1.0f : -1.0f;
-% else:
-            const int fi = e < ${ROT // 2} ? e : e - ${ROT // 2};
-            const int pe = e < ${ROT // 2} ? e + ${ROT // 2} : e - ${ROT // 2};
-            const float sgn = e < ${ROT // 2} ? -1.0f : 1.0f;
-% endif
+% for line in ROPE.element_decls("e"):
+            ${line}
+% endfor
             const float ang = clattn_rope_angle(pos, tt[fi]);
             const float cs = cos(ang), sn = sin(ang);
             val = (val * cs + sgn * ${c.loadv(1, "row + pe")} * sn) * rope_att;

@@ -4,6 +4,7 @@
 ## instead of the library (CPU kernels: PoCL's exp2 and log2 are out-of-line calls that took
 ## half the time of its f16 merges, measured with perf); lanes: vector widths V for which
 ## the state math is also defined on float<V>, lane by lane (names suffixed _V)
+<%! from clattn import kernel_exprs as kx %>\
 <%def name="prelude(poly=False, lanes=())">
 % if NATIVE_HALF:
 #pragma OPENCL EXTENSION cl_khr_fp16 : enable
@@ -155,44 +156,10 @@ inline ${T} clattn_log2_${V}(const ${T} l)
 </%def>
 
 ## load VEC elements of storage at p (element pointer) as float<VEC>
-<%def name="loadv(vec, ptr)">\
-% if DTYPE == "float":
-% if vec == 1:
-(${ptr})[0]\
-% else:
-vload${vec}(0, ${ptr})\
-% endif
-% elif NATIVE_HALF:
-% if vec == 1:
-convert_float((${ptr})[0])\
-% else:
-convert_float${vec}(vload${vec}(0, ${ptr}))\
-% endif
-% else:
-% if vec == 1:
-vload_half(0, ${ptr})\
-% else:
-vload_half${vec}(0, ${ptr})\
-% endif
-% endif
-</%def>
+<%def name="loadv(vec, ptr)">${kx.storage_load(vec, ptr, DTYPE, NATIVE_HALF)}</%def>
 
 ## store float<VEC> val at storage element pointer ptr
-<%def name="storev(vec, val, ptr)">\
-% if DTYPE == "float":
-% if vec == 1:
-(${ptr})[0] = (${val});\
-% else:
-vstore${vec}(${val}, 0, ${ptr});\
-% endif
-% else:
-% if vec == 1:
-vstore_half_rte(${val}, 0, ${ptr});\
-% else:
-vstore_half${vec}_rte(${val}, 0, ${ptr});\
-% endif
-% endif
-</%def>
+<%def name="storev(vec, val, ptr)">${kx.storage_store(vec, val, ptr, DTYPE)}</%def>
 
 ## float<VEC> type name
 <%def name="fv(vec)">float${"" if vec == 1 else vec}</%def>

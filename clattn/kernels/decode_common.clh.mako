@@ -7,21 +7,6 @@ decode argument table, clattn.signatures.DECODE), and the page storage: KFMT, VF
 as DTYPE), PAGE_BYTES, K_REGION, V_REGION (bytes of a page and of one (kind, head)
 region), K_ROWB, V_ROWB (data bytes per row); clattn.quant has the layout.
 </%doc>
-<%!
-def hsum(v, vec):
-    """Horizontal sum of a float<vec> expression, as a balanced tree."""
-    terms = ["(%s)" % v] if vec == 1 else ["(%s).s%x" % (v, i) for i in range(vec)]
-    while len(terms) > 1:
-        terms = ["(%s + %s)" % (terms[i], terms[i + 1]) for i in range(0, len(terms), 2)]
-    return terms[0]
-
-
-def score(x, softcap):
-    """Score in log2 units; q was pre-scaled by sm_scale (and log2 e without soft-cap)."""
-    if softcap is None:
-        return "(%s)" % x
-    return "(%.9ef * tanh((%s) * %.9ef) * CLATTN_LOG2E)" % (softcap, x, 1.0 / softcap)
-%>
 <%def name="setup()">
 /* the attended chunk of sequence b and the rows [r_lo, r_hi) of partition p */
 #define SEQ_SETUP \
@@ -101,46 +86,6 @@ const ulong ${name}_reg = clattn_region_of(${page}, ${kind}, kvh);
 %   endif
 % endif
 </%def>
-<%!
-def _fv(n):
-    return "float" if n == 1 else "float%d" % n
-
-
-def lanes(kind, vec, name, lane, fmt_k, fmt_v, byte_pool, raw, loadv, sname=None, scale=None):
-    """float<vec> of lanes [lane, lane + vec) of the row at pointer `name` (row_ptr).
-
-    raw: CPU-style loads (typedefs, exact inline f16 conversion, no library calls);
-    loadv: the common loader for a storage-typed element pointer (float pools);
-    sname: the row's scale pointer (default name + "_s"); scale: a quantized block's
-    scale expression instead of the row's own ("1.0f": the codes, q4_0's minus 8)."""
-    fmt = fmt_k if kind == 0 else fmt_v
-    if not byte_pool:
-        return loadv(vec, "%s + %s" % (name, lane))
-    fv = _fv(vec)
-    if fmt == "float":
-        t = "float" if vec == 1 else "float%d" % vec
-        return "*(const __global %s*)(%s + (%s) * 4)" % (t, name, lane)
-    if fmt == "half":
-        if raw:
-            u = "ushort" if vec == 1 else "ushort%d" % vec
-            return "clattn_h2f(*(const __global %s*)(%s + (%s) * 2))" % (u, name, lane)
-        return ("vload_half(0, (const __global half*)(%s) + %s)" % (name, lane)) if vec == 1 else \
-            ("vload_half%d(0, (const __global half*)(%s) + %s)" % (vec, name, lane))
-    scale = scale or "clattn_h2f_1(%s[(%s) / 32])" % (sname or name + "_s", lane)
-    if fmt == "q8_0":
-        c = "char" if vec == 1 else "char%d" % vec
-        return "(convert_%s(*(const __global %s*)(%s + (%s))) * %s)" % (fv, c, name, lane, scale)
-    # q4_0: byte j of a block holds value j (low nibble) and value j + 16 (high nibble),
-    # so vec <= 16 lanes are one load of vec bytes and one shift, no shuffle
-    u = "uchar" if vec == 1 else "uchar%d" % vec
-    if isinstance(lane, int):
-        b = "(*(const __global %s*)(%s + %d))" % (u, name, lane // 32 * 16 + lane % 16)
-        codes = "(%s & (%s)15)" % (b, u) if lane % 32 < 16 else "(%s >> (%s)4)" % (b, u)
-    else:
-        b = "(*(const __global %s*)(%s + ((%s) >> 5) * 16 + ((%s) & 15)))" % (u, name, lane, lane)
-        codes = "((%s >> (%s)((%s) & 16 ? 4 : 0)) & (%s)15)" % (b, u, lane, u)
-    return "((convert_%s(%s) - 8.0f) * %s)" % (fv, codes, scale)
-%>
 ## inline helpers the quantized lane expressions call
 <%def name="q4_helpers()">
 % if BYTE_POOL and ("q4_0" in (KFMT, VFMT) or "q8_0" in (KFMT, VFMT)):

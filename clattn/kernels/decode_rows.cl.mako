@@ -7,7 +7,7 @@ registers. The semantics are docs/contract.md's.
 
 Template parameters (clattn.codegen.render_decode, from clattn.fit.DecodeGeometry):
   D, HQO, HKV, G, PS   head_dim, query heads, KV heads, group size, page size
-  ROT, INTERLEAVED     rotary dims; GPT-J pairs (2i, 2i+1) instead of halves (i, i + ROT/2)
+  ROT, ROPE            rotary dims; their pairing (clattn.kernel_exprs.RopePairs)
   SLIDING, SOFTCAP     window + sinks compiled in; soft-cap value or None
   DTYPE, NATIVE_HALF   storage type; convert half vectors natively (cl_khr_fp16)
   DENORMS              the device keeps f32 subnormals (cheaper exact f16 conversion)
@@ -25,13 +25,10 @@ write out of bounds.
 </%doc>
 <%namespace name="c" file="common.clh.mako"/>
 <%namespace name="d" file="decode_common.clh.mako"/>
+<%! from clattn import kernel_exprs as kx %>\
 ${c.prelude(poly=True)}
 ${d.setup()}
 <% NV = D // VEC %>\
-<%
-def score(x):
-    return d.attr.score(x, SOFTCAP)
-%>\
 ## rotate the private float array f[D] (a row of q or k) at position pos
 <%def name="rotate_row(f, pos=None)">
         {
@@ -45,48 +42,24 @@ def score(x):
 % else:
                 sn = sincos(clattn_rope_angle(${pos}, tt[i]), &cs);
 % endif
-% if INTERLEAVED:
-                const float a = ${f}[2 * i], bb = ${f}[2 * i + 1];
-                ${f}[2 * i] = (a * cs - bb * sn) * rope_att;
-                ${f}[2 * i + 1] = (bb * cs + a * sn) * rope_att;
-% else:
-                const float a = ${f}[i], bb = ${f}[i + ${ROT // 2}];
-                ${f}[i] = (a * cs - bb * sn) * rope_att;
-                ${f}[i + ${ROT // 2}] = (bb * cs + a * sn) * rope_att;
-% endif
+<% x, y = ROPE.dims("i") %>\
+                const float a = ${f}[${x}], bb = ${f}[${y}];
+                ${f}[${x}] = (a * cs - bb * sn) * rope_att;
+                ${f}[${y}] = (bb * cs + a * sn) * rope_att;
             }
         }
 </%def>
+## Straight-line code: every loop over head_dim chunks (NV) and group heads (G) is
+## unrolled here, so the accumulators are plain variables a CPU compiler keeps in
+## registers; the loads are unaligned vector loads through a typedef (no vload
+## library calls, which some CPU drivers do not inline). Quantized kinds: a block's
+## scale multiplies its partial dot product (K) or the weight (V) once, not every value:
+## CPB chunks of V values per block of 32.
 <%
-# Straight-line code: every loop over head_dim chunks (NV) and group heads (G) is
-# unrolled here, so the accumulators are plain variables a CPU compiler keeps in
-# registers; the loads are unaligned vector loads through a typedef (no vload
-# library calls, which some CPU drivers do not inline).
-V = VEC
-FV = "float" if V == 1 else "float%d" % V
-UV = "ushort" if V == 1 else "ushort%d" % V
-UI = "uint" if V == 1 else "uint%d" % V
-IV = "int" if V == 1 else "int%d" % V
-HALF = ROT // 2
-NRV = (HALF // V if not INTERLEAVED else ROT // V) if VEC_ROPE else 0  # rotated vectors
-SWAP = "" if V == 1 else ".s" + "".join("%x" % (i ^ 1) for i in range(V))
-SIGN = "(%s)(%s)" % (FV, ", ".join("-1.0f" if i % 2 == 0 else "1.0f" for i in range(V))) if V > 1 else "1.0f"
-def lane(kind, i, name, sname=None, scale=None):
-    """float<V> of head_dim chunk i of the K (0) / V (1) row at `name`, any format."""
-    return d.attr.lanes(kind, V, name, i * V, KFMT, VFMT, BYTE_POOL, True,
-                        lambda vec, ptr: ld(ptr), sname, scale)
-# quantized kinds: a block's scale multiplies its partial dot product (K) or the weight
-# (V) once, not every value: CPB chunks of V values per block of 32
-KQ = KFMT in ("q8_0", "q4_0")
-VQ = VFMT in ("q8_0", "q4_0")
-CPB = max(32 // V, 1)
-NB = D // 32
-def ld(ptr):
-    if DTYPE == "float":
-        return "*(const __global ld_t*)(%s)" % ptr
-    if NATIVE_HALF:  # the device converts half vectors itself (e.g. x86 F16C)
-        return "convert_%s(*(const __global ldn_t*)(%s))" % (FV, ptr)
-    return "clattn_h2f(*(const __global ld_t*)(%s))" % ptr
+V, HALF, CPB, NB = VEC, ROT // 2, max(32 // VEC, 1), D // 32
+FV, UI = kx.vtype("float", V), kx.vtype("uint", V)
+NRV = ROPE.vectors(V) if VEC_ROPE else 0   # rotated vectors
+KQ, VQ = KFMT in kx.QUANTIZED, VFMT in kx.QUANTIZED
 %>\
 ${c.raw_loads(V)}
 ${d.q4_helpers()}
@@ -98,69 +71,13 @@ typedef ${"half" if V == 1 else "half%d" % V} __attribute__((aligned(2))) ldn_t;
 <%
 W = min(TILE, VEC)   # lanes of a score vector: a block is scored NH vectors at a time
 NH = TILE // W
-FT = "float" if W == 1 else "float%d" % W
-IT = "int" if W == 1 else "int%d" % W
-def block_sums(arr, name, r0):
-    """(statements, expression): the float<W> of the sums of arr[r0..r0+W-1]
-    (float<VEC> each), lane j = row r0 + j. The vectors are folded to w = min(VEC, W)
-    lanes, then each group of w is summed together by pairing, each level halving the
-    lanes per row (lanes i < w/2 of pair(a, b) are a's lanes 2i + 2i+1, the rest b's;
-    for w = 8 the pairing keeps to each half of four lanes, as x86's hadd does, and the
-    halves are added last: 10-20% faster decode on both CPU drivers), and the groups'
-    results joined. Component swizzles only (no .even/.odd, nor a vector built from two
-    halves: Oclgrind's uninitialised-value check crashes on both); temporaries named
-    name_*."""
-    w = V
-    terms = ["%s[%d]" % (arr, r0 + j) for j in range(W)]
-    while w > W:
-        terms = ["((%s).lo + (%s).hi)" % (t, t) for t in terms]
-        w //= 2
-    if w == 1:
-        return [], (terms[0] if W == 1 else "(%s)(%s)" % (FT, ", ".join(terms)))
-    fw = "float%d" % w
-    lines, groups = [], []
-    for g0 in range(0, W, w):
-        level = []
-        for k, t in enumerate(terms[g0:g0 + w]):
-            level.append("%s_%d_%d" % (name, g0, k))
-            lines.append("const %s %s = %s;" % (fw, level[-1], t))
-        depth = 0
-        while len(level) > (2 if w == 8 else 1):
-            depth += 1
-            nxt = []
-            for k, (a, b) in enumerate(zip(level[0::2], level[1::2])):
-                nxt.append("%s_%d_%d_%d" % (name, g0, depth, k))
-                if w == 8:   # within each half: a's pair sums then b's (x86 hadd's order)
-                    ev, od = ([("%s.s%x" % (v, h + 2 * i + o)) for h in (0, 4) for v in (a, b)
-                               for i in range(2)] for o in (0, 1))
-                    lines.append("const %s %s = (%s)(%s) + (%s)(%s);" % (
-                        fw, nxt[-1], fw, ", ".join(ev), fw, ", ".join(od)))
-                else:
-                    lines.append("const %s %s = (%s)(%s);" % (fw, nxt[-1], fw, ", ".join(
-                        "%s.s%x + %s.s%x" % (v, 2 * i, v, 2 * i + 1) for v in (a, b)
-                        for i in range(w // 2))))
-            level = nxt
-        if w == 8:   # halves hold rows 0-3 and 4-7 of each: add them across
-            a, b = level
-            level = ["%s_%d_x" % (name, g0)]
-            lines.append("const float8 %s = (float8)(%s);" % (level[0], ", ".join(
-                "%s.s%x + %s.s%x" % (v, i, v, i + 4) for v in (a, b) for i in range(4))))
-        groups.append(level[0])
-    return lines, (groups[0] if len(groups) == 1 else "(%s)(%s)" % (FT, ", ".join(groups)))
-def hred_or(v, n):
-    """Whether any lane of an int<n> expression is nonzero (a tree of .lo | .hi)."""
-    while n > 1:
-        v = "((%s).lo | (%s).hi)" % (v, v)
-        n //= 2
-    return v
-def hred(v, op, n):
-    """Reduce a float<n> expression to a float with a tree of .lo/.hi halves."""
-    while n > 1:
-        a, b = "(%s).lo" % v, "(%s).hi" % v
-        # max() is undefined for infinities in OpenCL C: compare and select instead
-        v = ("(%s + %s)" % (a, b)) if op == "+" else ("(%s > %s ? %s : %s)" % (a, b, a, b))
-        n //= 2
-    return v
+FT, IT = kx.vtype("float", W), kx.vtype("int", W)
+def ld(ptr):
+    return kx.raw_load(ptr, V, DTYPE, NATIVE_HALF)
+def lane(kind, i, name, sname=None, scale=None):
+    """float<V> of head_dim chunk i of the K (0) / V (1) row at `name`, any format."""
+    return kx.lanes(kind, V, name, i * V, KFMT, VFMT, BYTE_POOL, True,
+                    lambda vec, ptr: ld(ptr), sname, scale)
 %>\
 % if W > 1:
 ${c.exp2_poly(W)}
@@ -223,7 +140,7 @@ ${rotate_row("f", "q_pos[b]")}
         for (int j = 0; j < ${TILE}; ++j)
             for (int cc = 0; cc < ${NRV}; ++cc)
                 for (int e = 0; e < ${V}; ++e) {
-                    const int fi = ${"cc * %d + e" % V if not INTERLEAVED else "(cc * %d + e) / 2" % V};
+                    const int fi = ${ROPE.vector_lane_freq("cc", "e", V)};
                     float cs;
                     ((float*)&sjv[j][cc])[e] = sincos(clattn_rope_angle(j, tt[fi]), &cs);
                     ((float*)&cjv[j][cc])[e] = cs;
@@ -266,7 +183,7 @@ ${d.block_pages("r0", "n", "pg", "sl")}
 % if VEC_ROPE:
             for (int cc = 0; cc < ${NRV}; ++cc)
                 for (int e = 0; e < ${V}; ++e) {
-                    const int fi = ${"cc * %d + e" % V if not INTERLEAVED else "(cc * %d + e) / 2" % V};
+                    const int fi = ${ROPE.vector_lane_freq("cc", "e", V)};
                     float cs;
                     ((float*)&sbv[cc])[e] = sincos(clattn_rope_angle(kpos0 + r0, tt[fi]), &cs);
                     ((float*)&cbv[cc])[e] = cs;
@@ -328,13 +245,9 @@ ${d.prefetch_row("pf_pg[j]", "pf_sl[j]")}
                 {
                     const ${FV} cs = cbv[${cc}] * cjv[j][${cc}] - sbv[${cc}] * sjv[j][${cc}];
                     const ${FV} sn = sbv[${cc}] * cjv[j][${cc}] + cbv[${cc}] * sjv[j][${cc}];
-%     if INTERLEAVED:
-                    k${cc} = (k${cc} * cs + k${cc}${SWAP} * (sn * ${SIGN})) * rope_att;
-%     else:
-                    const ${FV} x = k${cc}, y = k${cc + NRV};
-                    k${cc} = (x * cs - y * sn) * rope_att;
-                    k${cc + NRV} = (y * cs + x * sn) * rope_att;
-%     endif
+%     for line in ROPE.rotate_vector("k", cc, V, FV):
+                    ${line}
+%     endfor
                 }
 %   endfor
 % else:
@@ -361,11 +274,11 @@ ${rotate_row("f")}
 % for g in range(G):
         {
 %   for h in range(NH):
-<% bs_lines, bs = block_sums("tv%d" % g, "bs%d_%d" % (g, h), h * W) %>\
+<% bs_lines, bs = kx.block_sums("tv%d" % g, "bs%d_%d" % (g, h), h * W, V, W) %>\
 %     for line in bs_lines:
             ${line}
 %     endfor
-            ${FT} sv${h} = ${score(bs)};
+            ${FT} sv${h} = ${kx.score(bs, SOFTCAP)};
 %     if TILE > 1:
             sv${h} = n < ${(h + 1) * W} ? select(sv${h}, (${FT})(-INFINITY), (${IT})(${", ".join(str(h * W + j) for j in range(W))}) >= n) : sv${h};
 %     endif
@@ -375,10 +288,10 @@ ${rotate_row("f")}
                weights only add to the sums */
             {
                 const ${IT} up = ${" | ".join("(sv%d > (%s)(m%d))" % (h, FT, g) for h in range(NH))};
-                if (${hred_or("up", W)}) {
-                    float bm = ${hred("sv0", "max", W)};
+                if (${kx.hred_or("up", W)}) {
+                    float bm = ${kx.hred("sv0", "max", W)};
 %   for h in range(1, NH):
-                    { const float bh = ${hred("sv%d" % h, "max", W)}; bm = bh > bm ? bh : bm; }
+                    { const float bh = ${kx.hred("sv%d" % h, "max", W)}; bm = bh > bm ? bh : bm; }
 %   endfor
                     const float mx = bm > m${g} ? bm : m${g};
                     const float nb = clattn_exp_base(mx);
@@ -467,7 +380,7 @@ ${rotate_row("f")}
         /* a split-KV partition whose rows all scored -inf is empty to the merge (lse
            -inf, weight 0) and marks its output NaN: the merge breaks the sequence when
            every partition is empty and one is so marked */
-        const float l${g} = ${hred("lv%d" % g, "+", W)};
+        const float l${g} = ${kx.hred("lv%d" % g, "+", W)};
         const float inv = clattn_part_inv(l${g}, r_hi > r_lo);
         const float st = direct ? clattn_part_lse(m${g}, l${g}, r_hi > r_lo)
                                 : clattn_state_lse(m${g}, l${g});

@@ -12,7 +12,7 @@ work-group (a lane's read shared by sub-group broadcast or through local memory)
 merge of the BDZ slices' states. The semantics are docs/contract.md's.
 
 Template parameters (clattn.codegen.render_decode, from clattn.fit.DecodeGeometry):
-  D, HQO, HKV, G, PS, ROT, INTERLEAVED, SLIDING, SOFTCAP, DTYPE, NATIVE_HALF  as in rows
+  D, HQO, HKV, G, PS, ROT, ROPE, SLIDING, SOFTCAP, DTYPE, NATIVE_HALF  as in rows
   VEC, TILE            floats per work-item; rows per slice per step
   BDX, BDY, BDZ, GDZ   work-group shape (BDX = D / VEC, BDY = 1); head slices per KV head
   USE_LOCAL            unused (K/V live in registers; clattn.fit always sets it off)
@@ -25,17 +25,18 @@ write out of bounds.
 </%doc>
 <%namespace name="c" file="common.clh.mako"/>
 <%namespace name="d" file="decode_common.clh.mako"/>
+<%! from clattn import kernel_exprs as kx %>\
 ${c.prelude()}
 ${d.setup()}
 ${d.q4_helpers()}
 <%
 def hsum(v):
-    return d.attr.hsum(v, VEC)
+    return kx.hsum(v, VEC)
 def score(x):
-    return d.attr.score(x, SOFTCAP)
+    return kx.score(x, SOFTCAP)
 def kl(kind, vec, name, lane):
     """float<vec> of lanes [lane, lane + vec) of a K (0) / V (1) row, any page format."""
-    return d.attr.lanes(kind, vec, name, lane, KFMT, VFMT, BYTE_POOL, False,
+    return kx.lanes(kind, vec, name, lane, KFMT, VFMT, BYTE_POOL, False,
                         lambda v, ptr: capture(c.loadv, v, ptr))
 %>\
 ## rotate float<VEC> x holding dims tx*VEC.. of the row at storage pointer src
@@ -46,15 +47,9 @@ if (rotary_mode) {
             for (int e = 0; e < ${VEC}; ++e) {
                 const int d = tx * ${VEC} + e;
                 if (d < ${ROT}) {
-% if INTERLEAVED:
-                    const int i = d / 2;
-                    const int pd = d ^ 1;
-                    const float sgn = (d & 1) ? 1.0f : -1.0f;
-% else:
-                    const int i = d % ${ROT // 2};
-                    const int pd = d < ${ROT // 2} ? d + ${ROT // 2} : d - ${ROT // 2};
-                    const float sgn = d < ${ROT // 2} ? -1.0f : 1.0f;
-% endif
+                    const int i = ${ROPE.freq("d")};
+                    const int pd = ${ROPE.partner("d")};
+                    const float sgn = ${ROPE.sign("d")};
                     float cs;
                     const float sn = sincos(clattn_rope_angle(${pos}, tt[i]), &cs);
                     const float partner = ${capture(c.loadv, 1, src + " + pd") if kind is None else kl(kind, 1, src, "pd")};

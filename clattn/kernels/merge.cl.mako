@@ -18,6 +18,7 @@ tiled: D/VEC work-items per (n, h); in the pairwise merge every work-item of a h
        rewrote s with no barrier: a race).
 </%doc>
 <%namespace name="c" file="common.clh.mako"/>
+<%! from clattn import kernel_exprs as kx %>\
 ## PW: pairs of states whose weights the rows merge computes together, lane by lane
 <% PW = 8 %>\
 ${c.prelude(poly=STRATEGY == "rows", lanes=(PW,) if STRATEGY == "rows" else ())}
@@ -25,11 +26,7 @@ ${c.prelude(poly=STRATEGY == "rows", lanes=(PW,) if STRATEGY == "rows" else ())}
 typedef ${"half" if VIN == "half" else "float"} in_t;
 <%
 def loadin(vec, ptr):
-    if VIN == "float":
-        return ("(%s)[0]" % ptr) if vec == 1 else ("vload%d(0, %s)" % (vec, ptr))
-    if NATIVE_HALF:
-        return ("convert_float((%s)[0])" % ptr) if vec == 1 else ("convert_float%d(vload%d(0, %s))" % (vec, vec, ptr))
-    return ("vload_half(0, %s)" % ptr) if vec == 1 else ("vload_half%d(0, %s)" % (vec, ptr))
+    return kx.storage_load(vec, ptr, VIN, NATIVE_HALF)
 %>
 
 /* a pair merge of float<V> lanes (V = 1: float, the tiled merge's; PW: the rows merge's,
@@ -63,20 +60,12 @@ ${c.raw_loads(VEC)}
 typedef ${"half" if VEC == 1 else "half%d" % VEC} __attribute__((aligned(2))) ldn_t;
 % endif
 <%
-FV = "float" if VEC == 1 else "float%d" % VEC
+FV = kx.vtype("float", VEC)
 def rload(ptr, dt):
     """A vector of storage dtype dt at ptr, as float, with no library call."""
-    if dt == "float":
-        return "*(const __global ldf_t*)(%s)" % ptr
-    if NATIVE_HALF:
-        return "convert_%s(*(const __global ldn_t*)(%s))" % (FV, ptr)
-    return "clattn_h2f(*(const __global ldh_t*)(%s))" % ptr
+    return kx.raw_load(ptr, VEC, dt, NATIVE_HALF, by_dtype=True)
 def rstore(val, ptr):
-    if DTYPE == "float":
-        return "*(__global ldf_t*)(%s) = %s;" % (ptr, val)
-    if NATIVE_HALF:
-        return "*(__global ldn_t*)(%s) = convert_%s_rte(%s);" % (ptr, FV.replace("float", "half"), val)
-    return "*(__global ldh_t*)(%s) = clattn_f2h(%s);" % (ptr, val)
+    return kx.raw_store(val, ptr, VEC, DTYPE, NATIVE_HALF)
 %>\
 /* CPU form: each work-item walks one contiguous range of (state, head) rows (work-groups
    of one work-item: no implicit work-item loop; a core streams its range in order, which

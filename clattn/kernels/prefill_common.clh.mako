@@ -3,7 +3,7 @@ Pieces shared by the two prefill templates (prefill_rows.cl.mako, prefill_tiled.
 the set-up of one work unit (its sequence, its queries, the attended chunk, the causal
 limit) and RoPE with given cos/sin. Parameters: those of decode_common.clh.mako (PS, HKV,
 D, SLIDING, FIXUP rendered from clattn.signatures.PREFILL, the pool), QB (queries per
-unit), ROT, INTERLEAVED.
+unit), ROT, ROPE.
 
 Semantics (docs/prefill.md): query i of the n_q queries of sequence b is chunk row
 chunk - n_q + i; causal, it attends chunk rows [0, its own row], else the whole chunk. Its RoPE position is k_pos_offset[b] + its row (q_pos_mode 0) or
@@ -42,11 +42,8 @@ ${d.setup()}
 inline void clattn_rotate_cs(float* f, const float* cs, const float* sn, const float att)
 {
     for (int i = 0; i < ${ROT // 2}; ++i) {
-% if INTERLEAVED:
-        const int ia = 2 * i, ib = 2 * i + 1;
-% else:
-        const int ia = i, ib = i + ${ROT // 2};
-% endif
+<% x, y = ROPE.dims("i") %>\
+        const int ia = ${x}, ib = ${y};
         const float x = f[ia], y = f[ib];
         f[ia] = (x * cs[i] - y * sn[i]) * att;
         f[ib] = (y * cs[i] + x * sn[i]) * att;

@@ -14,7 +14,7 @@ The semantics are docs/prefill.md's.
 
 Template parameters (clattn.codegen.render_prefill, from clattn.fit.PrefillGeometry):
   D, HQO, HKV, G, PS   head_dim, query heads, KV heads, group size, page size
-  ROT, INTERLEAVED     rotary dims; GPT-J pairs (2i, 2i+1) instead of (i, i + ROT/2)
+  ROT, ROPE            rotary dims; their pairing (clattn.kernel_exprs.RopePairs)
   SLIDING, SOFTCAP     window + sinks compiled in; soft-cap value or None
   DTYPE, NATIVE_HALF   storage type of q and out; native half conversions (cl_khr_fp16)
   DENORMS              the device keeps f32 subnormals (cheaper exact f16 conversion)
@@ -26,45 +26,19 @@ Template parameters (clattn.codegen.render_prefill, from clattn.fit.PrefillGeome
 <%namespace name="c" file="common.clh.mako"/>
 <%namespace name="d" file="decode_common.clh.mako"/>
 <%namespace name="pc" file="prefill_common.clh.mako"/>
+<%! from clattn import kernel_exprs as kx %>\
 ${c.prelude(poly=True)}
 ${pc.setup()}
+## private vectors go through aligned pointers and selects are written as ?:
+## (vloadN/vstoreN/select are library calls some CPU drivers do not inline)
 <%
-V = VEC
-NV = D // V                                      # head_dim vectors of a row
-M = -(-(QB * G) // V) * V                        # rows, padded to whole vectors
-NRV = M // V                                     # row vectors
-RG = 2 if NRV % 2 == 0 else 1                   # row vectors per score tile
-NK = max(1, min(KB, 8 // RG))                    # keys per score tile (8 accumulators;
-                                                 # 4 x 2 measured best on PoCL and Intel)
-while KB % NK:
-    NK -= 1
-MV = 4 if M % 4 == 0 else (2 if M % 2 == 0 else 1)   # rows per value tile
-NI = 2 if NV % 2 == 0 else 1                     # head_dim vectors per value tile
-FV = "float" if V == 1 else "float%d" % V
-IV = "int" if V == 1 else "int%d" % V
-def score(x):
-    return d.attr.score(x, SOFTCAP)
+V, NV = VEC, D // VEC                             # head_dim vectors of a row
+M, NRV, RG, NK, MV, NI = kx.prefill_rows_tiles(QB * G, KB, NV, V)
+FV, IV = kx.vtype("float", V), kx.vtype("int", V)
 def lane(kind, i, name):
     """float<V> of head_dim chunk i of the K (0) / V (1) row at `name`, any format."""
-    return d.attr.lanes(kind, V, name, i * V, KFMT, VFMT, BYTE_POOL, True, lambda vec, ptr: ld(ptr))
-def ld(ptr):
-    if DTYPE == "float":
-        return "*(const __global ld_t*)(%s)" % ptr
-    if NATIVE_HALF:
-        return "convert_%s(*(const __global ldn_t*)(%s))" % (FV, ptr)
-    return "clattn_h2f(*(const __global ld_t*)(%s))" % ptr
-# private vectors through aligned pointers and selects as ?: (vloadN/vstoreN/select are
-# library calls some CPU drivers do not inline)
-def vst(val, ptr):
-    return "*(%s*)(%s) = %s;" % (FV, ptr, val)
-def vld(ptr):
-    return "*(%s*)(%s)" % (FV, ptr)
-def valid(key, v):
-    """the causal mask of key `key` (a chunk row) for row vector v"""
-    return "(%s <= lim[%s])" % (key, v) if V == 1 else "((%s)(%s) <= lim[%s])" % (IV, key, v)
-def vmax(a, b):
-    # compare-select: max() is undefined for infinities in OpenCL C
-    return "(%s > %s ? %s : %s)" % (a, b, a, b)
+    return kx.lanes(kind, V, name, i * V, KFMT, VFMT, BYTE_POOL, True,
+                    lambda vec, ptr: kx.raw_load(ptr, V, DTYPE, NATIVE_HALF))
 %>\
 ${c.raw_loads(V)}
 ${d.q4_helpers()}
@@ -175,27 +149,27 @@ __kernel void clattn_prefill(${SIGNATURE})
 % for k in range(NK):
 %   for v in range(RG):
             {
-                const ${FV} sv = ${valid("r0 + j + %d" % k, "g + %d" % v)} ? ${score("t%d_%d" % (k, v))} : (${FV})(-INFINITY);
-                bm[g + ${v}] = ${vmax("bm[g + %d]" % v, "sv")};
-                ${vst("sv", "pt[j + %d] + (g + %d) * %d" % (k, v, V))}
+                const ${FV} sv = ${kx.causal_mask("r0 + j + %d" % k, "g + %d" % v, V)} ? ${kx.score("t%d_%d" % (k, v), SOFTCAP)} : (${FV})(-INFINITY);
+                bm[g + ${v}] = ${kx.select_max("bm[g + %d]" % v, "sv")};
+                ${kx.private_store("sv", "pt[j + %d] + (g + %d) * %d" % (k, v, V), FV)}
             }
 %   endfor
 % endfor
         }
         for (int v = 0; v < ${NRV}; ++v) {
-            const ${IV} live = ${valid("r0", "v")};
-            const ${FV} mx = live ? ${vmax("mr[v]", "bm[v]")} : mr[v];
+            const ${IV} live = ${kx.causal_mask("r0", "v", V)};
+            const ${FV} mx = live ? ${kx.select_max("mr[v]", "bm[v]")} : mr[v];
             const ${FV} base = clattn_basev(mx);
             const ${FV} al = live ? clattn_exp2_${V}(mr[v] - base) : (${FV})1.0f;
             ${FV} sum = 0.0f;
             for (int j = 0; j < ${KB}; ++j) {
-                const ${FV} p = ${valid("r0 + j", "v")} ? clattn_exp2_${V}(${vld("pt[j] + v * %d" % V)} - base) : (${FV})0.0f;
+                const ${FV} p = ${kx.causal_mask("r0 + j", "v", V)} ? clattn_exp2_${V}(${kx.private_load("pt[j] + v * %d" % V, FV)} - base) : (${FV})0.0f;
                 sum += p;
-                ${vst("p", "pt[j] + v * %d" % V)}
+                ${kx.private_store("p", "pt[j] + v * %d" % V, FV)}
             }
             lr[v] = lr[v] * al + sum;
             mr[v] = mx;
-            ${vst("al", "alpha + v * %d" % V)}
+            ${kx.private_store("al", "alpha + v * %d" % V, FV)}
         }
         /* values: where every row attends every key of the block (rows past the end
            are 0), MV rows x NI head_dim vectors per tile; else (the causal diagonal)

@@ -14,7 +14,7 @@ keys (FlashAttention-2's loop, without tensor cores):
 The q tile is loaded (rotated, scaled) once. The semantics are docs/prefill.md's.
 
 Template parameters (clattn.codegen.render_prefill, from clattn.fit.PrefillGeometry):
-  D, HQO, HKV, G, PS, ROT, INTERLEAVED, SLIDING, SOFTCAP, DTYPE, NATIVE_HALF  as in rows
+  D, HQO, HKV, G, PS, ROT, ROPE, SLIDING, SOFTCAP, DTYPE, NATIVE_HALF  as in rows
   QB, KB               queries per work-group; keys per tile
   TC, TR, RM           threads per row group, row groups, rows per thread
   SIGNATURE, FIXUP     parameter list and pointer fix-up from clattn.signatures.PREFILL
@@ -25,6 +25,7 @@ bounds.
 <%namespace name="c" file="common.clh.mako"/>
 <%namespace name="d" file="decode_common.clh.mako"/>
 <%namespace name="pc" file="prefill_common.clh.mako"/>
+<%! from clattn import kernel_exprs as kx %>\
 ${c.prelude()}
 ${pc.setup()}
 ${d.q4_helpers()}
@@ -33,29 +34,22 @@ MP = TR * RM      # rows of the q tile (QB * G live at most)
 RK = KB // TC     # keys per thread in the score phase
 RD = D // TC      # head_dim columns per thread in the value phase
 NT = TC * TR
-HALF = ROT // 2
-def score(x):
-    return d.attr.score(x, SOFTCAP)
 def kl(kind, name, lane):
     """One float of a K (0) / V (1) row at `name`, any page format."""
-    return d.attr.lanes(kind, 1, name, lane, KFMT, VFMT, BYTE_POOL, False,
-                        lambda v, ptr: capture(c.loadv, v, ptr))
+    return kx.lanes(kind, 1, name, lane, KFMT, VFMT, BYTE_POOL, False,
+                    lambda v, ptr: capture(c.loadv, v, ptr))
 %>\
 ## element e of a row rotated at position pos: x cos + sign * partner sin, times att
 <%def name="rotated(x, partner_expr, e, pos)">\
 {
-                const int pi_ = ${"(%s) / 2" % e if INTERLEAVED else "(%s) %% %d" % (e, HALF)};
+                const int pi_ = ${ROPE.freq("(%s)" % e)};
                 float cs_;
                 const float sn_ = sincos(clattn_rope_angle(${pos}, tt[pi_]), &cs_);
-% if INTERLEAVED:
-                const float sg_ = ((${e}) & 1) ? 1.0f : -1.0f;
-% else:
-                const float sg_ = (${e}) < ${HALF} ? -1.0f : 1.0f;
-% endif
+                const float sg_ = ${ROPE.sign("(%s)" % e)};
                 ${x} = (${x} * cs_ + sg_ * (${partner_expr}) * sn_) * rope_att;
             }\
 </%def>
-<%def name="partner(e)">${"((%s) ^ 1)" % e if INTERLEAVED else "((%s) < %d ? (%s) + %d : (%s) - %d)" % (e, HALF, e, HALF, e, HALF)}</%def>
+<%def name="partner(e)">(${ROPE.partner("(%s)" % e)})</%def>
 
 __kernel __attribute__((reqd_work_group_size(${TC}, ${TR}, 1)))
 void clattn_prefill(${SIGNATURE})
@@ -130,7 +124,7 @@ void clattn_prefill(${SIGNATURE})
         for (int a = 0; a < ${RM}; ++a) {
             float mx = -INFINITY;
             for (int k = 0; k < ${RK}; ++k) {
-                s[a][k] = r0 + tc + ${TC} * k <= lim[a] ? ${score("s[a][k]")} : -INFINITY;
+                s[a][k] = r0 + tc + ${TC} * k <= lim[a] ? ${kx.score("s[a][k]", SOFTCAP)} : -INFINITY;
                 mx = fmax(mx, s[a][k]);
             }
             red_m[tr * ${RM} + a][tc] = mx;
