@@ -664,13 +664,10 @@ class _DeviceKernels:
         slot[3] = upload
         self.waits = [] if self.in_order else [upload]
         tab = {name: (slot[0], a) for name, (a, _) in views.items()}
-        spec = self.cache.spec
         if runs is not None:
             self._start_prefill(t, runs, tab)
-            if runs.decode is None:  # no decode rows: the decode kernel is not launched
-                self._start_append(t, tab)
-                return
-        self._start_decode(t, tab, "" if runs is None else "decode.")
+        if runs is None or runs.decode is not None:  # else the decode kernel is not launched
+            self._start_decode(t, tab, "" if runs is None else "decode.")
         self._start_append(t, tab)
 
     def _start_decode(self, t: StepTables, tab: dict, pre: str) -> None:
