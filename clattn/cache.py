@@ -13,10 +13,10 @@ accounting, and each sequence's page list. A model step is::
 ``begin`` chooses the kernels of the step: the tokens of a prompt chunk run on the
 prefill kernel over the cache's own tables (one launch per layer), single tokens on the
 decode kernel, a mixed step on both (:func:`clattn.cache_tables.prefill_runs` says which
-tokens go where). Sequences are added, removed, forked (the child shares the parent's pages; the first
-write into a shared, partly filled page copies it on the device), popped (speculative
-decoding rollback) and may keep a sliding window with attention sinks (whole pages that
-fall out of the window go back to the pool). docs/cache.md states the semantics; the
+tokens go where). Sequences are added, removed, forked (the child shares the parent's
+pages; the first write into a shared, partly filled page copies it on the device), popped
+(speculative decoding rollback) and may keep a sliding window with attention sinks (whole
+pages that fall out of the window go back to the pool). docs/cache.md states the semantics; the
 page bookkeeping itself is :mod:`clattn.cache_tables`.
 """
 from __future__ import annotations
@@ -317,7 +317,9 @@ class PagedKVCache:
     def step_tables(self) -> StepTables | None:
         """The host tables of the step in progress (None between steps), to be read, not
         written: one virtual sequence per new token (the last token of a sequence sees all
-        of its rows), as the cache's kernels take them."""
+        of its rows), as the decode kernel takes them; ``prefill`` holds the runs the
+        prefill kernel serves (:class:`~clattn.cache_tables.PrefillRuns`, None when the
+        step runs on decode alone)."""
         step = self._step
         return None if step is None else step.tables
 
