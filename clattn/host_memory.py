@@ -9,15 +9,14 @@ pool with 512x fewer TLB entries. Neither PoCL nor Intel's CPU runtime asks for 
 under the kernel's usual THP mode (``madvise``) their buffers get none. For a CPU device,
 :func:`empty` allocates the pool as the device's own buffer, maps it once to learn where the
 runtime put it (a CPU device maps a buffer in place), and advises huge pages for the 2 MiB
-aligned part of that range before anything touches it. The decode then ran 1.00-1.20x
-faster on PoCL at 16k tokens (median 1.10x over five models, f16 and f32, B 1 and 8),
-1.18-1.29x at 64k tokens and B = 8, and 0.97-1.13x (median 1.04x) on Intel's runtime
-(``tools/ab_decode.py --pools``).
+aligned part of that range before anything touches it. The decode runs 1.01-1.16x faster
+on PoCL at 16k tokens and B = 8 (three models, f16 and f32), 1.11x at 64k tokens, and
+1.02-1.10x on Intel's runtime (``tools/ab_decode.py --pools``; tools/RESULTS.md).
 
 The memory stays the runtime's: it lives exactly as long as the buffer does, through every
-queued command, mapping and sub-buffer. (An earlier version mapped the memory itself and
-handed it over with ``CL_MEM_USE_HOST_PTR``; a mapping or sub-buffer of the pool then
-outlived its memory, and exiting with work in flight crashed.)
+queued command, mapping and sub-buffer. clattn never maps the memory itself and hands it
+over with ``CL_MEM_USE_HOST_PTR``: a mapping or sub-buffer of the pool would then outlive
+its memory, and exiting with work in flight would crash.
 
 Other devices (GPUs, Oclgrind, which reports every device type), hosts without
 ``madvise(MADV_HUGEPAGE)`` and THP mode ``never`` get the plain ``pyopencl.array.empty``

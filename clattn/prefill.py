@@ -25,7 +25,8 @@ from .profiles.record import Profile
 from .result import AttentionResult
 from .spec import INDEX_DTYPE, LSE_DTYPE, AttentionSpec
 from .staging import Call
-from .validate import PrefillArgs, check_array, check_prefill, chunk_lengths, is_host
+from .validate import PrefillArgs, check_array, check_indptr, check_prefill, chunk_lengths, \
+    is_host
 
 
 @dataclass(frozen=True)
@@ -167,8 +168,7 @@ class BatchPrefill:
         check_array("qo_indptr", qo_indptr, ndim=1, dtypes=(INDEX_DTYPE,))
         if not is_host(qo_indptr):
             raise TypeError("qo_indptr: plan() reads host tables; pass a numpy array")
-        if len(qo_indptr) < 1 or int(qo_indptr[0]) != 0 or (np.diff(qo_indptr) < 0).any():
-            raise ValueError("qo_indptr: must start at 0 and never decrease")
+        check_indptr("qo_indptr", qo_indptr)
         chunk = None
         if page_indptr is not None:
             check_array("page_indptr", page_indptr, ndim=1, dtypes=(INDEX_DTYPE,))

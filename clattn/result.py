@@ -26,5 +26,5 @@ class AttentionResult(tuple):
         return self
 
 
-#: the name :class:`AttentionResult` had when only decode returned it
+#: :class:`AttentionResult` under a second name (callers that import it by that name)
 DecodeResult = AttentionResult

@@ -247,17 +247,44 @@ def _first_bad(mask: np.ndarray) -> int:
     return int(np.flatnonzero(mask)[0])
 
 
-def _check_indptr(indptr: np.ndarray, nnz: int | None) -> np.ndarray:
-    """page_indptr rules; returns the pages each sequence owns."""
+def check_indptr(name: str, indptr: np.ndarray, end: int | None = None, *,
+                 end_name: str = "", exact: bool = False) -> np.ndarray:
+    """The rule of every indptr table (``page_indptr``, ``qo_indptr``): B + 1 entries that
+    start at 0 and never decrease; sequence ``b`` owns entries ``[indptr[b], indptr[b+1])``.
+
+    Parameters
+    ----------
+    name : str
+        The argument's name, for the messages.
+    indptr : numpy.ndarray
+        The host table.
+    end : int, optional
+        The most its last entry may be (``exact``: what it must be), named ``end_name``.
+
+    Returns
+    -------
+    numpy.ndarray
+        The entries each sequence owns (int64, ``[B]``).
+
+    Raises
+    ------
+    ValueError
+        Naming the first entry that breaks the rule.
+    """
+    if len(indptr) < 1:
+        raise ValueError(f"{name}: needs B + 1 entries (at least one)")
     if indptr[0] != 0:
-        raise ValueError(f"page_indptr[0]={int(indptr[0])}: must be 0")
+        raise ValueError(f"{name}[0]={int(indptr[0])}: must be 0")
     d = np.diff(indptr.astype(np.int64))
     if (d < 0).any():
         i = _first_bad(d < 0)
-        raise ValueError(f"page_indptr: decreases at sequence {i} ({int(indptr[i])} -> "
+        raise ValueError(f"{name}: decreases at sequence {i} ({int(indptr[i])} -> "
                          f"{int(indptr[i + 1])}); it must be non-decreasing")
-    if nnz is not None and int(indptr[-1]) > nnz:
-        raise ValueError(f"page_indptr[-1]={int(indptr[-1])} exceeds len(page_indices)={nnz}")
+    last = int(indptr[-1])
+    if end is not None and exact and last != end:
+        raise ValueError(f"{name}[-1]={last}: must equal {end_name}={end}")
+    if end is not None and not exact and last > end:
+        raise ValueError(f"{name}[-1]={last} exceeds {end_name}={end}")
     return d
 
 
@@ -296,7 +323,7 @@ def _lengths(spec: AttentionSpec, npages: np.ndarray, last: np.ndarray, wo: Any,
 
 def _check_table_values(spec: AttentionSpec, B: int, P: int, nnz: int, indptr: np.ndarray,
                         indices: np.ndarray, last: np.ndarray, wo: Any, sink: Any):
-    npages = _check_indptr(indptr, nnz)
+    npages = check_indptr("page_indptr", indptr, nnz, end_name="len(page_indices)")
     used = indices[: int(indptr[-1])]
     bad = (used < 0) | (used >= P)
     if bad.any():
@@ -334,7 +361,7 @@ def chunk_lengths(spec: AttentionSpec, page_indptr: Any, last_page_len: Any = No
         if arr is None:
             raise ValueError(f"{nm}: required")
         check_array(nm, arr, ndim=1, shape=(B,), dtypes=(INDEX_DTYPE,))
-    npages = _check_indptr(np.asarray(page_indptr), None)
+    npages = check_indptr("page_indptr", np.asarray(page_indptr))
     return _lengths(spec, npages, np.asarray(last_page_len), window_offset, sink_size)[1]
 
 
@@ -394,16 +421,8 @@ def check_prefill(spec: AttentionSpec, q: Any, pages: Any, qo_indptr: Any, page_
                           sm_scale=sm_scale, rope_scale=rope_scale, rope_theta=rope_theta)
     n_q = None
     if is_host(qo_indptr):
-        if int(qo_indptr[0]) != 0:
-            raise ValueError(f"qo_indptr[0]={int(qo_indptr[0])}: must be 0")
-        n_q = np.diff(qo_indptr.astype(np.int64))
-        if (n_q < 0).any():
-            i = _first_bad(n_q < 0)
-            raise ValueError(f"qo_indptr: decreases at sequence {i} ({int(qo_indptr[i])} -> "
-                             f"{int(qo_indptr[i + 1])}); it must be non-decreasing")
-        if int(qo_indptr[-1]) != total_q:
-            raise ValueError(f"qo_indptr[-1]={int(qo_indptr[-1])}: must equal the number of "
-                             f"queries, q.shape[0]={total_q}")
+        n_q = check_indptr("qo_indptr", qo_indptr, total_q, exact=True,
+                           end_name="the number of queries, q.shape[0]")
         if tables.chunk is not None and causal:
             _check_query_rows(spec, n_q, tables)
         if rotary_mode == 1 and q_pos is not None and is_host(q_pos):

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 import clattn
+from clattn.models import MODEL_SHAPES as TABLE
 
 from cases import compare, config_scenario, decode_args, lse_bound, make_case, oracle, \
     spec_scenario
@@ -41,13 +42,8 @@ WIN = {dt: spec_scenario(f"win-{dt}", 8, 2, 64, page_size=16, dtype=dt, sliding_
        for dt in DTYPES}
 
 #: real models, full size, from their raw configs
-MODEL_SHAPES = {  # name in tests/data/models.json -> (H_qo, H_kv, D) it must give
-    "Llama-3.2-1B": (32, 8, 64),
-    "Llama-3.1-8B": (32, 8, 128),
-    "Qwen2.5-0.5B": (14, 2, 64),
-    "Gemma-2-2B": (8, 4, 256),      # softcap 50, sliding window, query_pre_attn_scalar
-    "Phi-3-mini-4k": (32, 32, 96),  # group 1, sliding window
-}
+MODEL_SHAPES = {  # name in tests/data/models.json -> (H_qo, H_kv, D, softcap) it must give
+    m.config: (m.num_qo_heads, m.num_kv_heads, m.head_dim, m.softcap) for m in TABLE}
 MODELS = {(name, dt): config_scenario(f"{name}-{dt}", model(name), dtype=dt)
           for name in MODEL_SHAPES for dt in DTYPES}
 
@@ -131,7 +127,8 @@ B16_LENGTHS = [0, 1, 15, 16, 17, 31, 32, 33, 47, 64, 5, 100, 2, 0, 48, 9]
 def test_model_shapes(target, get_decoder, name, dtype):
     sc = MODELS[name, dtype]
     spec = sc.spec
-    assert (spec.num_qo_heads, spec.num_kv_heads, spec.head_dim) == MODEL_SHAPES[name]
+    assert (spec.num_qo_heads, spec.num_kv_heads, spec.head_dim,
+            spec.softcap) == MODEL_SHAPES[name]
     dec = get_decoder(spec, target)
     check(dec, sc, plain_case(spec, B16_LENGTHS, seed=sum(map(ord, name))), what="B=16: ")
     # B = 1 and B = 3 with the same kernel

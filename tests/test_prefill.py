@@ -281,7 +281,7 @@ def test_plan_units_and_checks():
     assert plan.units.tolist() == [[0, 0, 3, 0], [0, 1, 3, 1], [0, 2, 3, 2]] + \
         [[2, i, 7, 3 + i] for i in range(7)]
     assert "10 work units" in str(plan) and not plan.units.flags.writeable
-    with pytest.raises(ValueError, match="never decrease"):
+    with pytest.raises(ValueError, match="qo_indptr: decreases at sequence 1"):
         pre.plan(np.array([0, 3, 2], np.int32))
     with pytest.raises(ValueError, match="page_indptr: 1 sequences, qo_indptr has 3"):
         pre.plan(qo, np.array([0, 2], np.int32), np.array([3], np.int32))

@@ -126,7 +126,7 @@ def test_quick_run_tuning(quick):
     assert cands[0]["origin"] == "default" and cands[0]["status"] == "ok"
     keys = {s["key"] for s in t["shapes"]}
     assert len(keys) == 6
-    assert any("llama-3-8b" in k for k in keys) and any("qwen" in k for k in keys)
+    assert any("Llama-3-8B" in k for k in keys) and any("Qwen" in k for k in keys)
     ok = [c for c in cands if c["status"] == "ok"]
     for c in ok:
         assert set(c["times"]) == keys and all(v > 0 for v in c["times"].values())
@@ -638,7 +638,7 @@ def test_quick_settings_are_bounded():
     shapes = shapes_for(FULL_POINTS)
     assert len(shapes) == 8
     assert shapes == sorted(shapes, key=lambda x: (x.bytes_moved, x.key))
-    llama = [x for x in shapes if x.model == "llama-3-8b" and x.batch == 1 and x.context == 1024][0]
+    llama = [x for x in shapes if x.model == "Llama-3-8B" and x.batch == 1 and x.context == 1024][0]
     assert llama.bytes_moved == 1024 * 2 * 8 * 128 * 2 + 2 * 32 * 128 * 2
 
 

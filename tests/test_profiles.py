@@ -20,8 +20,10 @@ from clattn.profiles import (
 from clattn.profiles import registry
 from clattn.profiles_report import describe, format_profiles_report
 
-def fit(profile, info):
-    """The device part of the one fit (no spec), as ``(profile, notes)``."""
+
+def trim(profile, info):
+    """The device part of the one fit (the wishes trimmed to the device, no spec), as
+    ``(profile, notes)``."""
     f = fit_device(profile, info)
     return f.profile, list(f.notes)
 
@@ -172,7 +174,7 @@ def test_every_profile_fits_every_real_device_after_fit(rid):
     info = RECORDS[rid]
     mwgs, sizes = info["max_work_group_size"], info["max_work_item_sizes"]
     for prof in builtin_profiles().values():
-        fitted, warnings = fit(prof, info)
+        fitted, warnings = trim(prof, info)
         for n in (fitted.thread_limit, fitted.merge_threads):
             assert mwgs is None or n <= mwgs
             assert not sizes or n <= sizes[0]
@@ -188,7 +190,7 @@ def test_every_profile_fits_every_real_device_after_fit(rid):
                    if getattr(fitted, k) != getattr(prof, k)]
         assert all(any(k in w for w in warnings) for k in changed)
         assert bool(warnings) == bool(changed)
-    own, warnings = fit(match(info, user=False).profile, info)
+    own, warnings = trim(match(info, user=False).profile, info)
     assert warnings == [], f"{rid}: its own profile needed cuts: {warnings}"
 
 
@@ -197,7 +199,7 @@ def test_fit_reductions_each_warn():
     info = {"max_work_group_size": 128, "max_work_item_sizes": [64, 64, 64],
             "device_extensions": ["cl_khr_byte_addressable_store"], "extensions_complete": True,
             "local_mem_size_bytes": 4096}
-    fitted, warnings = fit(prof, info)
+    fitted, warnings = trim(prof, info)
     assert (fitted.thread_limit, fitted.merge_threads) == (64, 64)
     assert (fitted.reduction, fitted.subgroup_size) == ("local", None)
     assert not fitted.native_fp16 and not fitted.use_local_kv
@@ -210,24 +212,24 @@ def test_fit_reductions_each_warn():
 
 
 def test_fit_rounds_to_powers_of_two_and_checks_subgroup_sizes():
-    fitted, warnings = fit(builtin_profiles()["nvidia"], {"max_work_group_size": 384})
+    fitted, warnings = trim(builtin_profiles()["nvidia"], {"max_work_group_size": 384})
     assert fitted.thread_limit == 256 and len(warnings) == 1
     intel = builtin_profiles()["intel-gpu"]
     info = {"device_extensions": ["cl_intel_subgroups", "cl_khr_fp16"], "sub_group_sizes": [8, 32]}
-    fitted, warnings = fit(intel, info)
+    fitted, warnings = trim(intel, info)
     assert fitted.reduction == "local" and "not in the device's [8, 32]" in warnings[0]
-    assert fit(intel, {**info, "sub_group_sizes": [8, 16, 32]}) == (intel, [])
+    assert trim(intel, {**info, "sub_group_sizes": [8, 16, 32]}) == (intel, [])
 
 
 def test_fit_never_cuts_on_unknown_facts():
     for prof in builtin_profiles().values():
-        assert fit(prof, {}) == (prof, [])
+        assert trim(prof, {}) == (prof, [])
     # a fragment of an extension list proves presence, not absence
     a750 = RECORDS["qcom-adreno750-e031.45.02.06"]
-    assert fit(builtin_profiles()["adreno-7xx"], a750)[0].reduction == "subgroup"
+    assert trim(builtin_profiles()["adreno-7xx"], a750)[0].reduction == "subgroup"
     opencl3 = {"device_extensions": [], "extensions_complete": True,
                "max_sub_groups_per_work_group": 32}
-    assert fit(builtin_profiles()["mali-valhall"], opencl3)[0].reduction == "subgroup"
+    assert trim(builtin_profiles()["mali-valhall"], opencl3)[0].reduction == "subgroup"
 
 
 # --- user profiles and CLATTN_PROFILE ---------------------------------------------------
@@ -385,7 +387,7 @@ def test_device_info_on_every_present_device():
         assert isinstance(info["device_extensions"], list)
         assert info["local_mem_type"] in ("local", "global", "none")
         m = match(info, user=False)
-        fitted, _ = fit(m.profile, info)
+        fitted, _ = trim(m.profile, info)
         assert fitted.thread_limit <= info["max_work_group_size"]
         platform = info["platform_name"]
         if platform == "Portable Computing Language" and info["device_type"] == "CPU":

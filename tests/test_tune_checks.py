@@ -108,7 +108,7 @@ def test_kv_bytes_per_token_of_every_format():
     # q8_0: 32 int8 + an f16 scale per 32 values; q4_0: 16 bytes + an f16 scale
     assert kb.per_format == {"float16": values * 2, "float32": values * 4,
                              "q8_0": values * 34 / 32, "q4_0": values * 18 / 32}
-    assert kb.shape == "llama-3-8b 32/8/128"
+    assert kb.shape == "Llama-3-8B 32/8/128"
     assert "q4_0 1152 B (0.28x f16)" in kb.summary()
     small = kv_bytes(clattn.AttentionSpec(14, 2, 64))
     assert small.shape == "14/2/64" and small.per_format["float16"] == 512

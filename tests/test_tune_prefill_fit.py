@@ -17,6 +17,7 @@ from clattn.codegen import render_prefill
 from clattn.fit import PREFILL_MAX_KB, PREFILL_ROWS, Limits, prefill_geometry
 from clattn.device_fit import fit_device
 from clattn.profiles import builtin_profiles, match
+from clattn.models import model_shape
 from clattn.profiles.registry import prefill_text
 
 from cases import compare, spec_scenario
@@ -25,7 +26,9 @@ from prefill_cases import naive_prefill, prefill_case, run
 RECORDS = json.loads((Path(__file__).parent / "data" / "devices.json").read_text())["records"]
 # Llama-3-8B, Qwen2.5-0.5B (group 7), Gemma-2 (head_dim 256), Phi-3 (head_dim 96), an MQA
 # model with more heads than a row-group tile (71 x 64), head_dim 72 (not a multiple of 16)
-SHAPES = [(32, 8, 128), (14, 2, 64), (8, 4, 256), (32, 32, 96), (71, 1, 64), (8, 1, 72)]
+SHAPES = [(m.num_qo_heads, m.num_kv_heads, m.head_dim)
+          for m in map(model_shape, ("Llama-3-8B", "Qwen2.5-0.5B", "Gemma-2-2B", "Phi-3-mini"))]
+SHAPES += [(71, 1, 64), (8, 1, 72)]
 #: the wishes each strategy takes, and the geometry field that holds each
 APPLIES = {"rows": {"prefill_qb": "qb", "prefill_kb": "kb"},
            "tiled": {"prefill_qb": "qb", "prefill_kb": "kb", "prefill_tc": "tc",

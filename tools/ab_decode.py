@@ -30,12 +30,8 @@ from pathlib import Path
 import numpy as np
 import pyopencl.array as cla
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tools"))
-
-import clattn  # noqa: E402
-from bench import MODELS, PAGE  # noqa: E402
+from common import MODELS, PAGE, ROOT  # first: it puts clattn on the path
+import clattn
 
 
 def load_revision(rev: str, into: Path):
@@ -59,7 +55,8 @@ def one_row(pkgs: list, name: str, dtype: str, B: int, ctx: int, device: str,
 
     ``pools[i]``: ``plain`` (a device array of the pages) or ``empty_pages`` (the
     decoder's own pool, the pages copied in) for package ``i``."""
-    hqo, hkv, d = MODELS[name]
+    m = MODELS[name]
+    hqo, hkv, d = m.num_qo_heads, m.num_kv_heads, m.head_dim
     rng = np.random.default_rng(seed)
     per_seq = ctx // PAGE
     pages = rng.standard_normal((B * per_seq, 2, hkv, PAGE, d)).astype(dtype)

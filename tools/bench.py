@@ -34,8 +34,8 @@ Suites
             calls' own cost with the queue held (one step; 8 steps back to back), bytes
             uploaded per step.
   gpu-model the tiled (GPU) decode kernel's work per KV row counted under Oclgrind for
-            every GPU profile x model shape, issue 15's verdict and the modelled time per
-            device (tools/gpu_model.py; docs/gpu_model.md).
+            every GPU profile x model shape, the verdict against the baseline counts and the
+            modelled time per device (tools/gpu_model.py; docs/gpu_model.md).
 
 Every timed configuration is first checked against the CPU backend on the same inputs
 (decode: clattn.cpu_backend.batch_decode on the row's page set, one sequence at a time;
@@ -85,8 +85,9 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import numpy as np  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
+# common first: it puts the package on the import path
+from common import (GiB, MODELS, PAGE, ROOT, csv, gib, io_bytes, kv_bytes, log,  # noqa: E402
+                    model_spec, page_bytes)
 from clattn import BatchPrefill, PagedKVCache, cpu_backend, runtime  # noqa: E402
 from clattn.merge import merge_state_, merge_states  # noqa: E402
 from clattn.quant import KV_FORMATS, QUANTIZED, bytes_per_value, pack_pool, row_bytes  # noqa: E402
@@ -97,17 +98,6 @@ from clattn.tune.roofline import decode_roofline  # noqa: E402
 from clattn.tune.timing import cell, event_seconds, sample, table  # noqa: E402
 from clattn.tune.workloads import PagePool, Workload, pool_pages, rotating_tables  # noqa: E402
 
-MODELS = {  # name: (H_qo, H_kv, D)
-    "Llama-3.2-1B": (32, 8, 64),
-    "Llama-3-8B": (32, 8, 128),
-    "Qwen2.5-0.5B": (14, 2, 64),
-    "Gemma-2-2B": (8, 4, 256),
-    "Phi-3-mini": (32, 32, 96),
-}
-LAYERS = {"Llama-3.2-1B": 16, "Llama-3-8B": 32, "Qwen2.5-0.5B": 24, "Gemma-2-2B": 26,
-          "Phi-3-mini": 32}
-GiB = 1 << 30
-PAGE = 16
 #: (new tokens, cached tokens) per sequence of the prefill rows
 PREFILL_CHUNKS = [(512, 0), (128, 4096)]
 #: values packed on the host at once for a quantized pool (the block repeated over it)
@@ -117,47 +107,10 @@ KEY_COLS = ("model", "dtype", "format", "B", "ctx", "n", "N", "layers")
 
 
 # -- small utilities ---------------------------------------------------------------------
-def log(msg: str) -> None:
-    """A progress line on stderr."""
-    print(msg, file=sys.stderr, flush=True)
-
-
-def csv(text: str | None, cast: Callable = str) -> list | None:
-    """``"a,b"`` -> ``[cast("a"), cast("b")]``; None stays None."""
-    return None if text is None else [cast(x.strip()) for x in text.split(",") if x.strip()]
-
-
 def chunk(text: str) -> tuple[int, int]:
     """``"128:4096"`` -> ``(128, 4096)``: new tokens, cached tokens."""
     new, _, cached = text.partition(":")
     return int(new), int(cached or 0)
-
-
-def model_spec(name: str, dtype: str, fmt: str | None = None) -> AttentionSpec:
-    """The spec of a model of :data:`MODELS`; ``fmt`` stores both K and V pages."""
-    hqo, hkv, d = MODELS[name]
-    return AttentionSpec(hqo, hkv, d, page_size=PAGE, dtype=dtype, k_format=fmt, v_format=fmt)
-
-
-def page_bytes(spec: AttentionSpec) -> int:
-    """Bytes of one page of the spec's pool (K and V, every KV head, scales and padding)."""
-    return int(np.prod(spec.pool_shape(1))) * spec.pool_dtype.itemsize
-
-
-def kv_bytes(spec: AttentionSpec, B: int, ctx: int) -> int:
-    """Bytes of the K and V rows a decode reads (data and block scales of the page format)."""
-    return int(B * ctx * spec.bytes_per_token)
-
-
-def io_bytes(spec: AttentionSpec, B: int, ctx: int) -> int:
-    """Bytes a decode must move: K and V attended, q in, out and lse written."""
-    hqo, d = spec.num_qo_heads, spec.head_dim
-    return kv_bytes(spec, B, ctx) + 2 * B * hqo * d * spec.itemsize + B * hqo * 4
-
-
-def gib(n: float) -> str:
-    """``1.5 GiB``."""
-    return f"{n / GiB:.2f} GiB"
 
 
 def short_plan(plan: Any) -> str:
@@ -615,7 +568,7 @@ def format_costs(models: list[str], formats: list[str]) -> tuple:
     """The section of bytes per KV row (one K or V row of one KV head) per page format."""
     rows = []
     for name in models:
-        d = MODELS[name][2]
+        d = MODELS[name].head_dim
         for fmt in dict.fromkeys(["float16"] + formats):
             spec = model_spec(name, "float16", fmt)
             data, total = row_bytes(fmt, d), d * bytes_per_value(fmt)
@@ -1218,7 +1171,7 @@ def suite_cache(args: argparse.Namespace, deadline: Deadline) -> dict:
     if args.smoke:
         models, batches, contexts, dtypes = ["Qwen2.5-0.5B"], [1], [64], ["float16"]
     rows = [dict(model=name, dtype=dt, format=fmt or dt, B=B, ctx=ctx,
-                 layers=args.layers or (2 if args.smoke else LAYERS[name]))
+                 layers=args.layers or (2 if args.smoke else MODELS[name].layers))
             for name in models for dt in dtypes for fmt in args.formats or [None]
             for B in batches for ctx in contexts]
     run_rows(rows, deadline, lambda row: _cache_row(args, db, row))
@@ -1318,7 +1271,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 def source_version() -> str:
     """The git commit of the checkout (``+dirty`` with uncommitted changes to clattn/)."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = str(ROOT)
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, text=True,
                               capture_output=True, timeout=10).stdout.strip()
@@ -1348,8 +1301,8 @@ def _print_markdown(argv: list[str] | None, res: dict, version: str, elapsed: fl
 # -- gpu-model suite ---------------------------------------------------------------------
 def suite_gpu_model(args: argparse.Namespace, deadline: Deadline) -> dict:
     """The tiled kernel's work per KV row counted under Oclgrind for every GPU profile x
-    model shape (or ``--profile`` / ``--models``), issue 15's verdict against the counts
-    before its rework, and the modelled time per device (tools/gpu_model.py,
+    model shape (or ``--profile`` / ``--models``), the verdict against the baseline
+    kernels' counts, and the modelled time per device (tools/gpu_model.py,
     docs/gpu_model.md); counts are cached per kernel source."""
     import gpu_model as gm  # noqa: PLC0415 - a sibling tool, imported only for this suite
     profiles = [args.profile] if args.profile else None
@@ -1391,8 +1344,8 @@ def suite_gpu_model(args: argparse.Namespace, deadline: Deadline) -> dict:
           ("follows", "planner follows the model", "")]
     return {"sections": [
         ("Tiled decode: counted work per KV row (Oclgrind, f16, local-memory form)", counts, c1),
-        ("Issue 15's done-when against the counts before the rework (tools/gpu_model.py "
-         "BASELINE)", verdicts, c2),
+        ("Today's counts against the baseline kernels' (tools/gpu_model.py BASELINE)",
+         verdicts, c2),
         ("Modelled time per token per layer (B=1; tools/gpu_devices.json; *: sub-group "
          "device counted in the local form, an upper bound)", model, c3)],
         "ceilings": None, "header": []}

@@ -22,20 +22,15 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from pathlib import Path
 
 import numpy as np
 import pyopencl.array as cla
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tools"))
-
-import clattn  # noqa: E402
-from bench import MODELS, PAGE, io_bytes, model_spec  # noqa: E402
-from clattn.tune import ceilings as ceil  # noqa: E402
-from clattn.tune.roofline import decode_roofline  # noqa: E402
-from clattn.tune.timing import event_seconds, sample  # noqa: E402
+from common import MODELS, PAGE, io_bytes, model_spec  # first: it puts clattn on the path
+import clattn
+from clattn.tune import ceilings as ceil
+from clattn.tune.roofline import decode_roofline
+from clattn.tune.timing import event_seconds, sample
 
 
 class Pool:

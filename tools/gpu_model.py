@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""A cost model of the tiled decode kernel from counted work (issue 15, item 2).
+"""A cost model of the tiled decode kernel from counted work.
 
 For every built-in GPU profile (strategy "tiled") and every real model shape, the decode
 kernel the profile gets on a representative recorded device of its family
@@ -47,21 +47,13 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from common import MODELS, ROOT, csv  # first: it puts clattn on the path
 
 DEVICES_JSON = ROOT / "tests" / "data" / "devices.json"  # recorded OpenCL devices
 GPU_FIGURES_JSON = Path(__file__).resolve().parent / "gpu_devices.json"  # published figures
 
-#: real model shapes: name -> (num_qo_heads, num_kv_heads, head_dim, softcap); f16
-SHAPES: dict[str, tuple[int, int, int, float | None]] = {
-    "Llama-3.2-1B": (32, 8, 64, None),
-    "Llama-3-8B": (32, 8, 128, None),
-    "Qwen2.5-0.5B": (14, 2, 64, None),
-    "Gemma-2-2B": (8, 4, 256, 50.0),
-    "Phi-3-mini": (32, 32, 96, None),
-}
+#: real model shapes by name (f16 pages)
+SHAPES = MODELS
 DTYPE = "float16"
 ITEM = 2  # bytes of an f16
 PAGE_SIZE = 16
@@ -69,7 +61,7 @@ BASE_ROWS = 256  # the smaller run has about this many rows (a whole number of s
 CONTEXTS = (4096, 32768)  # rows per sequence for the modelled times
 OCLGRIND_LOCAL = 32768  # bytes of local memory Oclgrind's device offers
 COUNT_VERSION = 1  # bump when what a count holds changes (invalidates the cache)
-GLOBAL_LIMIT = 1.05  # issue 15: global bytes loaded per KV byte, tables and q included
+GLOBAL_LIMIT = 1.05  # the most global bytes loaded per KV byte, tables and q included
 
 
 # ------------------------------------------------------------------ the Oclgrind report
@@ -284,10 +276,11 @@ def representative(profile: str) -> dict | None:
 
 def spec_for(shape: str, kv_heads: int | None = None):
     from clattn.spec import AttentionSpec
-    hq, hkv, d, cap = SHAPES[shape]
-    g = hq // hkv
-    k = hkv if kv_heads is None else kv_heads
-    return AttentionSpec(g * k, k, d, page_size=PAGE_SIZE, dtype=DTYPE, softcap=cap)
+    m = SHAPES[shape]
+    g = m.num_qo_heads // m.num_kv_heads
+    k = m.num_kv_heads if kv_heads is None else kv_heads
+    return AttentionSpec(g * k, k, m.head_dim, page_size=PAGE_SIZE, dtype=DTYPE,
+                         softcap=m.softcap)
 
 
 @dataclass(frozen=True)
@@ -578,7 +571,7 @@ def estimate(row: PerRow, dev: Mapping[str, Any], context: int, *,
 
     The busy fraction is work-groups / ``wg_slots`` (one work-group per core), capped at 1.
     """
-    hq, hkv, d, _ = SHAPES[row.shape]
+    hkv = SHAPES[row.shape].num_kv_heads
     rows = context * hkv
     c = row.counts
     slots_wg = value(dev, "wg_slots")
@@ -610,7 +603,7 @@ def planned_work_groups(row: PerRow, dev: Mapping[str, Any], context: int) -> in
     import numpy as np
     from clattn.plan import make_plan
     from clattn.profiles import get_profile
-    hq, hkv, d, _ = SHAPES[row.shape]
+    hkv = SHAPES[row.shape].num_kv_heads
     v = variant(row.profile, row.shape)
     wg = hkv * v.device_geometry.gdz
     plan = make_plan(np.array([context]), wg, int(value(dev, "compute_units")),
@@ -618,7 +611,7 @@ def planned_work_groups(row: PerRow, dev: Mapping[str, Any], context: int) -> in
     return wg * (plan.num_parts if plan.split else 1)
 
 
-# ------------------------------------------------------------------ split-KV (item 4)
+# ------------------------------------------------------------------ split-KV
 #: microseconds one more kernel launch costs on a GPU driver (the merge pass of a split):
 #: an educated guess (dispatch overheads of 5-20 us are what mobile OpenCL drivers show in
 #: public measurements; no figure per device is published)
@@ -664,14 +657,14 @@ class SplitChoice:
 def merge_us(row: PerRow, dev: Mapping[str, Any], parts: int) -> float:
     """The split merge pass: ``parts`` f32 states per query head read (v and lse), the f16
     output written, at the DRAM bandwidth, plus one launch (:data:`LAUNCH_US`)."""
-    hq, _, d, _ = SHAPES[row.shape]
+    hq, d = SHAPES[row.shape].num_qo_heads, SHAPES[row.shape].head_dim
     nbytes = parts * hq * (d + 1) * 4 + hq * (d * ITEM + 4)
     return nbytes / (value(dev, "dram_gbs") * 1e9) * 1e6 + LAUNCH_US
 
 
 def split_choice(row: PerRow, dev: Mapping[str, Any], context: int) -> SplitChoice:
-    """The model's verdict on split-KV for one sequence (issue 15, item 4)."""
-    _, hkv, _, _ = SHAPES[row.shape]
+    """The model's verdict on split-KV for one sequence."""
+    hkv = SHAPES[row.shape].num_kv_heads
     wg = hkv * variant(row.profile, row.shape).device_geometry.gdz
 
     def cost(parts: int) -> float:
@@ -719,8 +712,8 @@ def split_table(rows: list[PerRow], devices: list[dict],
     return "\n".join(lines)
 
 
-# ------------------------------------------------------------------ before / after (item 3)
-#: the counts of the kernels before issue 15's rework (templates of commit dd74fba), per
+# ------------------------------------------------------------------ against the baseline
+#: the counts of the baseline kernels (templates of commit dd74fba), per
 #: "profile/shape": (global B/KV B, local-memory loads B/KV B, local stores B/KV B,
 #: work-group barriers per row, other instructions per row); printed anew by
 #: ``python tools/gpu_model.py --print-baseline``
@@ -793,7 +786,7 @@ BASELINE: dict[str, tuple] = {
 }
 BASELINE_FIELDS = ("global B/KV B", "local ld B/KV B", "local st B/KV B", "WG barriers/row",
                    "other instr/row")
-IMPROVE = 4.0  # issue 15: adreno*/mali* need local loads per KV byte and barriers per row 4x lower
+IMPROVE = 4.0  # adreno*/mali*: local loads per KV byte and barriers per row 4x below BASELINE
 
 
 def _figures(r: PerRow) -> tuple:
@@ -802,7 +795,7 @@ def _figures(r: PerRow) -> tuple:
 
 
 def verdict(r: PerRow) -> dict:
-    """Issue 15's done-when figures of one row against :data:`BASELINE`: the global-load
+    """The figures of one row against :data:`BASELINE` and the limits: the global-load
     limit (every profile) and the 4x cuts in local loads and barriers (adreno*, mali*)."""
     now = _figures(r)
     before = BASELINE.get(f"{r.profile}/{r.shape}")
@@ -819,7 +812,7 @@ def verdict(r: PerRow) -> dict:
 
 
 def compare_table(rows: list[PerRow]) -> str:
-    """Markdown table: today's counts next to :data:`BASELINE`, with issue 15's verdict."""
+    """Markdown table: today's counts next to :data:`BASELINE`, with the verdict."""
     lines = ["| profile | shape | global B/KV B before -> now | local ld B/KV B before -> now "
              "(cut) | WG barriers/row before -> now (cut) | other instr/row before -> now | "
              "done? |", "|" + "---|" * 7]
@@ -918,13 +911,13 @@ def report(profiles: Iterable[str] | None = None, shapes: Iterable[str] | None =
         "",
         counts_table(rows),
         "",
-        f"Global loads above {GLOBAL_LIMIT} bytes per KV byte (issue 15's limit): "
+        f"Global loads above {GLOBAL_LIMIT} bytes per KV byte (the limit): "
         f"{len(over)} of {len(rows)}"
         + (" (" + ", ".join(f"{r.profile}/{r.shape} {r.per_kv_byte('global_load'):.2f}"
                             for r in over[:6]) + (", ..." if len(over) > 6 else "") + ")"
            if over else ""),
         "",
-        "## Before (templates of commit dd74fba) and now: issue 15's done-when figures",
+        "## Before (baseline templates of commit dd74fba) and now: the limits' verdict",
         "",
         compare_table(rows),
         "",
@@ -970,8 +963,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.child:
         _run_child(json.loads(sys.stdin.read()))
         return 0
-    split = (lambda s: [x.strip() for x in s.split(",") if x.strip()] if s else None)
-    profiles, shapes = split(a.profiles), split(a.shapes)
+    profiles, shapes = csv(a.profiles), csv(a.shapes)
     if a.print_baseline:
         print(print_baseline(count_all(profiles, shapes, jobs=a.jobs, cache=not a.no_cache)))
         return 0

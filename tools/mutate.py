@@ -73,7 +73,7 @@ def k(*words: str) -> str:
 
 
 MUTANTS = [
-    # ---- issue 17: what the audit found surviving -------------------------------------
+    # ---- f16 rounding, RoPE from HF configs, split partitions, q rounding ---------------
     Mutant("f16-store-rtz", COMMON, [
         ("vstore_half_rte(${val}, 0, ${ptr});", "vstore_half_rtz(${val}, 0, ${ptr});"),
         ("vstore_half${vec}_rte(${val}, 0, ${ptr});", "vstore_half${vec}_rtz(${val}, 0, ${ptr});")],
@@ -118,7 +118,7 @@ MUTANTS = [
          '+ 0x1000u) & 0xffffe000u);')],
         [KT, "-k", k("model_shapes", TILED)],
         "the tiled kernel keeps the scaled q at f16 precision", "kernel"),
-    # ---- what the audit found caught already ------------------------------------------
+    # ---- sinks, lse, pages, GQA, softcap, exp2/log2 and the online softmax -------------
     Mutant("sinks-dropped", DECODE, [
         ("const int sink = clamp(sink_size[b], 0, wo);", "const int sink = 0 * clamp(sink_size[b], 0, wo);")],
         [KT, "-k", k("window", "not cpu")],
@@ -441,14 +441,12 @@ MUTANTS = [
         ("fabs(clattn_scale32(m, q4)) >= 65520.0f", "fabs(clattn_scale32(m, q4)) > 65520.0f")],
         ["tests/test_cache_quant.py", "-k", k("top_of_float16", "intel")],
         "the device check lets a scale of 65520 through: f16 stores it as inf", "kernel"),
-    Mutant("decoder-workspace-never-grows", "clattn/decode.py", [
+    Mutant("workspace-never-grows", "clattn/opencl_backend.py", [
         ("if self._ws is None or self._ws[0] < n_ws:", "if self._ws is None:")],
-        ["tests/test_oclgrind.py", "-k", "rows-growing-split-workspace"],
-        "BatchDecode keeps the split workspace of its first plan (later plans write past it)"),
-    Mutant("cache-workspace-never-grows", "clattn/cache.py", [
-        ("if self.ws[0] < plan.n_ws:", "if self.ws[1] is None:")],
-        ["tests/test_cache_oclgrind.py", "-k", "cache-rows-growing-split"],
-        "the cache keeps the split workspace of its first split step"),
+        ["tests/test_oclgrind.py", "tests/test_cache_oclgrind.py", "-k",
+         "rows-growing-split-workspace or cache-rows-growing-split"],
+        "the backend keeps the split workspace of its first plan (BatchDecode's and the "
+        "cache's later plans write past it)"),
     Mutant("later-padding-accepted-with-windows", "clattn/integrations/transformers.py", [
         ("late = (held[:, None] > 0) | (np.cumsum(new, axis=1) > 0)",
          "late = np.cumsum(new, axis=1) > 0")],
@@ -458,6 +456,17 @@ MUTANTS = [
         ("g.recorded = g.recorded + L if layer.record_past else 0", "g.recorded = 0")],
         ["tests/test_transformers.py", "-k", k("assisted_decoding", "intel")],
         "assisted decoding: a sliding-window layer gives back pages a crop needs"),
+    Mutant("longrope-cache-drop-not-handled", "clattn/integrations/transformers.py", [
+        ("            _keep_cache_on_restart(type(self))\n", "")],
+        ["tests/test_longrope_switch.py", "-k", k("cpu", "Phi-3.5-mini", "10")],
+        "a longrope model's generate drops the ClattnCache at the switch: eager from there"),
+    Mutant("longrope-past-keys-kept-short", "clattn/integrations/transformers.py", [
+        ("            given.reset()  # the recompute appends every position from 0",
+         ("            inputs.update({n: inputs[n][:, given.get_seq_length():]\n"
+          "                           for n in (\"input_ids\", \"position_ids\")})"))],
+        ["tests/test_longrope_switch.py", "-k", k("cpu", "Phi-3.5-mini", "10")],
+        "at the longrope switch the cache is kept instead of recomputed: the past keys "
+        "keep their short-factor rotation"),
 ]
 
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""What quantized KV pages cost in accuracy (issue 13's report; a developer script).
+"""What quantized KV pages cost in accuracy (a developer script).
 
 1. Attention error: for the five model shapes of the benchmarks, decode attention over
    q8_0 and q4_0 pages against unquantized f32 attention (float64 oracle), with keys that
@@ -25,20 +25,17 @@ Examples
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import warnings
 
 import numpy as np
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
-sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
+from common import MODELS, ROOT  # first: it puts clattn on the path
+
+sys.path.insert(0, str(ROOT / "tests"))
 
 import clattn  # noqa: E402
 from clattn import cpu_backend, quant  # noqa: E402
-from bench import MODELS  # noqa: E402  (the benchmark's five shapes)
 
 FORMATS = ("q8_0", "q4_0")
 
@@ -56,7 +53,8 @@ def outlier_keys(rng, n: int, hkv: int, d: int, channels: int = 4) -> np.ndarray
 def attention_errors(context: int, seed: int) -> list[dict]:
     rng = np.random.default_rng(seed)
     rows = []
-    for name, (hqo, hkv, d) in MODELS.items():
+    for name, m in MODELS.items():
+        hqo, hkv, d = m.num_qo_heads, m.num_kv_heads, m.head_dim
         ps = 16
         P = context // ps
         k = outlier_keys(rng, context, hkv, d)
@@ -118,7 +116,8 @@ def rounding_errors(blocks: int, seed: int) -> list[dict]:
 def rounding_attention(context: int, seed: int) -> list[dict]:
     """Part 1's attention error of the first model shape on each rounding's values."""
     rng = np.random.default_rng(seed)
-    hqo, hkv, d = next(iter(MODELS.values()))
+    first = next(iter(MODELS.values()))
+    hqo, hkv, d = first.num_qo_heads, first.num_kv_heads, first.head_dim
     k = outlier_keys(rng, context, hkv, d)
     v = rng.standard_normal((context, hkv, d)).astype(np.float32)
     q = rng.standard_normal((1, hqo, d)).astype(np.float32)
@@ -131,7 +130,7 @@ def rounding_attention(context: int, seed: int) -> list[dict]:
                       for x in (k, v))
             out, lse = _oracle(q, kq, vq, hqo // hkv, 1 / np.sqrt(d))
             err = out[0] - ref[0]
-            rows.append(dict(model=next(iter(MODELS)), fmt=fmt, rounding=rounding,
+            rows.append(dict(model=first.name, fmt=fmt, rounding=rounding,
                              rel_l2=float(np.linalg.norm(err) / np.linalg.norm(ref[0])),
                              lse=float(np.abs(lse - ref[1]).max())))
     return rows

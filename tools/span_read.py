@@ -29,18 +29,12 @@ from __future__ import annotations
 import argparse
 import math
 import statistics
-import sys
-from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tools"))
-
-from bench import MODELS, PAGE  # noqa: E402
-from clattn import compiler_probe, host_memory, runtime  # noqa: E402
-from clattn.tune import ceilings, timing  # noqa: E402
+from common import MODELS, PAGE  # first: it puts clattn on the path
+from clattn import compiler_probe, host_memory, runtime
+from clattn.tune import ceilings, timing
 
 LINE = 64  # bytes per read step and per prefetch hint
 
@@ -75,9 +69,9 @@ __kernel void clattn_read_spans(const __global float8* restrict buf,
 def model_spans() -> dict[int, list[str]]:
     """Span bytes -> the bench models (and dtypes) whose per-head page region it is."""
     spans: dict[int, list[str]] = {}
-    for name, (_, _, d) in MODELS.items():
+    for name, m in MODELS.items():
         for dtype, size in (("f16", 2), ("f32", 4)):
-            spans.setdefault(PAGE * d * size, []).append(f"{name} {dtype}")
+            spans.setdefault(PAGE * m.head_dim * size, []).append(f"{name} {dtype}")
     return dict(sorted(spans.items()))
 
 

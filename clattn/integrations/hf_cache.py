@@ -233,6 +233,9 @@ class ClattnCache(Cache):
         #: prompt with tokens on the decode kernel: a window that slides inside it, a row
         #: of one token, or prefill=False), "empty" (nothing but padding)
         self.steps: collections.Counter = collections.Counter()
+        #: forwards that recomputed every position after the model's generate code dropped
+        #: the cache (the cache was reset and given back: Phi-3's longrope switch)
+        self.restarts = 0
         self.broken: str | None = None  # the error a forward stopped at (reset() clears)
 
     # -- what the model sees ----------------------------------------------------------

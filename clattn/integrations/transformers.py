@@ -12,9 +12,13 @@ Importing this module registers (:func:`register` with the defaults):
 
 Every step attends through :class:`clattn.PagedKVCache`, which chooses its kernels:
 decode steps on the decode kernel, prompts on the prefill kernel (the tokens past the
-point where a sliding window begins to slide inside the prompt on the decode kernel). A forward without a ClattnCache (``use_cache=False``, another cache class) runs
-the model's eager attention in torch, with one warning. docs/transformers.md has the
-details: what is refused, padding, copies, timings.
+point where a sliding window begins to slide inside the prompt on the decode kernel). A
+forward without a ClattnCache (``use_cache=False``, another cache class) runs the model's
+eager attention in torch, with one warning. Where a model's generate code drops the cache
+to recompute every position (Phi-3's longrope models when the sequence reaches
+``original_max_position_embeddings``), the ClattnCache is reset and handed back, so that
+the recompute runs on clattn too. docs/transformers.md has the details: what is refused,
+padding, copies, timings.
 """
 from __future__ import annotations
 
@@ -61,9 +65,10 @@ def register(device: Any = None, *, prefill: bool = True, page_size: int = 16,
         How the caches store keys and values (None: the model's dtype); ``"q8_0"`` and
         ``"q4_0"`` quantize on append (llama.cpp's ``--cache-type-k/-v``).
     patch_generate : bool
-        Give ``generate`` a ClattnCache when the model attends with clattn, and accept
+        Give ``generate`` a ClattnCache when the model attends with clattn, accept
         ``generate(..., attn_implementation=...)`` (transformers' own ``generate`` has
-        no such argument).
+        no such argument), and keep the ClattnCache a model's generate code drops to
+        recompute the sequence (longrope models at their switch of rotary factors).
     """
     DEFAULTS.update(device=device, prefill=bool(prefill), page_size=int(page_size),
                     backend=backend, profile=profile, k_format=k_format, v_format=v_format)
@@ -469,6 +474,7 @@ def _patch_generate() -> None:
             gen.cache_implementation = None
         res = prepare(self, *args, **kw)
         if ours:
+            _keep_cache_on_restart(type(self))
             size = a.get("max_cache_length")
             # prompt lookup's verify step may run past max_length by its draft
             if size and getattr(gen, "prompt_lookup_num_tokens", None):
@@ -498,6 +504,43 @@ def _patch_generate() -> None:
     GenerationMixin._prepare_cache_for_generation = _prepare_cache_for_generation
     GenerationMixin.generate = _generate
     GenerationMixin._clattn_patched = True
+
+
+def _keep_cache_on_restart(cls: type) -> None:
+    """Wrap ``cls.prepare_inputs_for_generation`` (once per class) so that a ClattnCache
+    the model's own code drops survives: when the inputs it prepares carry no cache and
+    hold every position seen so far (a forward that recomputes the whole sequence, as
+    Phi-3's longrope models make when the sequence reaches
+    ``original_max_position_embeddings``, whose rotary factors change there), the cache
+    is reset and given back, so that the recompute and every later step run on clattn
+    with the keys the model rotates anew. Inputs that keep the cache, or drop it while
+    holding only part of the sequence, are returned unchanged."""
+    prepare = cls.prepare_inputs_for_generation
+    if getattr(prepare, "_clattn_keeps_cache", False):
+        return
+
+    @functools.wraps(prepare)
+    def prepare_inputs_for_generation(self, *args: Any, **kw: Any) -> Any:
+        inputs = prepare(self, *args, **kw)
+        name = next((n for n in ("cache", "past_key_values") if n in kw), None)
+        given = kw.get(name) if name is not None else None
+        if not isinstance(given, ClattnCache) or not isinstance(inputs, dict) or \
+                any(inputs.get(n) is not None for n in ("cache", "past_key_values")):
+            return inputs
+        new = inputs.get("input_ids")
+        if new is None:
+            new = inputs.get("inputs_embeds")
+        seen = kw.get("attention_mask")
+        if not isinstance(seen, torch.Tensor) or seen.dim() != 2:
+            seen = args[0] if args else kw.get("input_ids")
+        if new is not None and seen is not None and new.shape[1] == seen.shape[1]:
+            given.reset()  # the recompute appends every position from 0
+            given.restarts += 1
+            inputs[name] = given
+        return inputs
+
+    prepare_inputs_for_generation._clattn_keeps_cache = True
+    cls.prepare_inputs_for_generation = prepare_inputs_for_generation
 
 
 register()

@@ -30,11 +30,10 @@ class Profile:
     vec
         Elements each work-item loads at once along head_dim (1, 2, 4, 8 or 16).
     use_local_kv
-        Stage K/V tiles in local memory. The tiled decode kernel no longer does (each
-        work-item keeps a K/V row in registers for all its query heads, so the row is
-        loaded once per work-group; the wish does not apply there), and the tiled prefill
-        always does (noted when off): kept so that profile files stay valid; the tuner no
-        longer searches it.
+        Stage K/V tiles in local memory. The tiled prefill always does (noted when off);
+        the tiled decode does not apply the wish (each work-item keeps a K/V row in
+        registers for all its query heads, so the row is loaded once per work-group).
+        Profile files may name it; the tuner does not search it.
     reduction / subgroup_size
         How a tiled work-group sums partial dot products: ``"local"`` memory, or
         ``"subgroup"`` reductions with the given required sub-group size (falls back

@@ -1,5 +1,5 @@
 """Device ceilings: streaming read/copy bandwidth, launch latency, transfers and the f32
-multiply-add peak (was clattn.bandwidth).
+multiply-add peak.
 
 Measured the way clpeak does it, so that a kernel's "fraction of bandwidth" means something:
 

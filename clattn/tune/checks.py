@@ -302,7 +302,7 @@ class KvBytes:
     per_format: dict[str, float]
 
     def summary(self) -> str:
-        """``llama-3-8b 32/8/128: f16 4096 B, ..., q4_0 1152 B (0.28x f16)``."""
+        """``Llama-3-8B 32/8/128: f16 4096 B, ..., q4_0 1152 B (0.28x f16)``."""
         base = self.per_format.get("float16")
         parts = [f"{f.replace('float', 'f')} {b:g} B"
                  + (f" ({b / base:.2f}x f16)" if base and f != "float16" else "")

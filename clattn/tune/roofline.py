@@ -1,5 +1,5 @@
 """The roofline bound of a decode call: the least time its bytes and its multiply-adds
-allow on a device with measured ceilings (issue 12).
+allow on a device with measured ceilings.
 
 A decode call reads every KV row of its chunks once (K and V of every KV head: the pool's
 bytes per token, block scales included) plus q, and writes out and lse; for every row and

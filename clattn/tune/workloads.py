@@ -15,22 +15,13 @@ from typing import Any, Iterable
 import numpy as np
 
 from .. import host_memory, runtime
+from ..models import ModelShape, model_shape
 from ..spec import AttentionSpec
 from .ceilings import fill_random
 
 
-@dataclass(frozen=True)
-class Model:
-    """A model's attention shape."""
-
-    name: str
-    num_qo_heads: int
-    num_kv_heads: int
-    head_dim: int
-
-
-#: representative shapes: a GQA-4 model with head_dim 128 and a GQA-7 one with head_dim 64
-MODELS = (Model("llama-3-8b", 32, 8, 128), Model("qwen2.5-0.5b", 14, 2, 64))
+#: the tuner's models: a GQA-4 shape with head_dim 128 and a GQA-7 one with head_dim 64
+MODELS: tuple[ModelShape, ...] = (model_shape("Llama-3-8B"), model_shape("Qwen2.5-0.5B"))
 #: (batch, context) points per model
 FULL_POINTS = ((1, 1024), (8, 1024), (1, 8192), (8, 8192))
 QUICK_POINTS = ((1, 1024), (8, 1024), (1, 8192))
@@ -39,8 +30,9 @@ DTYPE = "float16"
 
 
 def spec_for(model: Any, **kw: Any) -> AttentionSpec:
-    """The :class:`AttentionSpec` of a :class:`Model` or :class:`Shape` (``dtype`` and
-    other spec fields as keywords; f16 pages of :data:`PAGE_SIZE` rows by default)."""
+    """The :class:`AttentionSpec` of a :class:`~clattn.models.ModelShape` or :class:`Shape`
+    (``dtype`` and other spec fields as keywords; f16 pages of :data:`PAGE_SIZE` rows by
+    default)."""
     return AttentionSpec(model.num_qo_heads, model.num_kv_heads, model.head_dim,
                          page_size=PAGE_SIZE, dtype=kw.pop("dtype", DTYPE), **kw)
 
@@ -60,7 +52,7 @@ class Shape:
 
     @property
     def key(self) -> str:
-        """``llama-3-8b B=1 ctx=1024``."""
+        """``Llama-3-8B B=1 ctx=1024``."""
         return f"{self.model} B={self.batch} ctx={self.context}"
 
     @property
@@ -95,7 +87,8 @@ class Shape:
         return kv + 2 * self.batch * self.num_qo_heads * self.head_dim * self.itemsize
 
 
-def shapes_for(points: Iterable[tuple[int, int]], models: Iterable[Model] = MODELS) -> list[Shape]:
+def shapes_for(points: Iterable[tuple[int, int]],
+               models: Iterable[ModelShape] = MODELS) -> list[Shape]:
     """Every (model, batch, context), cheapest first (so slow candidates are pruned early)."""
     out = [Shape(m.name, m.num_qo_heads, m.num_kv_heads, m.head_dim, b, c)
            for m in models for b, c in points]
@@ -209,5 +202,5 @@ def _release(*arrays: Any) -> None:
             pass
 
 
-__all__ = ["DTYPE", "FULL_POINTS", "MODELS", "Model", "PAGE_SIZE", "PagePool", "QUICK_POINTS",
+__all__ = ["DTYPE", "FULL_POINTS", "MODELS", "PAGE_SIZE", "PagePool", "QUICK_POINTS",
            "Shape", "Workload", "pool_pages", "rotating_tables", "shapes_for", "spec_for"]
