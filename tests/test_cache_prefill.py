@@ -8,13 +8,15 @@ test_cache's: each new token attends its own rows (sinks and window, chunk posit
 """
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 
 import clattn
 from cases import compare
 from naive import naive_inv_freq, naive_rotate
-from test_cache import LLAMA3, History, make_cache
+from test_cache import LLAMA3, SPLIT_EVERY_STEP, History, make_cache
 
 F32, F16 = "float32", "float16"
 DECODE, PREFILL, MIXED = ("decode",), ("prefill",), ("decode", "prefill")
@@ -226,3 +228,23 @@ def test_out_and_lse_written_in_place(target):
         assert len(res.events) == 1
         compare(dout.get(), dlse.get(), *ref, F32)
     cache.end()
+
+
+def test_mixed_steps_with_split_decode(device):
+    """A device's own profile told to split every decode row into one-page partitions:
+    the decode launch and its merge write the decode rows (and empty prefill rows), the
+    prefill launch after them the chunks' rows."""
+    spec = _spec(F32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        cache = clattn.PagedKVCache(spec, 2, device=device, profile=SPLIT_EVERY_STEP,
+                                    backend="opencl", num_pages=48)
+    hist = History(spec, 2)
+    kinds = run_steps(cache, hist, [(["a", "b"], [20, 9]), (["a", "b", "c"], [1, 1, 14]),
+                                    (["c", "a", "b"], [5, 1, 1])], seed=10)
+    assert kinds == [PREFILL, MIXED, MIXED]
+    assert cache.step_tables is None
+    cache.begin(["a", "c"], [1, 6])
+    assert cache.decoder.plan(cache.step_tables.prefill.decode.page_indptr,
+                              cache.step_tables.prefill.decode.last_page_len).split
+    cache.cancel()
