@@ -10,10 +10,13 @@ accounting, and each sequence's page list. A model step is::
         out, lse, event = cache.attend(layer, q)
     cache.end()                            # commit the lengths
 
-Sequences are added, removed, forked (the child shares the parent's pages; the first
-write into a shared, partly filled page copies it on the device), popped (speculative
-decoding rollback) and may keep a sliding window with attention sinks (whole pages that
-fall out of the window go back to the pool). docs/cache.md states the semantics; the
+``begin`` chooses the kernels of the step: the tokens of a prompt chunk run on the
+prefill kernel over the cache's own tables (one launch per layer), single tokens on the
+decode kernel, a mixed step on both (:func:`clattn.cache_tables.prefill_runs` says which
+tokens go where). Sequences are added, removed, forked (the child shares the parent's
+pages; the first write into a shared, partly filled page copies it on the device), popped
+(speculative decoding rollback) and may keep a sliding window with attention sinks (whole
+pages that fall out of the window go back to the pool). docs/cache.md states the semantics; the
 page bookkeeping itself is :mod:`clattn.cache_tables`.
 """
 from __future__ import annotations
@@ -25,9 +28,11 @@ from typing import Any, Hashable, Sequence
 import numpy as np
 
 from . import cpu_backend, host_memory, runtime, signatures, validate
-from .cache_tables import CacheFullError, PageTable, StepTables
+from .cache_tables import CacheFullError, PageTable, PrefillRuns, StepTables, prefill_runs
 from .decode import BatchDecode
+from .device import warn_notes
 from .numbers import is_int
+from .prefill import make_prefill_plan
 from .quant import QUANTIZED, check_quantizable, quantize, region_views
 from .result import AttentionResult
 from .rope import parse_rope_scaling, rope_tables, rotate
@@ -59,7 +64,9 @@ class CacheStats:
 
     ``pages_shared``: pages more than one sequence holds (forks); ``pages_reserved``:
     pages taken by the step in progress; ``bytes_per_token``: pool bytes one token takes
-    over all layers; ``free_tokens``: the longest context the free pages still hold.
+    over all layers; ``free_tokens``: the longest context the free pages still hold;
+    ``prefill_launches``: attend calls that ran the prefill kernel since the cache was
+    made (one per layer of a step with prompt chunks).
     """
 
     num_pages: int
@@ -72,6 +79,7 @@ class CacheStats:
     bytes_per_token: int
     pool_bytes: int
     free_tokens: int
+    prefill_launches: int = 0
 
     def __str__(self) -> str:
         return (f"{self.pages_used}/{self.num_pages} pages used ({self.pages_shared} shared, "
@@ -112,6 +120,9 @@ class PagedKVCache:
         Tokens behind each window whose pages are kept, so that :meth:`pop` can take back
         that many tokens of a windowed sequence (speculative decoding); 0 gives back
         every page that falls out of a window at once.
+    prefill : bool
+        True: the tokens of a prompt chunk attend on the prefill kernel (see
+        :meth:`begin`); False: every token on the decode kernel, one causal row each.
 
     Examples
     --------
@@ -128,13 +139,15 @@ class PagedKVCache:
                  budget_bytes: int | None = None, device: Any = None, profile: Any = None,
                  backend: str = "auto", rope: str | None = None, rope_theta: float = 1e4,
                  rope_scale: float = 1.0, sm_scale: float | None = None,
-                 rollback: int = 0) -> None:
+                 rollback: int = 0, prefill: bool = True) -> None:
         if not isinstance(spec, AttentionSpec):
             raise TypeError(f"spec: expected an AttentionSpec, got {type(spec).__name__}")
         if not is_int(num_layers) or num_layers < 1:
             raise ValueError(f"num_layers={num_layers!r}: must be a positive integer")
         if rope not in ROPE_MODES:
             raise ValueError(f"rope={rope!r}: allowed {ROPE_MODES}")
+        if not isinstance(prefill, (bool, np.bool_)):
+            raise TypeError(f"prefill={prefill!r}: must be True or False")
         validate.check_sm_scale(sm_scale)
         validate.check_rope_scalars(rope_theta, rope_scale)
         self.spec = spec
@@ -145,11 +158,16 @@ class PagedKVCache:
         self.rope = rope
         self.rope_theta, self.rope_scale = float(rope_theta), float(rope_scale)
         self.sm_scale = sm_scale
+        self.prefill = bool(prefill)
+        self.prefill_launches = 0  # attend calls that ran the prefill kernel
+        self._long_from: int | None = None  # first long-factor position of rope="attend"
         self.decoder = BatchDecode(spec, device, backend=backend, profile=profile)
         self.backend = self.decoder.backend
         if rope is not None:  # checks theta/scale now (the kernel tables are built once)
             self._rope = rope_tables(spec.rotary_dim, self.rope_theta, parse_rope_scaling(
                 spec.rope_scaling, spec.max_position_embeddings), spec.max_position_embeddings)
+            if rope == "attend":
+                self._long_from = int(self._rope[2])
         self.table = PageTable(spec, self.num_pages, _checked_rollback(rollback))
         self._lock = threading.RLock()
         self._step: _StepInProgress | None = None
@@ -173,6 +191,8 @@ class PagedKVCache:
             a = host_memory.empty(q, shape, spec.pool_dtype)
             a.events.append(cl.enqueue_fill_buffer(q, a.base_data, np.uint8(0), 0, size))
             self.pools.append(a)
+        if self.prefill:  # fitted now (its notes warned here), built by the first chunk step
+            warn_notes(self.decoder.opencl.fit_prefill(), "prefill: ", stacklevel=2)
         self._device = _DeviceKernels(self)
 
     # -- sequences ------------------------------------------------------------------
@@ -254,7 +274,7 @@ class PagedKVCache:
                 pages_reserved=self._step.tables.reserved if self._step else 0,
                 sequences=len(t.seqs), bytes_per_token=self.page_bytes * self.num_layers //
                 self.spec.page_size, pool_bytes=self.page_bytes * self.num_pages * self.num_layers,
-                free_tokens=free * self.spec.page_size)
+                free_tokens=free * self.spec.page_size, prefill_launches=self.prefill_launches)
 
     # -- the step ------------------------------------------------------------------
     def begin(self, seq_ids: Sequence[Hashable], lengths: Sequence[int] | None = None) -> None:
@@ -262,6 +282,14 @@ class PagedKVCache:
 
         Builds the step's page tables and split plan and uploads them once. Raises
         :class:`CacheFullError` (nothing changed) when the free pages do not suffice.
+
+        The step's kernels (:attr:`step_kernels`) are chosen here: a sequence bringing
+        several tokens attends on the prefill kernel for its tokens whose attended rows
+        have no gap (no window, or a window that has not begun to slide; a window with
+        sinks counts as begun once a row lies between the sinks and the window), in one
+        launch per layer for every such chunk of the step; its tokens past the start of
+        the slide, and every sequence bringing one token, attend on the decode kernel.
+        With ``prefill=False`` every token attends on the decode kernel.
         """
         with self._lock:
             if self._step is not None:
@@ -269,6 +297,8 @@ class PagedKVCache:
                                 f"progress; call end() or cancel() first")
             tables = self.table.reserve(seq_ids, lengths, rope=self.rope)
             try:
+                if self.prefill and tables.T > len(tables.lengths):
+                    tables.prefill = prefill_runs(tables, self._long_from)
                 self._step = _StepInProgress(self, tables)
             except BaseException:
                 self.table.release(tables)
@@ -287,9 +317,21 @@ class PagedKVCache:
     def step_tables(self) -> StepTables | None:
         """The host tables of the step in progress (None between steps), to be read, not
         written: one virtual sequence per new token (the last token of a sequence sees all
-        of its rows), as the cache's kernels take them."""
+        of its rows), as the decode kernel takes them; ``prefill`` holds the runs the
+        prefill kernel serves (:class:`~clattn.cache_tables.PrefillRuns`, None when the
+        step runs on decode alone)."""
         step = self._step
         return None if step is None else step.tables
+
+    @property
+    def step_kernels(self) -> tuple:
+        """The kernels the step in progress attends on: ``("decode",)``, ``("prefill",)``
+        or, for a step that has both single tokens (or tokens past a window's slide) and
+        prompt chunks, ``("decode", "prefill")``."""
+        runs = self._current("step_kernels").tables.prefill
+        if runs is None:
+            return ("decode",)
+        return ("prefill",) if runs.decode is None else ("decode", "prefill")
 
     @property
     def upload_events(self) -> tuple:
@@ -321,7 +363,9 @@ class PagedKVCache:
         """Attention of the step's new queries ``q [T, H_qo, D]`` over ``layer``'s cache.
 
         Each new token attends to the sequence up to and including itself (a prompt
-        chunk is causal). ``out``/``lse`` as in :meth:`clattn.DecodeStep.run`.
+        chunk is causal). ``out``/``lse`` as in :meth:`clattn.DecodeStep.run`. The
+        kernels are those :meth:`begin` chose (:attr:`step_kernels`); the results are
+        the same up to f32 rounding whichever runs.
         """
         with self._lock:
             step = self._current("attend")
@@ -467,24 +511,15 @@ class _StepInProgress:
                             f"append({layer}, k, v) first")
         if cache.backend == "cpu":
             self._check("q", q, self.q_shape)
-            attend_rope = cache.rope == "attend"
-            o, s = cpu_backend.batch_decode(
-                cache.spec, q, cache.pools[layer], t.page_indptr, t.page_indices,
-                t.last_page_len, window_offset=t.window_offset, sink_size=t.sink_size,
-                q_pos=t.q_pos if attend_rope else None,
-                k_pos_offset=t.k_pos_offset if attend_rope else None,
-                rotary_mode=int(attend_rope), rope_scale=cache.rope_scale,
-                rope_theta=cache.rope_theta, sm_scale=cache.sm_scale, out=out, lse=lse)
-            return AttentionResult(o, s)
+            if t.prefill is None:
+                return AttentionResult(*self._decode_host(layer, q, t, out, lse))
+            return self._attend_host(layer, q, t.prefill, out, lse)
         dev = cache._device
         if dev.ready(q, self.q_shape) and out is not None and lse is not None and \
                 dev.ready(out, self.q_shape) and dev.ready(lse, self.q_shape[:2], LSE_DTYPE):
             return dev.attend(cache.pools[layer], q, out, lse)
         self._check("q", q, self.q_shape)
-        for name, a, shape, dt in (("out", out, self.q_shape, cache.spec.np_dtype),
-                                   ("lse", lse, self.q_shape[:2], LSE_DTYPE)):
-            if a is not None:
-                check_array(name, a, shape=shape, dtypes=(dt,), writable=True)
+        self._check_out(out, lse)
         call = Call(cache._rt)
         dq = call.input("q", q)
         dout = call.output("out", out, self.q_shape, cache.spec.np_dtype)
@@ -492,6 +527,52 @@ class _StepInProgress:
         res = dev.attend(cache.pools[layer], dq, dout, dlse, call.wait_list())
         o, s = call.finish([dout, dlse], list(res.events), host=is_host(q))
         return AttentionResult(o, s, res.event, res.events)
+
+    def _check_out(self, out: Any, lse: Any) -> None:
+        for name, a, shape, dt in (("out", out, self.q_shape, self.cache.spec.np_dtype),
+                                   ("lse", lse, self.q_shape[:2], LSE_DTYPE)):
+            if a is not None:
+                check_array(name, a, shape=shape, dtypes=(dt,), writable=True)
+
+    def _rope_args(self) -> dict:
+        cache = self.cache
+        return dict(rotary_mode=int(cache.rope == "attend"), rope_scale=cache.rope_scale,
+                    rope_theta=cache.rope_theta, sm_scale=cache.sm_scale)
+
+    def _decode_host(self, layer: int, q: np.ndarray, d: Any, out: Any,
+                     lse: Any) -> tuple[np.ndarray, np.ndarray]:
+        """The decode kernel's rows on the CPU backend over the decode tables ``d`` (the
+        step's, or the rows a prefill view leaves to decode)."""
+        t, kw = self.tables, self._rope_args()
+        attend_rope = kw["rotary_mode"] == 1
+        return cpu_backend.batch_decode(
+            self.cache.spec, q, self.cache.pools[layer], d.page_indptr, d.page_indices,
+            d.last_page_len, window_offset=d.window_offset, sink_size=d.sink_size,
+            q_pos=t.q_pos if attend_rope else None,
+            k_pos_offset=t.k_pos_offset if attend_rope else None, out=out, lse=lse, **kw)
+
+    def _attend_host(self, layer: int, q: np.ndarray, runs: PrefillRuns, out: Any,
+                     lse: Any) -> AttentionResult:
+        """The CPU backend's step with prefill runs: the decode rows first (when some are
+        left to decode), then each run's rows from the prefill kernel's numpy twin."""
+        cache = self.cache
+        spec = cache.spec
+        self._check_out(out, lse)
+        if runs.decode is not None:
+            out, lse = self._decode_host(layer, q, runs.decode, out, lse)
+        else:
+            out = np.empty(self.q_shape, spec.np_dtype) if out is None else out
+            lse = np.empty(self.q_shape[:2], LSE_DTYPE) if lse is None else lse
+        rows = runs.rows
+        kw = self._rope_args()
+        po, ps = cpu_backend.batch_prefill(
+            spec, np.ascontiguousarray(q[rows]), cache.pools[layer], runs.qo_indptr,
+            runs.page_indptr, runs.page_indices, runs.last_page_len,
+            window_offset=runs.window_offset, sink_size=runs.sink_size,
+            k_pos_offset=runs.k_pos_offset if kw["rotary_mode"] else None, **kw)
+        out[rows], lse[rows] = po, ps
+        cache.prefill_launches += 1
+        return AttentionResult(out, lse)
 
 
 class _DeviceKernels:
@@ -523,13 +604,13 @@ class _DeviceKernels:
         opencl = self.opencl = dec.opencl
         decode, merge = opencl.decode_kernels()  # builds (and may refit the geometry) first
         self.geometry, self.merge_geometry = opencl.decode_geometry, opencl.merge_geometry
-        attend_rope = int(cache.rope == "attend")
-        none = dict.fromkeys(("q", "pages", "out", "lse", "page_indptr", "page_indices",
-                              "last_page_len", "window_offset", "sink_size", "q_pos",
-                              "k_pos_offset", "ws_o", "ws_s", "part_indptr"))
-        self.decode = decode.bind(**none, num_pages=cache.num_pages, nnz=0, n_ws=0, split=0,
-                                  part_rows=0, **opencl.scalars(attend_rope, cache.rope_theta,
-                                                                cache.rope_scale, cache.sm_scale))
+        self.scalars = opencl.scalars(int(cache.rope == "attend"), cache.rope_theta,
+                                      cache.rope_scale, cache.sm_scale)
+        self.decode = decode.bind(**dict.fromkeys(_TABLES + ("ws_o", "ws_s", "part_indptr")),
+                                  num_pages=cache.num_pages, nnz=0, n_ws=0, split=0,
+                                  part_rows=0, **self.scalars)
+        self.prefill: Any = None  # the bound prefill kernel, made by the first chunk step
+        self.runs: PrefillRuns | None = None
         self.merge = merge.bind(vin=None, sv=None, indptr=None, fixed_k=-1, skip_single=1,
                                 n_states=0, out=None, lse=None, N=0, H=spec.num_qo_heads)
         turns, long_from, att = opencl.rope_buffer(int(cache.rope == "append"), cache.rope_theta,
@@ -568,6 +649,10 @@ class _DeviceKernels:
     def start(self, t: StepTables) -> None:
         """Upload the step's tables (once) and set them on the kernel objects."""
         cl = runtime.cl()
+        runs = self.runs = t.prefill
+        if runs is not None:  # the unit table travels in the step's one upload
+            runs.units = make_prefill_plan(runs.n, runs.chunk, self._prefill_kernel(),
+                                           runs.q_start).units
         packed, views = t.packed()
         slot = self.ring[self.ring_at]
         self.ring_at ^= 1
@@ -581,8 +666,17 @@ class _DeviceKernels:
         slot[3] = upload
         self.waits = [] if self.in_order else [upload]
         tab = {name: (slot[0], a) for name, (a, _) in views.items()}
-        plan = self._plan(t)
+        if runs is not None:
+            self._start_prefill(t, runs, tab)
+        if runs is None or runs.decode is not None:  # else the decode kernel is not launched
+            self._start_decode(t, tab, "" if runs is None else "decode.")
+        self._start_append(t, tab)
+
+    def _start_decode(self, t: StepTables, tab: dict, pre: str) -> None:
+        """Set the decode tables (``pre`` + name in ``tab``) and the split plan."""
         spec = self.cache.spec
+        d = t if not pre else t.prefill.decode
+        plan = self._plan(t, d)
         H, D = spec.num_qo_heads, spec.head_dim
         ws_o = ws_s = None
         if plan.split:
@@ -591,9 +685,11 @@ class _DeviceKernels:
                            n_states=plan.n_ws, N=t.T)
             self.merge_sizes = self.merge_geometry.sizes(t.T * H, D)
         attend_rope = self.cache.rope == "attend"
-        self.decode.set(page_indptr=tab["page_indptr"], page_indices=tab["page_indices"],
-                        nnz=len(t.page_indices), last_page_len=tab["last_page_len"],
-                        window_offset=tab.get("window_offset"), sink_size=tab.get("sink_size"),
+        self.decode.set(page_indptr=tab[pre + "page_indptr"],
+                        page_indices=tab[pre + "page_indices"], nnz=len(d.page_indices),
+                        last_page_len=tab[pre + "last_page_len"],
+                        window_offset=tab.get(pre + "window_offset"),
+                        sink_size=tab.get(pre + "sink_size"),
                         q_pos=tab["q_pos"] if attend_rope else None,
                         k_pos_offset=tab["k_pos_offset"] if attend_rope else None,
                         ws_o=ws_o, ws_s=ws_s, n_ws=plan.n_ws, split=int(plan.split),
@@ -603,6 +699,11 @@ class _DeviceKernels:
         self.decode_sizes = (self.geometry.global_size(t.T, spec.num_kv_heads,
                                                        plan.num_parts if plan.split else 1),
                              self.geometry.local_size())
+
+    def _start_append(self, t: StepTables, tab: dict) -> None:
+        """Set the append (and page-copy) tables."""
+        spec = self.cache.spec
+        D = spec.head_dim
         self.append_k.set(slots=tab["slots"], n_tokens=t.T, k_pos=tab["k_pos"])
         if self.check_k is not None:
             self.check_k.set(slots=tab["slots"], n_tokens=t.T, k_pos=tab["k_pos"])
@@ -618,16 +719,44 @@ class _DeviceKernels:
             self.copy_sizes = ((copy_rows,), None) if spec.byte_pool else \
                 geom.sizes(copy_rows, D)
 
-    def _plan(self, t: StepTables) -> Any:
-        """The split plan: the last one while it still fits this batch, else a new one."""
+    def _prefill_kernel(self) -> int:
+        """Bind the prefill kernel (built and fitted at the first step that needs it);
+        returns its queries per work unit."""
+        opencl = self.opencl
+        if self.prefill is None:
+            self.prefill = opencl.prefill_kernel().bind(
+                **dict.fromkeys(_TABLES + ("units",)), num_pages=self.cache.num_pages,
+                total_q=0, nnz=0, q_pos_mode=0, batch=0, n_units=0, causal=1, **self.scalars)
+        return opencl.prefill_geometry.qb
+
+    def _start_prefill(self, t: StepTables, runs: PrefillRuns, tab: dict) -> None:
+        """Set the prefill runs' tables and unit table on the bound prefill kernel."""
+        attend_rope = self.cache.rope == "attend"
+        n_units = len(runs.units)
+        self.prefill.set(page_indptr=tab["prefill.page_indptr"],
+                         page_indices=tab["prefill.page_indices"], nnz=len(runs.page_indices),
+                         last_page_len=tab["prefill.last_page_len"],
+                         window_offset=tab.get("prefill.window_offset"),
+                         sink_size=tab.get("prefill.sink_size"),
+                         k_pos_offset=tab["prefill.k_pos_offset"] if attend_rope else None,
+                         total_q=t.T, batch=len(runs.n), units=tab["prefill.units"],
+                         n_units=n_units)
+        geom = self.opencl.prefill_geometry
+        self.prefill_sizes = (geom.global_size(n_units, self.cache.spec.num_kv_heads),
+                              geom.local_size())
+
+    def _plan(self, t: StepTables, d: Any) -> Any:
+        """The split plan of the decode tables ``d``: the last one while it still fits
+        this batch, else a new one (always a new one for the decode rows of a step with
+        prefill runs)."""
         last = self.plan
-        key = (t.seq_ids, t.lengths)
+        key = (t.seq_ids, t.lengths) if d is t else None
         ps = self.cache.spec.page_size
-        if last is not None and key == self.plan_key and \
+        if last is not None and key is not None and key == self.plan_key and \
                 np.all((t.chunk >= last.chunk) & (t.chunk < last.chunk + ps)):
             return last
-        plan = self.cache.decoder.plan(t.page_indptr, t.last_page_len,
-                                       window_offset=t.window_offset, sink_size=t.sink_size)
+        plan = self.cache.decoder.plan(d.page_indptr, d.last_page_len,
+                                       window_offset=d.window_offset, sink_size=d.sink_size)
         self.plan, self.plan_key = plan, key
         if plan.split:
             self.plan_buf = self.opencl.plan_table(plan, self.queue)
@@ -723,9 +852,32 @@ class _DeviceKernels:
 
     def attend(self, pool: Any, q: Any, out: Any, lse: Any,
                waits: list | None = None) -> AttentionResult:
+        """Launch the step's kernels for one layer: decode, prefill, or decode then
+        prefill (the prefill launch writes the rows the decode launch left empty)."""
         waits = waits if waits is not None else q.events + out.events + lse.events
         if not self.in_order:
             waits = self.waits + pool.events + waits
+        if self.runs is None:
+            evts = self._decode(pool, q, out, lse, waits)
+        else:
+            evts = ()
+            if self.runs.decode is not None:
+                evts = self._decode(pool, q, out, lse, waits)
+                waits = [] if self.in_order else [evts[-1]]
+            evts += (self.prefill.launch(self.queue, *self.prefill_sizes, waits, q=q,
+                                         pages=pool, out=out, lse=lse),)
+            self.cache.prefill_launches += 1
+        if not self.in_order:
+            pool.events.append(evts[0])  # the next write of the pool waits for this read
+            if len(evts) > 1:
+                pool.events.append(evts[-1])
+        out.events[:] = [evts[-1]]
+        lse.events[:] = [evts[-1]]
+        self._track(evts[-1])
+        return AttentionResult(out, lse, evts[-1], tuple(evts))
+
+    def _decode(self, pool: Any, q: Any, out: Any, lse: Any, waits: list) -> tuple:
+        """The decode kernel (and the merge of a split plan); returns the events."""
         if self.split:
             evts = self.opencl.decode_then_merge(
                 self.queue, waits, (self.decode.launch, *self.decode_sizes,
@@ -735,12 +887,12 @@ class _DeviceKernels:
         else:  # no workspace to order: the decode kernel alone, on the per-layer path
             evts = (self.decode.launch(self.queue, *self.decode_sizes, waits, q=q, pages=pool,
                                        out=out, lse=lse),)
-        if not self.in_order:
-            pool.events.append(evts[0])  # the next write of the pool waits for this read
-        out.events[:] = [evts[-1]]
-        lse.events[:] = [evts[-1]]
-        self._track(evts[-1])
-        return AttentionResult(out, lse, evts[-1], tuple(evts))
+        return evts
+
+
+#: the table arguments the decode and prefill kernels share, unset until a step sets them
+_TABLES = ("q", "pages", "out", "lse", "page_indptr", "page_indices", "last_page_len",
+           "window_offset", "sink_size", "q_pos", "k_pos_offset")
 
 
 def _stored(x: np.ndarray, fmt: str, name: str) -> tuple[np.ndarray, np.ndarray | None]:

@@ -15,6 +15,9 @@ what a window dropped; :meth:`PageTable.release` undoes a reservation.
 A step's queries are *virtual sequences* of the decode kernel: new token ``i`` of a
 sequence attends to the stored rows up to and including its own (and its own window),
 so a prompt chunk of ``n`` tokens is ``n`` causal decode rows in one launch.
+:func:`prefill_runs` is the per-sequence view of the same step for the prefill kernel:
+the runs of a chunk's tokens that one prefill sequence serves exactly, and the decode
+tables of the tokens left to the decode kernel.
 """
 from __future__ import annotations
 
@@ -122,23 +125,158 @@ class StepTables:
     chunk: np.ndarray
     reserved: int
     undo: list = field(repr=False, default_factory=list)
+    #: the step's prefill view (:func:`prefill_runs`), set by the cache; None: decode only
+    prefill: "PrefillRuns | None" = None
 
     @property
     def n_copies(self) -> int:
         return len(self.copies) // 3
 
     def packed(self) -> tuple[np.ndarray, dict]:
-        """Every table in one int32 array (one upload) and ``{name: (start, end)}``."""
+        """Every table in one int32 array (one upload) and ``{name: (start, end)}``; the
+        prefill view's tables are named ``prefill.<name>`` and ``decode.<name>``."""
         names = ["page_indptr", "page_indices", "last_page_len", "q_pos", "k_pos_offset",
                  "slots", "k_pos"]
         if self.window_offset is not None:
             names += ["window_offset", "sink_size"]
         if self.n_copies:
             names.append("copies")
-        arrays = [getattr(self, n) for n in names]
-        ends = np.cumsum([len(a) for a in arrays])
-        views = {n: (int(e - len(a)), int(e)) for n, a, e in zip(names, arrays, ends)}
-        return np.concatenate(arrays).astype(I32, copy=False), views
+        named = [(n, getattr(self, n)) for n in names]
+        if self.prefill is not None:
+            named += self.prefill.tables()
+        ends = np.cumsum([len(a) for _, a in named])
+        views = {n: (int(e - len(a)), int(e)) for (n, a), e in zip(named, ends)}
+        return np.concatenate([a for _, a in named]).astype(I32, copy=False), views
+
+
+@dataclass
+class DecodeRows:
+    """Decode tables of a step whose prefill view leaves some tokens to the decode kernel:
+    the step's token tables with the tokens of prefill runs made empty (no pages; the
+    decode kernel writes ``out = 0``, ``lse = -inf`` there, and the prefill launch after
+    it writes those rows)."""
+
+    page_indptr: np.ndarray
+    page_indices: np.ndarray
+    last_page_len: np.ndarray
+    window_offset: np.ndarray | None
+    sink_size: np.ndarray | None
+    chunk: np.ndarray
+
+
+@dataclass
+class PrefillRuns:
+    """The per-sequence view of a step for the prefill kernel (:func:`prefill_runs`).
+
+    Run ``r`` is the ``n[r]`` consecutive tokens starting at step row ``q_start[r]``
+    (``begin``'s order) of one sequence; its tables (``page_indptr [R + 1]``,
+    ``page_indices``, ``last_page_len``, ``window_offset``/``sink_size``,
+    ``k_pos_offset``, ``chunk [R]``) are those of its last token, so its tokens are the
+    last ``n[r]`` rows of that chunk (docs/prefill.md). ``tokens [T]``: the step rows
+    the runs serve; ``decode``: the tables of the other rows (None when runs serve every
+    row). ``units``: the prefill plan's unit table, rows of q counted in the whole step
+    (set by the device backend).
+    """
+
+    q_start: np.ndarray
+    n: np.ndarray
+    qo_indptr: np.ndarray
+    page_indptr: np.ndarray
+    page_indices: np.ndarray
+    last_page_len: np.ndarray
+    window_offset: np.ndarray | None
+    sink_size: np.ndarray | None
+    k_pos_offset: np.ndarray
+    chunk: np.ndarray
+    tokens: np.ndarray
+    decode: DecodeRows | None
+    units: np.ndarray | None = None
+
+    @property
+    def rows(self) -> np.ndarray:
+        """The step rows the runs serve, run after run (ascending)."""
+        return np.flatnonzero(self.tokens)
+
+    def tables(self) -> list[tuple[str, np.ndarray]]:
+        """``(name, int32 array)`` of every table the device kernels read."""
+        names = ["page_indptr", "page_indices", "last_page_len", "k_pos_offset"]
+        if self.window_offset is not None:
+            names += ["window_offset", "sink_size"]
+        out = [(f"prefill.{n}", getattr(self, n)) for n in names]
+        if self.units is not None:
+            out.append(("prefill.units", self.units.reshape(-1)))
+        if self.decode is not None:
+            d = self.decode
+            out += [(f"decode.{n}", getattr(d, n)) for n in names[:3]]
+            if d.window_offset is not None:
+                out += [("decode.window_offset", d.window_offset),
+                        ("decode.sink_size", d.sink_size)]
+        return out
+
+
+def prefill_runs(t: StepTables, long_from: int | None = None) -> PrefillRuns | None:
+    """The runs of the step's tokens that the prefill kernel serves exactly; None when
+    there are none (a decode step, or no chunk has two such tokens in a row).
+
+    A token is served by a prefill run when its sequence brings several tokens and its
+    own attended rows have no gap (no window, or ``window_offset == sink_size``: it
+    attends every stored row up to its own). A run is two or more such consecutive tokens
+    of one sequence; then the run's last token's tables give every token of the run
+    exactly its own rows (the prefill kernel's causal rule). Tokens whose window has
+    begun to slide (each has its own window start) and single tokens stay on the decode
+    kernel. ``long_from`` (RoPE inside the kernels with long factors): a run does not
+    cross the first long-factor query position, because the prefill kernel chooses the
+    factors of a sequence by its last query as the decode kernel does per token.
+    """
+    T, B = t.T, len(t.lengths)
+    if T == B:
+        return None
+    counts = np.asarray(t.lengths, np.int64)
+    seq = np.repeat(np.arange(B), counts)
+    key = np.repeat(counts > 1, counts).astype(np.int64)
+    if t.window_offset is not None:
+        key &= t.window_offset == t.sink_size
+    if long_from is not None:
+        key += 2 * (t.q_pos >= long_from)
+    new = np.ones(T, bool)
+    new[1:] = (seq[1:] != seq[:-1]) | (key[1:] != key[:-1])
+    start = np.flatnonzero(new)
+    n = np.diff(np.append(start, T))
+    served = (key[start] & 1).astype(bool) & (n > 1)
+    if not served.any():
+        return None
+    tokens = np.repeat(served, n)
+    start, n = start[served], n[served]
+    last = start + n - 1
+    indptr = t.page_indptr.astype(np.int64)
+    lo, npg = indptr[last], indptr[last + 1] - indptr[last]
+    page_indptr = np.zeros(len(last) + 1, I32)
+    np.cumsum(npg, out=page_indptr[1:])
+    at = np.arange(int(page_indptr[-1])) + np.repeat(lo - page_indptr[:-1], npg)
+    qo_indptr = np.zeros(len(n) + 1, I32)
+    np.cumsum(n, out=qo_indptr[1:])
+    windowed = t.window_offset is not None
+    decode = None
+    if not tokens.all():
+        keep_pages = ~np.repeat(tokens, np.diff(indptr))
+        dpg = np.where(tokens, 0, np.diff(indptr))
+        dindptr = np.zeros(T + 1, I32)
+        np.cumsum(dpg, out=dindptr[1:])
+        decode = DecodeRows(
+            page_indptr=dindptr, page_indices=t.page_indices[keep_pages],
+            last_page_len=np.where(tokens, 0, t.last_page_len).astype(I32),
+            window_offset=np.where(tokens, 0, t.window_offset).astype(I32) if windowed
+            else None,
+            sink_size=np.where(tokens, 0, t.sink_size).astype(I32) if windowed else None,
+            chunk=np.where(tokens, 0, t.chunk).astype(I32))
+    return PrefillRuns(
+        q_start=start.astype(I32), n=n.astype(I32), qo_indptr=qo_indptr,
+        page_indptr=page_indptr, page_indices=t.page_indices[at].astype(I32),
+        last_page_len=t.last_page_len[last].astype(I32),
+        window_offset=t.window_offset[last].astype(I32) if windowed else None,
+        sink_size=t.sink_size[last].astype(I32) if windowed else None,
+        k_pos_offset=t.k_pos_offset[last].astype(I32), chunk=t.chunk[last].astype(I32),
+        tokens=tokens, decode=decode)
 
 
 class PageTable:

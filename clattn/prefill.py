@@ -54,13 +54,17 @@ class PrefillPlan:
                 f"{self.batch} sequences, {self.total_q} queries{read}")
 
 
-def make_prefill_plan(n_q: np.ndarray, chunk: np.ndarray | None, qb: int) -> PrefillPlan:
+def make_prefill_plan(n_q: np.ndarray, chunk: np.ndarray | None, qb: int,
+                      q_start: np.ndarray | None = None) -> PrefillPlan:
     """Cut each sequence's ``n_q[b]`` queries into tiles of ``qb``; with the chunk lengths
-    known, order the tiles by the key rows they read, most first."""
+    known, order the tiles by the key rows they read, most first. Sequence ``b``'s
+    queries are rows ``q_start[b] ..`` of q (default: sequence after sequence)."""
     n_q = np.asarray(n_q, dtype=np.int64)
     b = np.repeat(np.arange(len(n_q)), -(-n_q // qb))
     first = np.concatenate([np.arange(0, n, qb) for n in n_q]) if len(b) else np.zeros(0, np.int64)
-    row = (np.concatenate([[0], np.cumsum(n_q)[:-1]])[b] + first) if len(b) else first
+    if q_start is None:
+        q_start = np.concatenate([[0], np.cumsum(n_q)[:-1]])
+    row = (np.asarray(q_start, np.int64)[b] + first) if len(b) else first
     work = np.zeros(len(b), np.int64)
     if chunk is not None and len(b):
         nb = n_q[b]

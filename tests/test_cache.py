@@ -258,12 +258,13 @@ def growing_split_steps(cache):
 
 def test_cache_grows_its_split_workspace(device):
     """The cache's split workspace grows with its steps' plans (a device's own profile
-    told to split every step into one-page partitions)."""
+    told to split every step into one-page partitions; every token on the decode kernel,
+    whose plans use the workspace)."""
     spec = clattn.AttentionSpec(2, 1, 16, page_size=4, dtype="float32")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         cache = clattn.PagedKVCache(spec, 1, device=device, profile=SPLIT_EVERY_STEP,
-                                    backend="opencl", num_pages=24)
+                                    backend="opencl", num_pages=24, prefill=False)
     n_ws = growing_split_steps(cache)
     assert n_ws[0] > 0 and max(n_ws[1:]) > n_ws[0], n_ws
 

@@ -78,11 +78,12 @@ def simulation_variant(profile, dtype, window, rope, seed=0, formats=None):
 
 def growing_split_variant(profile):
     """Steps whose split plans need more workspace than the cache's first
-    (tests/test_cache.py), every step split into one-page partitions."""
+    (tests/test_cache.py), every step split into one-page partitions (every token on the
+    decode kernel, whose plans use the workspace)."""
     import clattn
     from test_cache import SPLIT_EVERY_STEP, growing_split_steps
     spec = clattn.AttentionSpec(2, 1, 16, page_size=4, dtype="float32")
-    cache = _cache(spec, dict(profile, **SPLIT_EVERY_STEP), num_pages=24)
+    cache = _cache(spec, dict(profile, **SPLIT_EVERY_STEP), num_pages=24, prefill=False)
     print(f"workspace states per step: {growing_split_steps(cache)}", flush=True)
 
 

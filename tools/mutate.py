@@ -328,6 +328,19 @@ MUTANTS = [
          "if False:")],
         ["tests/test_kernels.py", "-k", "two_split_runs_in_flight"],
         "split launches sharing the workspace are not ordered on its last user", "python"),
+    Mutant("cache-chunks-on-decode", "clattn/cache.py", [
+        ("if self.prefill and tables.T > len(tables.lengths):", "if False:")],
+        ["tests/test_cache_prefill.py", "-k", "prompts_decode_and_mixed and float32"],
+        "the cache runs prompt chunks on the decode kernel (no prefill path)", "python"),
+    Mutant("prefill-run-past-window-slide", "clattn/cache_tables.py", [
+        ("key &= t.window_offset == t.sink_size", "key &= t.window_offset >= 0")],
+        ["tests/test_cache_prefill.py", "-k", "slide_inside_a_chunk and None"],
+        "a prefill run takes the tokens whose window has begun to slide", "python"),
+    Mutant("prefill-run-across-longrope-switch", "clattn/cache_tables.py", [
+        ("key += 2 * (t.q_pos >= long_from)", "key += 0")],
+        ["tests/test_cache_prefill.py", "-k", "longrope"],
+        "a prefill run straddles longrope's switch (its first tokens get the long factors)",
+        "python"),
     Mutant("minus-inf-part-nan", COMMON, [
         ("return mx == -INFINITY ? 0.0f : mx;", "return mx;")],
         ["tests/test_fuzz.py", "-k", "minus_inf and not cpu"],

@@ -18,7 +18,6 @@ import math
 import threading
 from typing import Any, Sequence
 
-import numpy as np
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
@@ -189,8 +188,8 @@ class ClattnCache(Cache):
     num_pages, budget_bytes : int, optional
         Pages per layer, or bytes for all the pools of all layer kinds together.
     prefill : bool
-        Prompt steps on :class:`clattn.BatchPrefill` (when clattn has it) instead of the
-        cache's causal chunk attend.
+        Prompt steps on the prefill kernel (the cache chooses it for prompt chunks) or,
+        False, every token on the cache's decode kernel.
     backend, profile
         As for :class:`clattn.PagedKVCache` (``backend="cpu"``: numpy pools).
     k_format, v_format : {None, "float16", "float32", "q8_0", "q4_0"}, optional
@@ -230,8 +229,9 @@ class ClattnCache(Cache):
         self._next_id = 0
         self._cl_device: Any = None
         #: steps run per layer kind, by path: "decode" (one token per sequence, the
-        #: cache's decode kernel), "prefill" (BatchPrefill), "chunk" (a prompt over the
-        #: cache's causal chunk attend), "empty" (nothing but padding)
+        #: decode kernel), "prefill" (a prompt wholly on the prefill kernel), "chunk" (a
+        #: prompt with tokens on the decode kernel: a window that slides inside it, a row
+        #: of one token, or prefill=False), "empty" (nothing but padding)
         self.steps: collections.Counter = collections.Counter()
         #: forwards that recomputed every position after the model's generate code dropped
         #: the cache (the cache was reset and given back: Phi-3's longrope switch)
@@ -391,7 +391,7 @@ class ClattnCache(Cache):
 
     def cl_device(self) -> Any:
         """What the layer kinds' caches are made on: the caller's pyopencl device, context
-        or queue as given (one context for the pools and the prefill objects), else the
+        or queue as given (one context for the pools of every layer kind), else the
         device clattn selects for the name; None for the CPU backend."""
         if self._cl_device is None and self.backend != "cpu":
             pcl = runtime.cl()
@@ -433,7 +433,7 @@ class _Shape:
 
 
 class _Group:
-    """One layer kind: its PagedKVCache, prefill object, device arrays and step."""
+    """One layer kind: its PagedKVCache, device arrays and step."""
 
     def __init__(self, owner: ClattnCache, window: int | None, layers: list[int],
                  shape: _Shape) -> None:
@@ -449,12 +449,9 @@ class _Group:
         pages = owner._pool_pages(self.spec, len(layers), max(1, owner.batch_size))
         self.cache = clattn.PagedKVCache(self.spec, len(layers), device=dev, backend=backend,
                                          profile=owner.profile, rope=None,
-                                         sm_scale=shape.scaling, **pages)
+                                         sm_scale=shape.scaling, prefill=owner.use_prefill,
+                                         **pages)
         self.on_device = self.cache.backend != "cpu"
-        pre = getattr(clattn, "BatchPrefill", None) if owner.use_prefill else None
-        self.prefill = None
-        if pre is not None:
-            self.prefill = pre(self.spec, dev, backend=backend, profile=owner.profile)
         if self.on_device:
             pool = self.cache.pools[0]
             self.queue, self.context = pool.queue, pool.context
@@ -505,8 +502,8 @@ class _Group:
 
 class GroupForward:
     """One forward over one layer kind: which of the ``B x L`` new positions are tokens
-    (``sel``: their flat indices, None for all), the lengths given to ``begin``, the
-    attention path and, for BatchPrefill, the per-sequence tables and plan."""
+    (``sel``: their flat indices, None for all), the lengths given to ``begin`` and the
+    path the cache chose (the ``steps`` counter it adds to)."""
 
     def __init__(self) -> None:
         self.begun = False
@@ -514,37 +511,3 @@ class GroupForward:
         self.sel: torch.Tensor | None = None
         self.T = 0
         self.mode = "decode"
-        self.prefill_args: tuple = ()
-        self.plan: Any = None
-
-
-def prefill_tables(cache: Any, on_device: bool, queue: Any) -> tuple | None:
-    """Per-sequence page tables of the step in progress for :class:`clattn.BatchPrefill`
-    (``qo_indptr, page_indptr, page_indices, last_page_len`` and the window arrays), or
-    None when BatchPrefill cannot give the step's answer: a sequence whose window has
-    begun to slide (BatchPrefill keeps one window per sequence; the cache's own chunk
-    attend gives each token its own). The step's token tables are the cache's
-    (:attr:`clattn.PagedKVCache.step_tables`: the last token of a sequence sees all of its
-    rows)."""
-    t = cache.step_tables
-    if t is None:
-        return None
-    lengths = np.asarray(t.lengths, np.int64)
-    last = np.cumsum(lengths) - 1
-    if t.window_offset is not None and np.any(t.window_offset[last] != t.sink_size[last]):
-        return None
-    lo, hi = t.page_indptr[last], t.page_indptr[last + 1]
-    page_indptr = np.zeros(len(last) + 1, np.int32)
-    np.cumsum(hi - lo, out=page_indptr[1:])
-    page_indices = np.concatenate([t.page_indices[a:b] for a, b in zip(lo, hi)]).astype(np.int32)
-    qo_indptr = np.zeros(len(last) + 1, np.int32)
-    np.cumsum(lengths, out=qo_indptr[1:])
-    host = {"qo_indptr": qo_indptr, "page_indptr": page_indptr, "page_indices": page_indices,
-            "last_page_len": np.ascontiguousarray(t.last_page_len[last], np.int32)}
-    if t.window_offset is not None:
-        host["window_offset"] = np.ascontiguousarray(t.window_offset[last], np.int32)
-        host["sink_size"] = np.ascontiguousarray(t.sink_size[last], np.int32)
-    if not on_device:
-        return host, host
-    cl = runtime.cl()
-    return host, {k: cl.array.to_device(queue, v) for k, v in host.items()}

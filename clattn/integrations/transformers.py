@@ -10,14 +10,15 @@ Importing this module registers (:func:`register` with the defaults):
   call's ``max_length``; ``generate(..., attn_implementation="clattn")`` switches the
   model for that call.
 
-Decode steps run the cache's decode kernel, prompt steps :class:`clattn.BatchPrefill`
-(or the cache's causal chunk attend where a sliding window has begun to slide inside the
-prompt). A forward without a ClattnCache (``use_cache=False``, another cache class) runs
-the model's eager attention in torch, with one warning. Where a model's generate code
-drops the cache to recompute every position (Phi-3's longrope models when the sequence
-reaches ``original_max_position_embeddings``), the ClattnCache is reset and handed back,
-so that the recompute runs on clattn too. docs/transformers.md has the details: what is
-refused, padding, copies, timings.
+Every step attends through :class:`clattn.PagedKVCache`, which chooses its kernels:
+decode steps on the decode kernel, prompts on the prefill kernel (the tokens past the
+point where a sliding window begins to slide inside the prompt on the decode kernel). A
+forward without a ClattnCache (``use_cache=False``, another cache class) runs the model's
+eager attention in torch, with one warning. Where a model's generate code drops the cache
+to recompute every position (Phi-3's longrope models when the sequence reaches
+``original_max_position_embeddings``), the ClattnCache is reset and handed back, so that
+the recompute runs on clattn too. docs/transformers.md has the details: what is refused,
+padding, copies, timings.
 """
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ from transformers.masking_utils import AttentionMaskInterface, eager_mask
 from clattn import CacheFullError, runtime
 
 from .hf_cache import (DEFAULTS, NAME, PENDING, ClattnCache, GroupForward,
-                       UnsupportedFeatureError, check_config, prefill_tables)
+                       UnsupportedFeatureError, check_config)
 
 __all__ = ["ClattnCache", "ClattnMask", "UnsupportedFeatureError", "attention",
            "check_model", "mask", "register"]
@@ -54,8 +55,8 @@ def register(device: Any = None, *, prefill: bool = True, page_size: int = 16,
         Where the caches made from now on live: ``"pocl"``, ``"intel"``, a device name,
         a pyopencl object; None: ``PYOPENCL_CTX``, else clattn's default device.
     prefill : bool
-        Prompt steps on :class:`clattn.BatchPrefill` (True) or on the cache's causal
-        chunk attend (the decode kernel, one row per prompt token).
+        Prompt steps on the prefill kernel (True: the cache chooses it for prompt
+        chunks) or every token on the cache's decode kernel, one row per prompt token.
     page_size : int
         Tokens per page of the caches made for ``generate``.
     backend, profile
@@ -377,17 +378,8 @@ def _begin(g: Any, rows: list, attention_mask: Any, B: int, L: int, layer: Any) 
                              f"(tokens per sequence), num_pages= or budget_bytes=", exc.needed,
                              exc.free) from None
     step.begun = True
-    if max(lengths) > 1 and g.prefill is not None:
-        tables = prefill_tables(cache, g.on_device, g.queue if g.on_device else None)
-        if tables is not None:
-            host, step.prefill_args = tables
-            step.mode = "prefill"
-            step.plan = g.prefill.plan(host["qo_indptr"], host["page_indptr"],
-                                       host["last_page_len"],
-                                       window_offset=host.get("window_offset"),
-                                       sink_size=host.get("sink_size"))
-    if max(lengths) > 1 and step.mode != "prefill":
-        step.mode = "chunk"
+    if max(lengths) > 1:
+        step.mode = "prefill" if cache.step_kernels == ("prefill",) else "chunk"
     g.owner.steps[step.mode] += 1
     return step
 
@@ -418,25 +410,15 @@ def _run_layer(g: Any, step: Any, local: int, query: torch.Tensor, key: torch.Te
         dq, dout, dlse = g.buffers_for(step.T)
         up = cl.enqueue_copy(g.queue, dq.base_data, q, dst_offset=dq.offset, is_blocking=False)
         dq.events[:] = [up]
-        res = _attend(g, step, local, dq, dout, dlse)
+        res = cache.attend(local, dq, out=dout, lse=dlse)
         cl.enqueue_copy(g.queue, dest, dout.base_data, src_offset=dout.offset,
                         wait_for=[res.event] if res.event is not None else None,
                         is_blocking=True)
     else:
-        _attend(g, step, local, q, dest, np.empty((step.T, H), np.float32))
+        cache.attend(local, q, out=dest, lse=np.empty((step.T, H), np.float32))
     if step.sel is not None:
         flat[step.sel] = torch.from_numpy(dest)
     return out.to(query.device)
-
-
-def _attend(g: Any, step: Any, local: int, q: Any, out: Any, lse: Any) -> Any:
-    if step.mode == "prefill":
-        a = step.prefill_args
-        return g.prefill.run(q, g.cache.pools[local], a["qo_indptr"], a["page_indptr"],
-                             a["page_indices"], a["last_page_len"],
-                             window_offset=a.get("window_offset"), sink_size=a.get("sink_size"),
-                             sm_scale=g.shape.scaling, out=out, lse=lse, plan=step.plan)
-    return g.cache.attend(local, q, out=out, lse=lse)
 
 
 # ------------------------------------------------------------------------------ fallback
