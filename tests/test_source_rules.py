@@ -18,8 +18,6 @@ FOREIGN = {
     "_can_set_attn_implementation": "transformers' test of a model class that attends "
                                     "through its AttentionInterface",
     "_is_user_defined": "transformers' mark of a cache the caller passed to generate()",
-    "_can_set_attn_implementation": "transformers' own test of whether a model class "
-                                    "attends through AttentionInterface",
     "_set_arg_buf": "pyopencl's byte setter of a kernel argument (50x its public twin)",
 }
 
