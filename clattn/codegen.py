@@ -13,7 +13,25 @@ from .quant import row_bytes
 from .rope import parse_rope_scaling
 from .spec import AttentionSpec
 
-KERNELS_DIR = Path(__file__).resolve().parent / "kernels"  # the templates, inside the package
+#: a template every kernel folder holds (tells the folder from an unrelated "kernels")
+_MARKER = "decode_rows.cl.mako"
+
+
+def kernels_dir() -> Path:
+    """The folder of the kernel templates: inside the installed package (``clattn/kernels``,
+    where a wheel puts the repository's top-level ``kernels/``: pyproject's package-dir),
+    else the repository's ``kernels/`` beside the package (a source checkout, an editable
+    install)."""
+    package = Path(__file__).resolve().parent
+    for folder in (package / "kernels", package.parent / "kernels"):
+        if (folder / _MARKER).is_file():
+            return folder
+    raise FileNotFoundError(f"clattn's kernel templates are missing: neither "
+                            f"{package / 'kernels'} nor {package.parent / 'kernels'} holds "
+                            f"{_MARKER}; reinstall clattn")
+
+
+KERNELS_DIR = kernels_dir()  # the templates' folder, found once at import
 
 
 @lru_cache(maxsize=1)

@@ -1,6 +1,6 @@
 """OpenCL C expressions the kernel templates splice in, built in Python.
 
-The templates (``clattn/kernels/*.mako``) read as OpenCL C with loops and substitutions;
+The templates (``kernels/*.mako``) read as OpenCL C with loops and substitutions;
 every piece of C text that takes a decision to build (a reduction tree, a page-format
 load, the RoPE pairing) comes from a function here, so that it can be tested alone.
 Arguments named ``v``, ``ptr``, ``name``, ``lane`` or ``e`` are C expressions, spliced

@@ -41,9 +41,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-DECODE = "clattn/kernels/decode*.mako"          # the decode templates (rows, tiled, shared)
-COMMON = "clattn/kernels/common.clh.mako"
-MERGE = "clattn/kernels/merge.cl.mako"
+DECODE = "kernels/decode*.mako"          # the decode templates (rows, tiled, shared)
+COMMON = "kernels/common.clh.mako"
+MERGE = "kernels/merge.cl.mako"
 EXPRS = "clattn/kernel_exprs.py"                # the C expressions the templates splice in
 IGNORE = (".git", ".venv", "__pycache__", ".pytest_cache", ".hypothesis", "*.egg-info",
           "build", "dist", ".mypy_cache", ".ruff_cache")
@@ -279,23 +279,23 @@ MUTANTS = [
         ("np.trunc(p + np.float32(8.5))", "np.trunc(p.astype(np.float64) + 8.5)")],
         ["tests/test_ggml_blocks.py", "-k", "bit_for_bit and q4_0"],
         "the q4_0 quantizer truncates x * id + 8.5 exactly, not its f32 sum (ggml)"),
-    Mutant("append-q8-half-even", "clattn/kernels/append_bytes.clh.mako", [
+    Mutant("append-q8-half-even", "kernels/append_bytes.clh.mako", [
         ("return q4 ? min(15, (int)(p + 8.5f)) : (int)round(p);",
          "return q4 ? min(15, (int)(p + 8.5f)) : (int)rint(p);")],
         ["tests/test_cache_quant.py", "-k", "bit_for_bit and pocl"],
         "the append kernel rounds q8_0's x * id half to even instead of away from zero",
         "kernel"),
-    Mutant("append-q4-sum-fused", "clattn/kernels/append_bytes.clh.mako", [
+    Mutant("append-q4-sum-fused", "kernels/append_bytes.clh.mako", [
         ("return q4 ? min(15, (int)(p + 8.5f)) : (int)round(p);",
          "return q4 ? min(15, (int)fma(x, id, 8.5f)) : (int)round(p);")],
         ["tests/test_cache_quant.py", "-k", "bit_for_bit and pocl"],
         "the append kernel fuses q4_0's x * id + 8.5 into one rounding", "kernel"),
-    Mutant("append-tiny-scale-codes-kept", "clattn/kernels/append_bytes.clh.mako", [
+    Mutant("append-tiny-scale-codes-kept", "kernels/append_bytes.clh.mako", [
         ("return fabs(d) >= 0x1p-125f ? copysign(clattn_div(1.0f, fabs(d)), d) : 0.0f;",
          "return d != 0.0f ? copysign(clattn_div(1.0f, fabs(d)), d) : 0.0f;")],
         ["tests/test_cache_quant.py", "-k", "bit_for_bit and pocl"],
         "the append kernel computes codes from a scale below TINY_SCALE", "kernel"),
-    Mutant("append-check-ignored", "clattn/kernels/append_bytes.clh.mako", [
+    Mutant("append-check-ignored", "kernels/append_bytes.clh.mako", [
         ("    if (flags[0] == epoch)\n        return;", "")],
         ["tests/test_cache_quant.py", "-k", "device_arrays"],
         "the append writes a block the check pass refused"),
@@ -350,7 +350,7 @@ MUTANTS = [
          "const int dead = 0;")],
         ["tests/test_nonfinite.py", "-k", "all_scores_minus_inf"],
         "split-KV: a sequence whose rows all score -inf reads as empty", "kernel", count=2),
-    Mutant("append-q4-zero-scale-sign-of-first", "clattn/kernels/append_bytes.clh.mako", [
+    Mutant("append-q4-zero-scale-sign-of-first", "kernels/append_bytes.clh.mako", [
         ("    float m = 0.0f, am = 0.0f;", "    float m = x[0], am = fabs(x[0]);")],
         ["tests/test_cache_quant.py", "-k", "bit_for_bit and pocl"],
         "a q4_0 block of zeros led by -0 gets scale +0 (ggml's is -0 whatever the zeros)",
@@ -416,7 +416,7 @@ MUTANTS = [
          "if s.pos_offset + s.length > _POS_LIMIT:")],
         ["tests/test_cache.py", "-k", k("past_int32", "cpu or intel")],
         "begin checks the step's first new position only: the last ones wrap past int32"),
-    Mutant("prefill-longrope-by-first-query", "clattn/kernels/prefill_common.clh.mako", [
+    Mutant("prefill-longrope-by-first-query", "kernels/prefill_common.clh.mako", [
         ("(rotary_mode && (long)qpos_b + n_q - 1 >= long_from)",
          "(rotary_mode && (long)qpos_b >= long_from)")],
         ["tests/test_prefill.py", "-k", k("longrope_switch", "intel")],
@@ -434,11 +434,11 @@ MUTANTS = [
         ("            if (last > INT32_MAX).any():", "            if False:")],
         ["tests/test_prefill.py", "-k", k("int32_limit", "cpu or intel")],
         "prefill: queries placed by q_pos past int32 run (their positions wrap)"),
-    Mutant("append-check-f16-limit-65504", "clattn/kernels/append_bytes.clh.mako", [
+    Mutant("append-check-f16-limit-65504", "kernels/append_bytes.clh.mako", [
         ("fabs(clattn_scale32(m, q4)) >= 65520.0f", "fabs(clattn_scale32(m, q4)) > 65504.0f")],
         ["tests/test_cache_quant.py", "-k", k("top_of_float16", "intel")],
         "the device check refuses blocks whose scale f16 stores as 65504", "kernel"),
-    Mutant("append-check-accepts-65520", "clattn/kernels/append_bytes.clh.mako", [
+    Mutant("append-check-accepts-65520", "kernels/append_bytes.clh.mako", [
         ("fabs(clattn_scale32(m, q4)) >= 65520.0f", "fabs(clattn_scale32(m, q4)) > 65520.0f")],
         ["tests/test_cache_quant.py", "-k", k("top_of_float16", "intel")],
         "the device check lets a scale of 65520 through: f16 stores it as inf", "kernel"),
