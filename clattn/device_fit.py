@@ -16,8 +16,6 @@ from .profiles.device_info import fp16_support, subgroup_support
 from .profiles.record import Profile
 from .spec import AttentionSpec
 
-#: below this much local memory not even a small K/V tile fits beside the reduction scratch
-MIN_LOCAL_KV_BYTES = 16 * 1024
 #: the decode shape the commands report the fit for, where no spec is given (Llama-3-8B's
 #: attention: 32 query heads, 8 KV heads, head_dim 128, float16 pages of 16 tokens)
 REPORT_SPEC = AttentionSpec(32, 8, 128, page_size=16, dtype="float16")
@@ -125,11 +123,5 @@ def _trim(profile: Profile, info: Mapping[str, Any]) -> tuple[Profile, list[str]
     if profile.native_fp16 and fp16_support(info) is False:
         # a preference ("use half loads where the device has them"), not a limit: no note
         changes["native_fp16"] = False
-    local = info.get("local_mem_size_bytes")
-    if profile.use_local_kv and (info.get("local_mem_type") == "none" or (
-            isinstance(local, int) and local < MIN_LOCAL_KV_BYTES)):
-        changes["use_local_kv"] = False
-        notes.append(f"use_local_kv on -> off: local memory {local} bytes "
-                     f"(< {MIN_LOCAL_KV_BYTES})")
     fitted = profile.with_(**changes) if changes else profile
     return fitted, notes

@@ -318,7 +318,6 @@ def decode_geometry(spec: AttentionSpec, profile: Profile, limits: Limits) -> De
     gdz = math.ceil(G / TILED_MAX_HEADS)
     heads = tiled_heads(G, gdz)
     bdz = max(1, min(limit // bdx, limits.max_work_item_sizes[2]))
-    # use_local_kv is not a decode knob: K/V rows stay in registers (see record.Profile)
     cap = max(1, TILED_MAX_SCORES // heads)
     tile = max(1, profile.tile_rows)
     why = []
@@ -552,9 +551,6 @@ def prefill_geometry(spec: AttentionSpec, profile: Profile, limits: Limits) -> P
     if profile.reduction == "subgroup":
         notes.append("reduction subgroup -> local: the prefill kernel reduces through local "
                      "memory")
-    if not profile.use_local_kv:
-        notes.append("use_local_kv off -> on: the prefill kernel tiles queries and keys "
-                     "through local memory")
     cuts = _Cuts(profile)
     limit = max(1, min(profile.thread_limit, limits.max_work_group_size))
     cap_x = min(limit, limits.max_work_item_sizes[0])

@@ -12,8 +12,7 @@ from cases import compare, decode_args, make_case
 from naive import naive_decode
 
 PROFILES = {"rows": "generic-cpu",
-            "tiled": {"strategy": "tiled", "thread_limit": 32, "use_local_kv": True},
-            "tiled-global": {"strategy": "tiled", "thread_limit": 32, "use_local_kv": False}}
+            "tiled": {"strategy": "tiled", "thread_limit": 32}}
 
 
 def main(strategy: str, kf: str, vf: str) -> None:

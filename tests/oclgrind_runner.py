@@ -195,7 +195,7 @@ def adversarial_variant(profile, dtype="float32", rope=True):
 SMALL_WIN = dict(num_qo_heads=4, num_kv_heads=2, head_dim=16, page_size=4, sliding_window=True,
                  rope_scaling=LLAMA3, max_position_embeddings=131072)
 #: the generic GPU profile with 32 threads per work-group (the simulator is slow)
-SMALL_TILED = {"strategy": "tiled", "thread_limit": 32, "use_local_kv": True}
+SMALL_TILED = {"strategy": "tiled", "thread_limit": 32}
 VARIANTS = {
     # CPU-style: one work-item per (sequence, KV head, partition)
     "rows-f32-split": lambda: decode_variant(
@@ -210,8 +210,8 @@ VARIANTS = {
         {"strategy": "rows", "vec": 1}, dict(num_qo_heads=2, num_kv_heads=1, head_dim=16,
                                              page_size=4, dtype="float16"),
         [6, 11], splits=(False, 4)),
-    # GPU-style work-groups: local-memory reduction (use_local_kv is cut by the fit: the
-    # tiled kernel keeps K/V in registers for all the heads of a work-item)
+    # GPU-style work-groups: local-memory reduction (the tiled kernel keeps K/V in
+    # registers for all the heads of a work-item)
     "tiled-local-f16-window-rope-split": lambda: decode_variant(
         "generic", dict(SMALL_WIN, dtype="float16"), [23, 0, 9], window=[5, 0, 8],
         sinks=[2, 0, 1], rope=True, splits=(False, 4)),
@@ -229,7 +229,7 @@ VARIANTS = {
                           dtype="float16", sliding_window=True), [14, 3],
         window=[4, 0], sinks=[1, 0], splits=(False, 4)),
     "tiled-vec1-f32-window": lambda: decode_variant(
-        {"strategy": "tiled", "vec": 1, "thread_limit": 64, "use_local_kv": True},
+        {"strategy": "tiled", "vec": 1, "thread_limit": 64},
         dict(SMALL_WIN, dtype="float32"), [10, 3], window=[3, 0], sinks=[1, 0],
         rope=True, splits=(False, 4)),
     # one decoder, split plans needing more workspace than its first (not in NO_ROPE:
@@ -247,8 +247,7 @@ VARIANTS = {
     # garbage device tables: clamped, never out of bounds
     "adversarial-rows": lambda: adversarial_variant("generic-cpu"),
     "adversarial-tiled-local": lambda: adversarial_variant(SMALL_TILED, "float16"),
-    "adversarial-tiled-global": lambda: adversarial_variant(
-        dict(SMALL_TILED, use_local_kv=False)),
+    "adversarial-tiled-f32": lambda: adversarial_variant(SMALL_TILED),
     # the same without RoPE, so that Oclgrind's uninitialised-value checker can run on them
     "adversarial-rows-norope": lambda: adversarial_variant("generic-cpu", rope=False),
     "adversarial-tiled-local-norope": lambda: adversarial_variant(SMALL_TILED, rope=False),

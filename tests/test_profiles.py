@@ -118,7 +118,7 @@ def test_builtin_entries_are_documented_data():
     for name, prof in builtin_profiles().items():
         assert prof.name == name
         if name in CPU_PROFILES:
-            assert prof.strategy == "rows" and prof.vec in (8, 16) and not prof.use_local_kv
+            assert prof.strategy == "rows" and prof.vec in (8, 16)
         else:
             assert prof.strategy == "tiled"
 
@@ -130,7 +130,6 @@ def test_inheritance_keeps_one_fact_in_one_place():
     assert profs["adreno-7xx"].thread_limit == profs["adreno"].thread_limit == 256
     assert profs["adreno-7xx"].tile_rows == profs["adreno"].tile_rows == 4   # from "adreno"
     assert profs["adreno-8xx"].subgroup_size == 64
-    assert profs["mali-valhall"].use_local_kv is False          # from "mali"
     assert profs["nvidia"].thread_limit == 512 and profs["nvidia"].tile_rows == 2
     assert profs["pocl-cpu"].min_partition_rows == profs["generic-cpu"].min_partition_rows
     assert get_profile("adreno-7xx") == profs["adreno-7xx"]
@@ -186,7 +185,7 @@ def test_every_profile_fits_every_real_device_after_fit(rid):
         if fitted.reduction == "subgroup" and info["sub_group_sizes"]:
             assert fitted.subgroup_size in info["sub_group_sizes"]
         # native_fp16 is a preference (half loads where the device has them): dropped silently
-        changed = [k for k in ("thread_limit", "merge_threads", "reduction", "use_local_kv")
+        changed = [k for k in ("thread_limit", "merge_threads", "reduction")
                    if getattr(fitted, k) != getattr(prof, k)]
         assert all(any(k in w for w in warnings) for k in changed)
         assert bool(warnings) == bool(changed)
@@ -202,13 +201,12 @@ def test_fit_reductions_each_warn():
     fitted, warnings = trim(prof, info)
     assert (fitted.thread_limit, fitted.merge_threads) == (64, 64)
     assert (fitted.reduction, fitted.subgroup_size) == ("local", None)
-    assert not fitted.native_fp16 and not fitted.use_local_kv
+    assert not fitted.native_fp16
     text = "\n".join(warnings)
     for key in ("thread_limit 256 -> 64 (device max_work_item_sizes[0] 64)",
-                "merge_threads 256 -> 64", "reduction subgroup -> local",
-                "use_local_kv"):
+                "merge_threads 256 -> 64", "reduction subgroup -> local"):
         assert key in text
-    assert len(warnings) == 4
+    assert len(warnings) == 3
 
 
 def test_fit_rounds_to_powers_of_two_and_checks_subgroup_sizes():
@@ -311,7 +309,7 @@ def test_clattn_profile_forces_by_name_and_path(monkeypatch, tmp_path):
      ["bad.json", "'vendor'", "device_vendor"]),
     ({"name": "p", "match": {"architecture": {"family": "mali", "model": "G52"}}},
      ["bad.json", "architecture"]),
-    ({"name": "p", "params": {"use_local_kv": "yes"}}, ["bad.json", "use_local_kv", "bool"]),
+    ({"name": "p", "params": {"native_fp16": "yes"}}, ["bad.json", "native_fp16", "bool"]),
     ({"name": "p", "params": {"prefill_qb": "8"}}, ["bad.json", "'prefill_qb'", "int or null"]),
     ({"name": "p", "params": {"prefill_kb": 0}},
      ["bad.json", "profile 'p'", "prefill_kb=0", "positive integer or null"]),
@@ -408,3 +406,23 @@ def test_device_info_survives_missing_queries():
     info = device_info(Broken())
     assert tuple(info) == FIELDS and all(v is None for v in info.values())
     assert match(info, user=False).profile.name == "generic"
+
+
+def test_a_retired_key_is_dropped_with_a_note(tmp_path, monkeypatch):
+    """A user profile still naming ``use_local_kv`` (no longer a setting: the kernels decide
+    where K/V rows go) loads, with one warning naming the key and the file; so does a dict
+    override."""
+    import json as _json
+
+    import clattn
+    from clattn.profiles import user_profiles
+
+    (tmp_path / "old.json").write_text(_json.dumps(
+        {"name": "old", "base": "adreno-7xx", "params": {"use_local_kv": False, "vec": 2}}))
+    monkeypatch.setenv("CLATTN_CONFIG_DIR", str(tmp_path))
+    with pytest.warns(RuntimeWarning, match=r"old\.json.*'use_local_kv' is no longer"):
+        profs = user_profiles()
+    assert profs["old"].vec == 2 and not hasattr(profs["old"], "use_local_kv")
+    with pytest.warns(RuntimeWarning, match=r"override.*'use_local_kv' is no longer"):
+        prof = clattn.Profile.from_dict({"use_local_kv": True, "vec": 2}, where="override")
+    assert prof.vec == 2

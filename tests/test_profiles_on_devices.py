@@ -24,7 +24,7 @@ PROFILES = list(builtin_profiles())
 
 # a profile forced onto a device it does not fit warns its cuts when fitted (by design)
 pytestmark = pytest.mark.filterwarnings(
-    "ignore:clattn. (thread_limit|merge_threads|reduction|use_local_kv) :RuntimeWarning")
+    "ignore:clattn. (thread_limit|merge_threads|reduction) :RuntimeWarning")
 
 SCENARIOS = {
     # group 4, f16, sliding window + Llama-3 RoPE: the subgroup-capable shape (bdx 16 at vec 4)
@@ -173,9 +173,9 @@ def test_user_profile_dict_overrides_vec(device, get_decoder):
 
 
 def test_user_profile_object(device, get_decoder):
-    """A Profile object (tiled, no local K/V, 2 rows per step, 64 threads) builds and runs."""
+    """A Profile object (tiled, 2 rows per step, 64 threads) builds and runs."""
     prof = clattn.Profile(name="test-custom", strategy="tiled", thread_limit=64, tile_rows=2,
-                          vec=2, use_local_kv=False, merge_threads=32)
+                          vec=2, merge_threads=32)
     spec = SPECS["g1-d96-f32-gptj-cap"]
     dec = get_decoder(spec, device, profile=prof)
     g = dec.geometry

@@ -203,7 +203,7 @@ def test_quantized_llama_shape_group_8_f32(where, prof):
 @pytest.mark.oclgrind
 @pytest.mark.parametrize("strategy,kf,vf", [("rows", "q8_0", "q4_0"), ("rows", "q4_0", "float16"),
                                             ("tiled", "q4_0", "q8_0"),
-                                            ("tiled-global", "q8_0", "float16")])
+                                            ("tiled", "q8_0", "float16")])
 def test_quantized_decode_clean_under_oclgrind(strategy, kf, vf):
     import subprocess
     import sys

@@ -1,6 +1,8 @@
 """The device profile: every choice the kernels take, as one typed record."""
 from __future__ import annotations
 
+import warnings
+
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any, Mapping
 
@@ -8,6 +10,25 @@ STRATEGIES = ("rows", "tiled")
 REDUCTIONS = ("local", "subgroup")
 #: the fields that may be null (None): "the kernel's own choice" / "none required"
 NULLABLE = ("subgroup_size", "prefill_qb", "prefill_kb", "prefill_tc", "prefill_rm")
+
+
+#: keys profiles may still name that are no longer settings, and why
+RETIRED = {
+    "use_local_kv": "the kernels decide where K/V rows go: the tiled prefill always stages "
+                    "them in local memory, the decode kernels keep each row in registers",
+}
+
+
+def drop_retired(params: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """``params`` without the :data:`RETIRED` keys, each dropped with a warning that names
+    it, ``where`` it was and why it no longer counts."""
+    out = dict(params)
+    for key, why in RETIRED.items():
+        if key in out:
+            del out[key]
+            warnings.warn(f"clattn: {where}: {key!r} is no longer a profile setting ({why}); "
+                          f"ignored, remove it", RuntimeWarning, stacklevel=3)
+    return out
 
 
 @dataclass(frozen=True)
@@ -29,11 +50,6 @@ class Profile:
         their K and V rows fit in ``clattn.fit.ROWS_BLOCK_BYTES``).
     vec
         Elements each work-item loads at once along head_dim (1, 2, 4, 8 or 16).
-    use_local_kv
-        Stage K/V tiles in local memory. The tiled prefill always does (noted when off);
-        the tiled decode does not apply the wish (each work-item keeps a K/V row in
-        registers for all its query heads, so the row is loaded once per work-group).
-        Profile files may name it; the tuner does not search it.
     reduction / subgroup_size
         How a tiled work-group sums partial dot products: ``"local"`` memory, or
         ``"subgroup"`` reductions with the given required sub-group size (falls back
@@ -65,7 +81,6 @@ class Profile:
     thread_limit: int = 256
     tile_rows: int = 1
     vec: int = 4
-    use_local_kv: bool = True
     reduction: str = "local"
     subgroup_size: int | None = None
     native_fp16: bool = False
@@ -107,7 +122,9 @@ class Profile:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], *, base: "Profile | None" = None,
                   where: str = "profile") -> "Profile":
-        """Layer ``data`` over ``base`` (or the defaults); unknown keys raise."""
+        """Layer ``data`` over ``base`` (or the defaults); unknown keys raise, retired
+        ones (:data:`RETIRED`) are dropped with one warning each."""
+        data = drop_retired(data, where)
         allowed = cls.keys()
         unknown = [k for k in data if k not in allowed]
         if unknown:

@@ -31,7 +31,7 @@ from typing import Any, Iterable, Mapping
 
 from ..fileio import write_atomic
 from .device_info import architecture, device_type
-from .record import NULLABLE, Profile
+from .record import NULLABLE, Profile, drop_retired
 
 BUILTIN_PATH = Path(__file__).with_name("builtin.json")
 LEVELS = ("device", "architecture", "vendor", "type", "default")
@@ -69,6 +69,7 @@ class _Entry:
 def _check_params(params: Any, where: str) -> dict[str, Any]:
     if not isinstance(params, Mapping):
         raise ValueError(f"{where}: 'params' must be an object of Profile fields")
+    params = drop_retired(params, where)
     allowed = Profile.keys()
     unknown = [k for k in params if k not in allowed]
     if unknown:
@@ -413,7 +414,7 @@ def profiles_table(user: bool = True) -> str:
     """Every profile, user profiles first, with its match level and parameters."""
     r = _Resolver(_user_entries() if user else [])
     cols = ("name", "base", "level", "family", "strategy", "threads", "rows", "vec",
-            "local_kv", "reduction", "fp16", "prefill", "source")
+            "reduction", "fp16", "prefill", "source")
     rows = []
     for name in r.names():
         e, p = r.entry(name), r.profile(name)
@@ -422,7 +423,7 @@ def profiles_table(user: bool = True) -> str:
                           name if e.user and name in r.builtin else "generic")
         rows.append((("*" if e.user else "") + name, base, _levels_text(e), _clip(e.label, 26),
                      p.strategy, str(p.thread_limit), str(p.tile_rows), str(p.vec),
-                     "yes" if p.use_local_kv else "no", red, "yes" if p.native_fp16 else "no",
+                     red, "yes" if p.native_fp16 else "no",
                      prefill_text(p), _clip(p.source, 48)))
     widths = [max(len(c), *(len(row[i]) for row in rows)) for i, c in enumerate(cols)]
     lines = ["  ".join(c.ljust(w) for c, w in zip(cols, widths)).rstrip()]
