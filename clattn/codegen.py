@@ -49,6 +49,17 @@ def _rope_pairs(spec: AttentionSpec) -> RopePairs:
     return RopePairs(spec.rotary_dim, scaling.interleaved)
 
 
+def _attention_params(spec: AttentionSpec, geom: DecodeGeometry | PrefillGeometry) -> dict:
+    """Template parameters every attention kernel (decode, prefill) takes from the spec
+    and the geometry's number handling; the page storage's are :func:`_pool_params`."""
+    return dict(
+        D=spec.head_dim, HQO=spec.num_qo_heads, HKV=spec.num_kv_heads, G=spec.group_size,
+        PS=spec.page_size, ROT=spec.rotary_dim, ROPE=_rope_pairs(spec),
+        SLIDING=spec.sliding_window, SOFTCAP=spec.softcap, DTYPE=_cl_dtype(spec.dtype),
+        DENORMS=geom.denorms, STORAGE_HALF=geom.storage_half, NATIVE_HALF=geom.native_fp16,
+        **_pool_params(spec))
+
+
 def render_decode(spec: AttentionSpec, geom: DecodeGeometry) -> str:
     """OpenCL C source of the decode kernel for ``spec`` with geometry ``geom``.
 
@@ -57,15 +68,11 @@ def render_decode(spec: AttentionSpec, geom: DecodeGeometry) -> str:
     """
     table = signatures.DECODE
     return _lookup().get_template(f"decode_{geom.strategy}.cl.mako").render(
-        D=spec.head_dim, HQO=spec.num_qo_heads, HKV=spec.num_kv_heads, G=spec.group_size,
-        PS=spec.page_size, ROT=spec.rotary_dim, ROPE=_rope_pairs(spec),
-        SLIDING=spec.sliding_window, SOFTCAP=spec.softcap, DTYPE=_cl_dtype(spec.dtype),
-        DENORMS=geom.denorms, STORAGE_HALF=geom.storage_half, NATIVE_HALF=geom.native_fp16,
-        PRAGMAS=geom.pragmas, VEC=geom.vec, TILE=geom.tile, PREFETCH=geom.prefetch,
-        VEC_ROPE=geom.vec_rope, V_CHUNKS=geom.v_chunks,
+        **_attention_params(spec, geom), PRAGMAS=geom.pragmas, VEC=geom.vec, TILE=geom.tile,
+        PREFETCH=geom.prefetch, VEC_ROPE=geom.vec_rope, V_CHUNKS=geom.v_chunks,
         BDX=geom.bdx, BDY=geom.bdy, BDZ=geom.bdz, GDZ=geom.gdz, USE_LOCAL=geom.use_local,
         REDUCE=geom.reduction, SGS=geom.subgroup_size, SG_ATTR=geom.subgroup_attr,
-        SIGNATURE=table.signature(), FIXUP=table.fixup(), **_pool_params(spec))
+        SIGNATURE=table.signature(), FIXUP=table.fixup())
 
 
 def _pool_params(spec: AttentionSpec) -> dict:
@@ -110,12 +117,8 @@ def render_prefill(spec: AttentionSpec, geom: PrefillGeometry) -> str:
     table :data:`clattn.signatures.PREFILL`)."""
     table = signatures.PREFILL
     return _lookup().get_template(f"prefill_{geom.strategy}.cl.mako").render(
-        D=spec.head_dim, HQO=spec.num_qo_heads, HKV=spec.num_kv_heads, G=spec.group_size,
-        PS=spec.page_size, ROT=spec.rotary_dim, ROPE=_rope_pairs(spec),
-        SLIDING=spec.sliding_window, SOFTCAP=spec.softcap, DTYPE=_cl_dtype(spec.dtype),
-        DENORMS=geom.denorms, STORAGE_HALF=geom.storage_half, NATIVE_HALF=geom.native_fp16,
-        PRAGMAS=(), VEC=geom.vec, QB=geom.qb, KB=geom.kb, RM=geom.rm, TC=geom.tc, TR=geom.tr,
-        SIGNATURE=table.signature(), FIXUP=table.fixup(), **_pool_params(spec))
+        **_attention_params(spec, geom), PRAGMAS=(), VEC=geom.vec, QB=geom.qb, KB=geom.kb,
+        RM=geom.rm, TC=geom.tc, TR=geom.tr, SIGNATURE=table.signature(), FIXUP=table.fixup())
 
 
 def render_half_probe(lanes: int, storage_half: bool = True, denorms: bool = False) -> str:
