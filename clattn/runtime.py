@@ -168,11 +168,11 @@ def check_usable(dev: Any) -> None:
     hint = (f"choose another device ({'; '.join(others)})" if others else
             "install another OpenCL driver (e.g. Debian's pocl-opencl-icd, or pip install "
             "'clattn[intel]'), or pass backend='cpu'")
+    cause = (" (its LLVM does not know this CPU)" if "unknown target cpu" in why.lower()
+             else "")
     raise DeviceUnusableError(
         f"the OpenCL device {dev.platform.name.strip()} / {dev.name.strip()} (driver "
-        f"{dev.driver_version}) cannot build a kernel: {why}. This is the driver's fault "
-        f"(PoCL says \"unknown target CPU 'generic'\" when its LLVM does not know this CPU); "
-        f"{hint}")
+        f"{dev.driver_version}) cannot build a kernel: {why}{cause}; {hint}")
 
 
 def _match_string(spec: str, devices: list) -> Any:
