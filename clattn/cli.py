@@ -34,7 +34,7 @@ def cmd_devices(args: argparse.Namespace) -> int:
     chosen = runtime.select_device()
     for i, d in enumerate(devs):
         mark = "  <- default" if chosen is not None and d.int_ptr == chosen.int_ptr else ""
-        problem = None if runtime.is_simulator(d) else runtime.device_problem(d)
+        problem = runtime.device_problem(d)
         if problem:
             mark = f"  (unusable: its compiler fails: {problem})"
         print(f"[{i}] {d.platform.name} / {d.name}{mark}")

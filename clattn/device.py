@@ -116,8 +116,7 @@ def open_backend(device: Any, backend: str, profile: Any) -> DeviceSetup | None:
             raise runtime.NoDeviceError("backend='opencl' but no OpenCL device is present")
         warn_cpu_fallback("no usable OpenCL device found")
         return None
-    if not runtime.is_simulator(dev):
-        runtime.check_usable(dev)
+    runtime.check_usable(dev)
     return device_setup(runtime.Runtime.for_argument(device, dev), profile)
 
 

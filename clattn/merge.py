@@ -62,8 +62,7 @@ def _setup_for(arrays: dict, device: Any, profile: Any):
     if dev is None:
         warn_cpu_fallback("no usable OpenCL device found")
         return None, None
-    if not runtime.is_simulator(dev):
-        runtime.check_usable(dev)
+    runtime.check_usable(dev)
     rt = runtime.Runtime.for_device(dev)
     return _cached_setup(rt, profile), rt.queue
 

@@ -129,7 +129,10 @@ _HEALTH_SOURCE = "__kernel void clattn_health(__global int* x) { x[get_global_id
 
 def device_problem(dev: Any) -> str | None:
     """None when ``dev`` builds and runs a one-line kernel, else the driver's reason
-    (its build log's first error line). Checked once per device and process."""
+    (its build log's first error line). Checked once per device and process; the
+    simulator (Oclgrind) is taken as usable unchecked."""
+    if is_simulator(dev):
+        return None
     key = dev.int_ptr
     if key in _PROBLEMS:
         return _PROBLEMS[key]
@@ -191,7 +194,7 @@ def _match_string(spec: str, devices: list) -> Any:
     low = aliases.get(low, low)
     hits = [d for d in devices if low in d.platform.name.lower() or low in d.name.lower()]
     if hits:  # a usable one first: one of two PoCL builds may not know the host CPU
-        return next((d for d in hits if is_simulator(d) or device_problem(d) is None), hits[0])
+        return next((d for d in hits if device_problem(d) is None), hits[0])
     names = [f"{d.platform.name} / {d.name}" for d in devices] or ["(none)"]
     raise NoDeviceError(f"device={spec!r} matches no OpenCL device; present: {'; '.join(names)}. "
                         f"Use a platform or device name fragment, 'pocl', 'intel', 'oclgrind' "

@@ -26,7 +26,7 @@ import numpy as np
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--device", default="pocl", help="a device name as clattn.open takes it")
+    ap.add_argument("--device", default="pocl", help="a device as device= takes it (a name fragment, pocl, intel or P:D)")
     ap.add_argument("--prompt", type=int, default=512, help="prompt tokens")
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--reps", type=int, default=3, help="timed repetitions (after a warm-up)")

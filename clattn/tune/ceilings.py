@@ -264,19 +264,6 @@ def host_available_bytes() -> int:
         return 0
 
 
-def memory_room(device: Any) -> tuple[int, str]:
-    """Bytes of pools a measurement may hold on ``device`` at once, and what limits it:
-    half of ``global_mem_size``, and for a CPU device (whose buffers are host memory, and
-    whose reported global memory may follow the host's free memory from one process to
-    the next) half of the host memory available now. 0: nothing known."""
-    cl = runtime.cl()
-    limits = [(int(getattr(device, "global_mem_size", 0) or 0) // 2, "half of global_mem_size")]
-    if int(getattr(device, "type", 0) or 0) & cl.device_type.CPU:
-        limits.append((host_available_bytes() // 2, "half of the host's available memory"))
-    known = [(n, why) for n, why in limits if n > 0]
-    return min(known) if known else (0, "")
-
-
 def sizing(device: Any, *, factor: int = COLD_FACTOR, minimum: int = MIN_WORKING_SET,
            host_root: str = HOST_CACHE_DIR) -> Sizing:
     """A working set past every cache of ``device`` (and of the host when it is a CPU).
