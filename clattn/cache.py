@@ -66,7 +66,9 @@ class CacheStats:
     pages taken by the step in progress; ``bytes_per_token``: pool bytes one token takes
     over all layers; ``free_tokens``: the longest context the free pages still hold;
     ``prefill_launches``: attend calls that ran the prefill kernel since the cache was
-    made (one per layer of a step with prompt chunks).
+    made (one per layer of a step with prompt chunks); ``launches``: kernels the cache
+    enqueued since it was made (page copies, appends, decode, merge, prefill; 0 on the CPU
+    backend), so a step's launches per layer are its difference over ``num_layers``.
     """
 
     num_pages: int
@@ -80,6 +82,7 @@ class CacheStats:
     pool_bytes: int
     free_tokens: int
     prefill_launches: int = 0
+    launches: int = 0
 
     def __str__(self) -> str:
         return (f"{self.pages_used}/{self.num_pages} pages used ({self.pages_shared} shared, "
@@ -160,6 +163,7 @@ class PagedKVCache:
         self.sm_scale = sm_scale
         self.prefill = bool(prefill)
         self.prefill_launches = 0  # attend calls that ran the prefill kernel
+        self.launches = 0  # kernels enqueued (device backend)
         self._long_from: int | None = None  # first long-factor position of rope="attend"
         self.decoder = BatchDecode(spec, device, backend=backend, profile=profile)
         self.backend = self.decoder.backend
@@ -274,7 +278,8 @@ class PagedKVCache:
                 pages_reserved=self._step.tables.reserved if self._step else 0,
                 sequences=len(t.seqs), bytes_per_token=self.page_bytes * self.num_layers //
                 self.spec.page_size, pool_bytes=self.page_bytes * self.num_pages * self.num_layers,
-                free_tokens=free * self.spec.page_size, prefill_launches=self.prefill_launches)
+                free_tokens=free * self.spec.page_size, prefill_launches=self.prefill_launches,
+                launches=self.launches)
 
     # -- the step ------------------------------------------------------------------
     def begin(self, seq_ids: Sequence[Hashable], lengths: Sequence[int] | None = None) -> None:
@@ -352,7 +357,9 @@ class PagedKVCache:
 
         ``T`` is the sum of the step's lengths, tokens in ``begin``'s order. numpy or
         device arrays (the call returns at once; the event completes the write).
-        Returns the event (None on the CPU backend).
+        Returns the event (None on the CPU backend, and in a step of one token per
+        sequence over a float pool, whose write the layer's :meth:`attend` launch does:
+        docs/cache.md, "One launch per layer").
         """
         with self._lock:
             step = self._current("append")
@@ -381,6 +388,8 @@ class PagedKVCache:
             if missing:
                 raise StepError(f"end: layers {_short(missing)} were not appended this step; "
                                 f"append every layer (or cancel())")
+            if self.backend != "cpu":
+                self._device.flush()
             if step.checks:
                 self._device.refused(step.checks)
             self.table.commit(step.tables)
@@ -395,6 +404,8 @@ class PagedKVCache:
         """
         with self._lock:
             step = self._current("cancel")
+            if self.backend != "cpu":
+                self._device.flush()
             if step.tables.n_copies:
                 for layer in range(self.num_layers):
                     if not step.appended[layer]:
@@ -517,14 +528,14 @@ class _StepInProgress:
         dev = cache._device
         if dev.ready(q, self.q_shape) and out is not None and lse is not None and \
                 dev.ready(out, self.q_shape) and dev.ready(lse, self.q_shape[:2], LSE_DTYPE):
-            return dev.attend(cache.pools[layer], q, out, lse)
+            return dev.attend(cache.pools[layer], q, out, lse, layer=layer)
         self._check("q", q, self.q_shape)
         self._check_out(out, lse)
         call = Call(cache._rt)
         dq = call.input("q", q)
         dout = call.output("out", out, self.q_shape, cache.spec.np_dtype)
         dlse = call.output("lse", lse, self.q_shape[:2], LSE_DTYPE)
-        res = dev.attend(cache.pools[layer], dq, dout, dlse, call.wait_list())
+        res = dev.attend(cache.pools[layer], dq, dout, dlse, call.wait_list(), layer=layer)
         o, s = call.finish([dout, dlse], list(res.events), host=is_host(q))
         return AttentionResult(o, s, res.event, res.events)
 
@@ -627,6 +638,11 @@ class _DeviceKernels:
                     n_tokens=0, k_pos=None, rotary_mode=int(cache.rope == "append"),
                     rope_turns=turns, long_from=long_from, rope_att=att, flags=None, epoch=-1)
         self.append_k = opencl.append_kernel(signatures.APPEND).bind(**args)
+        # one-token steps of float pools: each layer's append deferred to its attend, one
+        # launch of the decode kernel with the append fused in (signatures.DECODE_APPEND)
+        self.fused = self._bind_fused(turns, long_from, att)
+        self.fuse = False  # the step in progress defers its appends
+        self.pending: tuple | None = None  # (layer, k, v, events) of the deferred append
         self.check_k = opencl.append_kernel(signatures.APPEND_CHECK).bind(**args) \
             if self.quantized else None
         self.copy_k = opencl.append_kernel(signatures.PAGE_COPY).bind(
@@ -641,6 +657,24 @@ class _DeviceKernels:
         self.plan_key: Any = None
         self.plan = self.plan_buf = None
 
+    def _bind_fused(self, turns: Any, long_from: int, att: float) -> Any:
+        """The decode kernel with the append fused in, bound (None where the profile's
+        ``fuse_append`` is off or :meth:`~clattn.opencl_backend.OpenCLBackend.fused_decode_kernel`
+        has none). Its RoPE table and scalars are the append's with ``rope="append"``
+        (the decode then rotates nothing), else the decode's."""
+        cache = self.cache
+        launcher = self.opencl.fused_decode_kernel() if \
+            self.opencl.setup.profile.fuse_append else None
+        if launcher is None:
+            return None
+        scalars = dict(self.scalars)
+        if cache.rope == "append":
+            scalars.update(rope_turns=turns, long_from=long_from, rope_att=att)
+        return launcher.bind(**dict.fromkeys(_TABLES + ("ws_o", "ws_s", "part_indptr", "k",
+                                                        "v", "slots", "k_pos")),
+                             num_pages=cache.num_pages, nnz=0, n_ws=0, split=0, part_rows=0,
+                             append_rope=int(cache.rope == "append"), **scalars)
+
     def upload_events(self) -> tuple:
         """The table uploads held in the ring."""
         return tuple(slot[3] for slot in self.ring if slot[3] is not None)
@@ -650,6 +684,8 @@ class _DeviceKernels:
         """Upload the step's tables (once) and set them on the kernel objects."""
         cl = runtime.cl()
         runs = self.runs = t.prefill
+        self.pending = None
+        self.fuse = self.fused is not None and runs is None and all(n == 1 for n in t.lengths)
         if runs is not None:  # the unit table travels in the step's one upload
             runs.units = make_prefill_plan(runs.n, runs.chunk, self._prefill_kernel(),
                                            runs.q_start).units
@@ -685,16 +721,20 @@ class _DeviceKernels:
                            n_states=plan.n_ws, N=t.T)
             self.merge_sizes = self.merge_geometry.sizes(t.T * H, D)
         attend_rope = self.cache.rope == "attend"
-        self.decode.set(page_indptr=tab[pre + "page_indptr"],
-                        page_indices=tab[pre + "page_indices"], nnz=len(d.page_indices),
-                        last_page_len=tab[pre + "last_page_len"],
-                        window_offset=tab.get(pre + "window_offset"),
-                        sink_size=tab.get(pre + "sink_size"),
-                        q_pos=tab["q_pos"] if attend_rope else None,
-                        k_pos_offset=tab["k_pos_offset"] if attend_rope else None,
-                        ws_o=ws_o, ws_s=ws_s, n_ws=plan.n_ws, split=int(plan.split),
-                        part_rows=plan.part_rows if plan.split else 0,
-                        part_indptr=self.plan_buf if plan.split else None)
+        kernels = (self.decode, self.fused) if self.fuse else (self.decode,)
+        for kernel in kernels:  # a fused step attends a layer whose append ran on the decode
+            kernel.set(page_indptr=tab[pre + "page_indptr"],
+                       page_indices=tab[pre + "page_indices"], nnz=len(d.page_indices),
+                       last_page_len=tab[pre + "last_page_len"],
+                       window_offset=tab.get(pre + "window_offset"),
+                       sink_size=tab.get(pre + "sink_size"),
+                       q_pos=tab["q_pos"] if attend_rope else None,
+                       k_pos_offset=tab["k_pos_offset"] if attend_rope else None,
+                       ws_o=ws_o, ws_s=ws_s, n_ws=plan.n_ws, split=int(plan.split),
+                       part_rows=plan.part_rows if plan.split else 0,
+                       part_indptr=self.plan_buf if plan.split else None)
+        if self.fuse:
+            self.fused.set(slots=tab["slots"], k_pos=tab["k_pos"])
         self.split = plan.split
         self.decode_sizes = (self.geometry.global_size(t.T, spec.num_kv_heads,
                                                        plan.num_parts if plan.split else 1),
@@ -798,6 +838,7 @@ class _DeviceKernels:
         if not self.in_order:
             waits = self.waits + pool.events + (waits or [])
         evt = self.copy_k.launch(self.queue, *self.copy_sizes, waits, pages=pool)
+        self.cache.launches += 1
         pool.events[:] = [evt]
         self._track(evt)
         return evt
@@ -813,8 +854,11 @@ class _DeviceKernels:
         if host:  # refused here, before anything is uploaded or written
             check_quantizable(k, spec.k_format, "k", scale=verified)
             check_quantizable(v, spec.v_format, "v")
+        self.flush()  # the staging buffers hold one layer's k, v at a time
         pool = self.cache.pools[layer]
         (dk, ek), (dv, ev) = self._device_input("k", k), self._device_input("v", v)
+        if self.fuse:
+            return self._defer(layer, pool, dk, dv, ek + ev)
         waits = ek + ev if self.in_order else self.waits + pool.events + ek + ev
         if self.n_copies:  # copy-on-write first: the appends may land in the copies
             waits = [self.copy(pool, ek + ev)]
@@ -826,15 +870,43 @@ class _DeviceKernels:
             if self.quantized and not verified:
                 waits = [self.check_k.launch(self.queue, *self.append_sizes, waits, k=dk, v=dv,
                                              pages=pool, **extra)]
+                self.cache.launches += 1
                 checks[layer] = self.epoch
         evt = self.append_k.launch(self.queue, *self.append_sizes, waits, k=dk, v=dv, pages=pool,
                                    **extra)
+        self.cache.launches += 1
+        self._written(pool, evt)
+        return evt
+
+    def _written(self, pool: Any, evt: Any) -> None:
+        """Bookkeeping of a launch ``evt`` that wrote the step's rows into ``pool``."""
         pool.events[:] = [evt]
         if not self.in_order:
             for st in self.stage.values():
                 st[2] = [evt]  # the staging buffers are free again once this append has run
         self._track(evt)
-        return evt
+
+    # -- the fused append ------------------------------------------------------------
+    def _defer(self, layer: int, pool: Any, dk: Any, dv: Any, events: list) -> None:
+        """Hold layer's append for its attend launch (the page copies run now: the write
+        may land in a copy). Returns None: there is no write event yet."""
+        if self.n_copies:
+            events = [self.copy(pool, events)]
+        self.pending = (layer, dk, dv, events)
+
+    def flush(self) -> None:
+        """Launch the deferred append on the append kernel (its layer was not attended
+        before the next append, end or cancel)."""
+        if self.pending is None:
+            return
+        layer, dk, dv, events = self.pending
+        self.pending = None
+        pool = self.cache.pools[layer]
+        waits = events if self.in_order else self.waits + pool.events + events
+        evt = self.append_k.launch(self.queue, *self.append_sizes, waits, k=dk, v=dv,
+                                   pages=pool)
+        self.cache.launches += 1
+        self._written(pool, evt)
 
     def refused(self, checks: dict) -> None:
         """Raise ValueError when the device check refused an append of ``checks``
@@ -850,14 +922,22 @@ class _DeviceKernels:
                 f"{spec.v_format} values cannot store; nothing was written for those layers. "
                 f"The step is still open: cancel() it (or append those layers again)")
 
-    def attend(self, pool: Any, q: Any, out: Any, lse: Any,
-               waits: list | None = None) -> AttentionResult:
-        """Launch the step's kernels for one layer: decode, prefill, or decode then
-        prefill (the prefill launch writes the rows the decode launch left empty)."""
+    def attend(self, pool: Any, q: Any, out: Any, lse: Any, waits: list | None = None, *,
+               layer: int = -1) -> AttentionResult:
+        """Launch the step's kernels for one layer: decode (with the layer's deferred
+        append fused in), prefill, or decode then prefill (the prefill launch writes the
+        rows the decode launch left empty)."""
         waits = waits if waits is not None else q.events + out.events + lse.events
+        fused = None
+        if self.pending is not None and self.pending[0] == layer:
+            fused, self.pending = self.pending, None
+            waits = waits + fused[3]
         if not self.in_order:
             waits = self.waits + pool.events + waits
-        if self.runs is None:
+        if fused is not None:
+            evts = self._decode(pool, q, out, lse, waits, dict(k=fused[1], v=fused[2]))
+            self._written(pool, evts[0])
+        elif self.runs is None:
             evts = self._decode(pool, q, out, lse, waits)
         else:
             evts = ()
@@ -867,6 +947,7 @@ class _DeviceKernels:
             evts += (self.prefill.launch(self.queue, *self.prefill_sizes, waits, q=q,
                                          pages=pool, out=out, lse=lse),)
             self.cache.prefill_launches += 1
+        self.cache.launches += len(evts)
         if not self.in_order:
             pool.events.append(evts[0])  # the next write of the pool waits for this read
             if len(evts) > 1:
@@ -876,17 +957,19 @@ class _DeviceKernels:
         self._track(evts[-1])
         return AttentionResult(out, lse, evts[-1], tuple(evts))
 
-    def _decode(self, pool: Any, q: Any, out: Any, lse: Any, waits: list) -> tuple:
-        """The decode kernel (and the merge of a split plan); returns the events."""
+    def _decode(self, pool: Any, q: Any, out: Any, lse: Any, waits: list,
+                append: dict | None = None) -> tuple:
+        """The decode kernel (and the merge of a split plan); returns the events.
+        ``append``: the deferred append's ``k`` and ``v``, written by the fused kernel."""
+        kernel = self.decode if append is None else self.fused
+        args = dict(q=q, pages=pool, out=out, lse=lse, **(append or {}))
         if self.split:
             evts = self.opencl.decode_then_merge(
-                self.queue, waits, (self.decode.launch, *self.decode_sizes,
-                                    dict(q=q, pages=pool, out=out, lse=lse)),
+                self.queue, waits, (kernel.launch, *self.decode_sizes, args),
                 (self.merge.launch, *self.merge_sizes, dict(out=out, lse=lse)),
                 queue_orders=self.in_order)
         else:  # no workspace to order: the decode kernel alone, on the per-layer path
-            evts = (self.decode.launch(self.queue, *self.decode_sizes, waits, q=q, pages=pool,
-                                       out=out, lse=lse),)
+            evts = (kernel.launch(self.queue, *self.decode_sizes, waits, **args),)
         return evts
 
 

@@ -60,19 +60,27 @@ def _attention_params(spec: AttentionSpec, geom: DecodeGeometry | PrefillGeometr
         **_pool_params(spec))
 
 
-def render_decode(spec: AttentionSpec, geom: DecodeGeometry) -> str:
+def render_decode(spec: AttentionSpec, geom: DecodeGeometry, fused: bool = False) -> str:
     """OpenCL C source of the decode kernel for ``spec`` with geometry ``geom``.
 
     The template is ``decode_<strategy>.cl.mako``; its parameter list comes from the
-    argument table :data:`clattn.signatures.DECODE`.
+    argument table :data:`clattn.signatures.DECODE`, or with ``fused`` (the append of a
+    one-token step fused in: float pools only) :data:`clattn.signatures.DECODE_APPEND`.
     """
-    table = signatures.DECODE
+    if fused and spec.byte_pool:
+        raise ValueError("render_decode: the fused append takes float pools only (a byte "
+                         "pool's append checks every block first, in its own launch)")
+    if fused and geom.strategy == "tiled" and geom.gdz > 1:
+        raise ValueError(f"render_decode: the fused append needs one work-group per KV head "
+                         f"(gdz={geom.gdz}: the head's other groups would read the new row "
+                         f"unordered); use separate launches")
+    table = signatures.DECODE_APPEND if fused else signatures.DECODE
     return _lookup().get_template(f"decode_{geom.strategy}.cl.mako").render(
         **_attention_params(spec, geom), PRAGMAS=geom.pragmas, VEC=geom.vec, TILE=geom.tile,
         PREFETCH=geom.prefetch, VEC_ROPE=geom.vec_rope, V_CHUNKS=geom.v_chunks,
         BDX=geom.bdx, BDY=geom.bdy, BDZ=geom.bdz, GDZ=geom.gdz, USE_LOCAL=geom.use_local,
         REDUCE=geom.reduction, SGS=geom.subgroup_size, SG_ATTR=geom.subgroup_attr,
-        SIGNATURE=table.signature(), FIXUP=table.fixup())
+        FUSED=fused, SIGNATURE=table.signature(), FIXUP=table.fixup())
 
 
 def _pool_params(spec: AttentionSpec) -> dict:
@@ -118,7 +126,8 @@ def render_prefill(spec: AttentionSpec, geom: PrefillGeometry) -> str:
     table = signatures.PREFILL
     return _lookup().get_template(f"prefill_{geom.strategy}.cl.mako").render(
         **_attention_params(spec, geom), PRAGMAS=(), VEC=geom.vec, QB=geom.qb, KB=geom.kb,
-        RM=geom.rm, TC=geom.tc, TR=geom.tr, SIGNATURE=table.signature(), FIXUP=table.fixup())
+        RM=geom.rm, TC=geom.tc, TR=geom.tr, FUSED=False, SIGNATURE=table.signature(),
+        FIXUP=table.fixup())
 
 
 def render_half_probe(lanes: int, storage_half: bool = True, denorms: bool = False) -> str:

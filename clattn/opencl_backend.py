@@ -66,6 +66,7 @@ class OpenCLBackend:
         self._lock = threading.Lock()
         self._decode: tuple[Launcher, Launcher] | None = None
         self._prefill: Launcher | None = None
+        self._fused: Launcher | bool | None = None  # False: the driver refused its geometry
         self._turns: dict = {}
         self._plan_tables: dict = {}
         self._units: tuple | None = None
@@ -117,6 +118,26 @@ class OpenCLBackend:
                                     lambda: render_merge(spec.head_dim, spec.dtype, "float32", mg))
                 self._decode = (decode, merge)
             return self._decode
+
+    def fused_decode_kernel(self) -> Launcher | None:
+        """The decode kernel with the append fused in (:data:`clattn.signatures.DECODE_APPEND`)
+        at the decode geometry, built once after :meth:`decode_kernels`; None where it
+        does not apply: a byte pool (its append is checked first, in a launch of its own),
+        a tiled geometry of several work-groups per KV head, or a build the driver allows
+        fewer work-items per group than the geometry needs."""
+        self.decode_kernels()  # fits the geometry the fused kernel shares
+        geom, spec = self.decode_geometry, self.spec
+        if spec.byte_pool or (geom.strategy == "tiled" and geom.gdz > 1):
+            return None
+        with self._lock:
+            if self._fused is None:
+                launcher = self.runtime.launcher(("decode_append", spec.key(), geom),
+                                                 signatures.DECODE_APPEND,
+                                                 lambda: render_decode(spec, geom, fused=True))
+                allowed = launcher.work_group_size(self.runtime.device)
+                self._fused = (launcher if allowed is None or allowed >= geom.threads
+                               else False)
+            return self._fused or None
 
     def prefill_kernel(self) -> Launcher:
         """The prefill kernel, built once; refitted and rebuilt as :meth:`decode_kernels`

@@ -25,6 +25,17 @@ DECODE = ArgTable("clattn_decode", [
     Scalar("rope_att", "float"),
 ])
 
+#: decode with the append fused in (clattn.cache, one-token steps of float pools): DECODE's
+#: arguments, the pool writable, and APPEND's rows: the work-item (rows) or work-group
+#: (tiled) of sequence b's last partition writes token b's rows of its KV head into slot
+#: slots[b] (keys rotated at k_pos[b] when append_rope is 1) before it reads them
+DECODE_APPEND = ArgTable("clattn_decode", [
+    *(Buffer("pages", "kv_t", const=False, offset="ulong") if a.name == "pages" else a
+      for a in DECODE.args),
+    Buffer("k", "st_t"), Buffer("v", "st_t"), Buffer("slots", "int"), Buffer("k_pos", "int"),
+    Scalar("append_rope", "int"),
+])
+
 #: in-place pairwise merge: v, s <- merge((v, s), (vo, so)) over NH (state, head) rows
 MERGE_PAIR = ArgTable("clattn_merge_pair", [
     Buffer("v", "st_t", const=False), Buffer("s", "float", const=False),
@@ -85,4 +96,4 @@ PREFILL = ArgTable("clattn_prefill", [
     Scalar("rope_att", "float"),
 ])
 
-ALL = (DECODE, MERGE_PAIR, MERGE_VARLEN, APPEND, APPEND_CHECK, PAGE_COPY, PREFILL)
+ALL = (DECODE, DECODE_APPEND, MERGE_PAIR, MERGE_VARLEN, APPEND, APPEND_CHECK, PAGE_COPY, PREFILL)

@@ -33,68 +33,10 @@ ${c.prelude()}
 % if BYTE_POOL:
 <%include file="append_bytes.clh.mako"/>
 % else:
-<%
-NV = D // VEC
-RAW = "ushort" if DTYPE == "half" else "uint"     # the bits of one stored element
-%>\
+<%namespace name="a" file="append_row.clh.mako"/>
+<% NV = D // VEC %>\
 typedef st_t kv_t;      /* element of the pool */
-typedef ${RAW} raw_t;   /* its bits: copies move bits, never values */
-
-/* element offset of row `slot` of (page, kind, head) */
-inline ulong clattn_slot_at(const ulong page, const int kind, const int h, const ulong slot)
-{
-    return (((page * 2 + kind) * ${HKV} + h) * ${PS} + slot) * ${D};
-}
-
-## copy VEC raw elements from src to dst (element pointers)
-<%def name="mv(dst, src)">\
-% if VEC == 1:
-(${dst})[0] = (${src})[0];\
-% else:
-vstore${VEC}(vload${VEC}(0, ${src}), 0, ${dst});\
-% endif
-</%def>
-
-## write lanes [e0, e0 + VEC) of token t, head h (rows at element offsets kd, vd)
-<%def name="lanes(e0)">
-            {
-                const int e0 = ${e0};
-                ${mv('vr + vd + e0', 'vs + e0')}
-                if (!rotary_mode || e0 >= ${ROT}) {
-                    ${mv('kr + kd + e0', 'ks + e0')}
-                } else {
-                    /* RoPE at append: the key at position k_pos[t] (the decode kernel's
-                       formula and angles); cos and sin apart, no private pointer */
-                    const int pos = k_pos[t];
-                    const __global float2* tt = rope_turns + (pos >= long_from ? ${ROT // 2} : 0);
-                    const __global st_t* kx = k + ((ulong)t * ${HKV} + h) * ${D};
-                    for (int e = e0; e < e0 + ${VEC}; ++e) {
-% for line in ROPE.element_decls("e"):
-                        ${line}
-% endfor
-                        float x = ${c.loadv(1, "kx + e")};
-                        if (e < ${ROT}) {
-                            const float ang = clattn_rope_angle(pos, tt[fi]);
-                            const float cs = cos(ang), sn = sin(ang);
-                            x = (x * cs + sgn * ${c.loadv(1, "kx + pe")} * sn) * rope_att;
-                        }
-                        ${c.storev(1, "x", "pages + kd + e")}
-                    }
-                }
-            }
-</%def>
-
-## one (token, head) row pair: set-up shared by the strategies
-<%def name="row_setup()">
-            const int t = th / ${HKV}, h = th % ${HKV};
-            const long flat = (long)slots[t];
-            if (flat < 0 || flat >= cap) continue;   /* outside the pool: nothing written */
-            const ulong kd = clattn_slot_at((ulong)flat / ${PS}, 0, h, (ulong)flat % ${PS});
-            const ulong vd = kd + (ulong)${HKV * PS * D};
-            const __global raw_t* ks = (const __global raw_t*)k + ((ulong)t * ${HKV} + h) * ${D};
-            const __global raw_t* vs = (const __global raw_t*)v + ((ulong)t * ${HKV} + h) * ${D};
-</%def>
-
+${a.helpers()}
 ## one (copy, kind, head, row) of the page copy
 <%def name="copy_setup()">
             const int cidx = it / ${2 * HKV * PS};
@@ -113,12 +55,10 @@ __kernel void clattn_append(${APPEND_SIGNATURE})
 {
     ${APPEND_FIXUP}
     const long cap = (long)max(num_pages, 0) * ${PS};
-    __global raw_t* kr = (__global raw_t*)pages;
-    __global raw_t* vr = kr;
     for (int th = get_global_id(0); th < n_tokens * ${HKV}; th += get_global_size(0)) {
-${row_setup()}
+${a.row_setup("th / %d" % HKV, "th %% %d" % HKV, "continue")}
 % for i in range(NV):
-${lanes(i * VEC)}
+${a.lanes(i * VEC, VEC, "rotary_mode")}
 % endfor
     }
 }
@@ -129,7 +69,7 @@ __kernel void clattn_page_copy(${COPY_SIGNATURE})
     for (int it = get_global_id(0); it < n_copies * ${2 * HKV * PS}; it += get_global_size(0)) {
 ${copy_setup()}
 % for i in range(NV):
-        ${mv('dr + %d' % (i * VEC), 'sr + %d' % (i * VEC))}
+        ${a.mv('dr + %d' % (i * VEC), 'sr + %d' % (i * VEC), VEC)}
 % endfor
     }
 }
@@ -139,13 +79,11 @@ void clattn_append(${APPEND_SIGNATURE})
 {
     ${APPEND_FIXUP}
     const long cap = (long)max(num_pages, 0) * ${PS};
-    __global raw_t* kr = (__global raw_t*)pages;
-    __global raw_t* vr = kr;
     const int lane = get_global_id(0);
     if (lane >= ${NV}) return;
     for (int th = get_global_id(1); th < n_tokens * ${HKV}; th += get_global_size(1)) {
-${row_setup()}
-${lanes("lane * %d" % VEC)}
+${a.row_setup("th / %d" % HKV, "th %% %d" % HKV, "continue")}
+${a.lanes("lane * %d" % VEC, VEC, "rotary_mode")}
     }
 }
 
@@ -157,7 +95,7 @@ void clattn_page_copy(${COPY_SIGNATURE})
     if (lane >= ${NV}) return;
     for (int it = get_global_id(1); it < n_copies * ${2 * HKV * PS}; it += get_global_size(1)) {
 ${copy_setup()}
-        ${mv('dr + lane * %d' % VEC, 'sr + lane * %d' % VEC)}
+        ${a.mv('dr + lane * %d' % VEC, 'sr + lane * %d' % VEC, VEC)}
     }
 }
 % endif

@@ -1,12 +1,14 @@
 <%doc>
 Pieces shared by the two decode templates (decode_rows.cl.mako, decode_tiled.cl.mako):
 the per-sequence set-up (attended chunk, partition rows) and the K/V row address.
-Parameters: PS, HKV, D, SLIDING, SOFTCAP, FIXUP (the pointer fix-up rendered from the
+Parameters: PS, HKV, D, SLIDING, SOFTCAP, FUSED (the append fused in: fused_append),
+FIXUP (the pointer fix-up rendered from the
 decode argument table, clattn.signatures.DECODE), and the page storage: KFMT, VFMT
 ("half", "float", "q8_0", "q4_0"), BYTE_POOL (the pool is bytes: K or V not stored
 as DTYPE), PAGE_BYTES, K_REGION, V_REGION (bytes of a page and of one (kind, head)
 region), K_ROWB, V_ROWB (data bytes per row); clattn.quant has the layout.
 </%doc>
+<%namespace name="a" file="append_row.clh.mako"/>
 <%def name="setup()">
 /* the attended chunk of sequence b and the rows [r_lo, r_hi) of partition p */
 #define SEQ_SETUP \
@@ -55,6 +57,9 @@ inline int clattn_slot_of(const int row, const int sink, const int wo)
 }
 
 typedef ${"uchar" if BYTE_POOL else "st_t"} kv_t;   /* element of the pool */
+% if FUSED:
+${a.helpers()}
+% endif
 % if BYTE_POOL:
 
 /* byte offset of the (kind kv, head kvh) region of page `page` */
@@ -83,6 +88,27 @@ const ulong ${name}_reg = clattn_region_of(${page}, ${kind}, kvh);
 %   if fmt in ("q8_0", "q4_0"):
 
             const __global ushort* ${name}_s = (const __global ushort*)(pages + ${name}_reg + ${PS * rowb}) + (${slot}) * ${D // 32};\
+%   endif
+% endif
+</%def>
+## FUSED (clattn.signatures.DECODE_APPEND, float pools): the append of a one-token step
+## in the decode launch. When `writer` holds (the partition holding the chunk's last row,
+## the new token's), token b's K/V rows of head kvh go to slot slots[b] as clattn_append
+## writes them (append_row.clh.mako), lanes `e0s` of `vec` elements each; the kernel then
+## reads them through its normal path (a work-item sees its own writes in program order;
+## `fence` orders a work-group's). No other partition touches the row.
+<%def name="fused_append(writer, e0s, vec, fence=False)">
+% if FUSED:
+    /* the fused append: written before any row of this partition is read */
+    if (${writer}) do {
+        const long cap = (long)max(num_pages, 0) * ${PS};
+${a.row_setup("b", "kvh", "break")}
+%   for e0 in e0s:
+${a.lanes(e0, vec, "append_rope")}
+%   endfor
+    } while (0);
+%   if fence:
+    barrier(CLK_GLOBAL_MEM_FENCE);
 %   endif
 % endif
 </%def>

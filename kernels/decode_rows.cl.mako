@@ -19,6 +19,8 @@ Template parameters (clattn.codegen.render_decode, from clattn.fit.DecodeGeometr
   PREFETCH             blocks ahead whose K/V rows are prefetched (0: none; clang's
                        __builtin_prefetch, where clattn.compiler_probe found it works)
   STORAGE_HALF         f16 converted through clang's __fp16 (common.clh.mako)
+  FUSED                the append of a one-token step fused in (decode_common's
+                       fused_append; clattn.signatures.DECODE_APPEND)
   SIGNATURE, FIXUP     parameter list and pointer fix-up from clattn.signatures.DECODE
 Every index read from the page table is clamped: no input makes the kernel read or
 write out of bounds.
@@ -90,6 +92,7 @@ __kernel void clattn_decode(${SIGNATURE})
     const int part = get_global_id(2);
     SEQ_SETUP
     if (!valid_part) return;
+${d.fused_append("part == nparts_b - 1", [i * VEC for i in range(D // VEC)], VEC)}
 
     /* q of the G heads of this KV head: rotated, scaled, in registers */
 % for g in range(G):

@@ -19,6 +19,8 @@ Template parameters (clattn.codegen.render_decode, from clattn.fit.DecodeGeometr
   REDUCE, SGS          "local" or "subgroup" dot-product reduction; the required
                        sub-group size (None: the device's own)
   SG_ATTR              the attribute that requests SGS (vendor extension), or ""
+  FUSED                the append of a one-token step fused in (decode_common's
+                       fused_append, one head slice per KV head: GDZ == 1)
   SIGNATURE, FIXUP     parameter list and pointer fix-up from clattn.signatures.DECODE
 Every index read from the page table is clamped: no input makes the kernel read or
 write out of bounds.
@@ -80,6 +82,7 @@ void clattn_decode(${SIGNATURE})
     const int part = get_group_id(2);
     SEQ_SETUP
     if (!valid_part) return;   /* uniform over the work-group */
+${d.fused_append("part == nparts_b - 1 && tz == 0", ["tx * %d" % VEC], VEC, fence=True)}
 
     __local float scratch[${SCRATCH}];
 % if LOCAL_RED:

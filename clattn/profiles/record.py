@@ -73,6 +73,10 @@ class Profile:
         Tiled prefill: the row-group shape, ``prefill_tc`` threads per row group (keys in
         the score phase, head_dim in the value phase) x ``prefill_rm`` (query, head) rows
         per thread. None: 16 x 4.
+    fuse_append
+        :class:`~clattn.PagedKVCache` steps of one token per sequence write each layer's
+        new rows inside its decode launch (one launch per layer instead of two) where the
+        pool stores float rows; False keeps the append kernel's own launch (docs/cache.md).
     """
 
     name: str = "generic"
@@ -93,6 +97,7 @@ class Profile:
     prefill_kb: int | None = None
     prefill_tc: int | None = None
     prefill_rm: int | None = None
+    fuse_append: bool = True
 
     def __post_init__(self) -> None:
         problems = []

@@ -1,0 +1,128 @@
+"""The append fused into the decode launch (one-token steps of float pools): the same
+bits as the separate append and decode launches.
+
+Two caches on the same device and profile, one with ``fuse_append`` off, run the same
+operations (prompt chunks, one-token steps of several sequences, windows with sinks, a
+fork whose shared last page both sequences write, layers appended out of order or not
+attended); after every attend the outputs and LSEs, and after every step each layer's
+pool, must be equal bit for bit. The separate launches are themselves checked against
+the float64 oracle by tests/test_cache.py, whose simulation runs fused by default.
+"""
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+
+import clattn
+from clattn.profiles import get_profile
+
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "high_freq_factor": 4.0,
+          "low_freq_factor": 1.0, "original_max_position_embeddings": 64}
+#: split every step into partitions of one page (the fused write lands in the last one)
+SPLIT_EVERY_STEP = {"min_partition_rows": 4, "split_min_rows": 0, "wgs_per_cu": 4096}
+LAYERS = 2
+
+
+def make_cache(spec, target, fuse, split, rope):
+    extra = dict(SPLIT_EVERY_STEP if split else {}, fuse_append=fuse)
+    profile = extra if target.profile is None else get_profile(target.profile).with_(**extra)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # profile fitting notes
+        return clattn.PagedKVCache(spec, LAYERS, device=target.device, profile=profile,
+                                   backend="opencl", num_pages=40, rope=rope, prefill=False)
+
+
+def pools(cache):
+    return [p.get() for p in cache.pools]
+
+
+def scenario(cache, seed, window):
+    """The operations, recording every result and the pools after every step."""
+    spec = cache.spec
+    rng = np.random.default_rng(seed)
+    H, Hkv, D = spec.num_qo_heads, spec.num_kv_heads, spec.head_dim
+    seen = []
+    launches = []
+
+    def step(ids, lengths=None, order="paired", attend=range(LAYERS)):
+        T = sum(lengths) if lengths else len(ids)
+        k, v = (rng.standard_normal((LAYERS, T, Hkv, D)).astype(spec.np_dtype)
+                for _ in range(2))
+        q = rng.standard_normal((LAYERS, T, H, D)).astype(spec.np_dtype)
+        before = cache.stats().launches
+        cache.begin(ids, lengths)
+        if order == "paired":
+            for layer in range(LAYERS):
+                cache.append(layer, k[layer], v[layer])
+                if layer in attend:
+                    seen.append(cache.attend(layer, q[layer]))
+        else:  # every append first: each flushes the one deferred before it
+            for layer in range(LAYERS):
+                cache.append(layer, k[layer], v[layer])
+            for layer in attend:
+                seen.append(cache.attend(layer, q[layer]))
+        cache.end()
+        launches.append(cache.stats().launches - before)
+        seen.append(pools(cache))
+
+    for sid in "ab":
+        cache.add(sid, **({"window": 7, "sink": 2} if window else {}))
+    step(["a", "b"], [6, 3])
+    for _ in range(5):
+        step(["a", "b"])
+    cache.fork("a", "c")            # a's last page is shared and partly filled
+    step(["a", "c", "b"])           # both a and c write into it: copy-on-write first
+    step(["c"], order="appends-first")
+    step(["b", "a"], attend=[1])    # layer 0 appended but not attended
+    for _ in range(6):
+        step(["a", "b", "c"])
+    return seen, launches
+
+
+def equal(a, b):
+    if isinstance(a, list):
+        return all(np.array_equal(x, y) for x, y in zip(a, b))
+    return np.array_equal(a.out, b.out) and np.array_equal(a.lse, b.lse)
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["unsplit", "split"])
+@pytest.mark.parametrize("rope,dtype,window", [
+    (None, "float32", False),
+    ("append", "float16", True),
+    ("attend", "float16", True),
+])
+def test_fused_equals_separate(device_target, rope, dtype, window, split):
+    spec = clattn.AttentionSpec(4, 2, 16, page_size=4, dtype=dtype, sliding_window=window,
+                                rope_scaling=LLAMA3 if rope else None,
+                                max_position_embeddings=4096)
+    fused = make_cache(spec, device_target, True, split, rope)
+    separate = make_cache(spec, device_target, False, split, rope)
+    got, n_fused = scenario(fused, 5, window)
+    want, n_separate = scenario(separate, 5, window)
+    assert len(got) == len(want)
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert equal(a, b), f"result {i} differs between fused and separate launches"
+    # one-token steps of two or three sequences: one launch per layer fused, two apart
+    # (each plus the merge when split; the fork's step adds one page copy per layer)
+    per_layer = 2 if split else 1
+    assert n_fused[1:6] == [LAYERS * per_layer] * 5, n_fused
+    assert n_separate[1:6] == [LAYERS * (per_layer + 1)] * 5, n_separate
+    assert n_fused[6] == LAYERS * (per_layer + 1), n_fused
+
+
+def test_byte_pools_stay_separate(device):
+    """A byte pool's append is checked first, in its own launch: never fused."""
+    spec = clattn.AttentionSpec(4, 2, 32, page_size=4, k_format="q8_0", v_format="q8_0")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        cache = clattn.PagedKVCache(spec, 1, device=device, backend="opencl", num_pages=8)
+    cache.add("a")
+    x = np.ones((1, 2, 32), np.float16)
+    cache.begin(["a"])
+    before = cache.stats().launches
+    assert cache.append(0, x, x) is not None
+    cache.attend(0, np.ones((1, 4, 32), np.float16))
+    cache.end()
+    assert cache.stats().launches - before == 2  # append, decode (host k, v: checked here)
