@@ -8,7 +8,10 @@ tests/test_oclgrind.py does for the decode and merge kernels, and fails on any r
   chunks, forks (copy-on-write launches), windows, checked against the float64 oracle;
 * adversarial slot and copy tables launched directly: slots and pages out of the pool,
   negative, at the int32 extremes, row counts out of range, extreme RoPE positions.
-  Only what is in the pool may be written, and exactly that is (checked in numpy).
+  Only what is in the pool may be written, and exactly that is (checked in numpy);
+* the decode kernel with the append fused in (one-token steps): tests/test_cache_fused.py's
+  scenario, fused and separate launches equal bit for bit, and the fused kernel launched
+  with adversarial slots and RoPE positions (the same rules as the append kernel's).
 """
 from __future__ import annotations
 
@@ -41,20 +44,22 @@ LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "high_freq_factor": 4.0,
           "low_freq_factor": 1.0, "original_max_position_embeddings": 64}
 
 
-def _cache(spec, profile, **kw):
+def _cache(spec, profile, layers=1, **kw):
     import clattn
     from clattn import runtime
     dev = runtime.select_device("oclgrind")
     assert runtime.is_simulator(dev), dev
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        cache = clattn.PagedKVCache(spec, 1, device=dev, profile=profile, backend="opencl", **kw)
+        cache = clattn.PagedKVCache(spec, layers, device=dev, profile=profile,
+                                    backend="opencl", **kw)
     # Oclgrind 21.10's uninitialised-value plugin does not count clEnqueueFillBuffer (the
-    # cache's zeroing of a new pool) as initialising a buffer: zero the pool from the host
+    # cache's zeroing of a new pool) as initialising a buffer: zero the pools from the host
     cl = runtime.cl()
-    cache.pools[0].finish()
-    cache.pools[0] = cl.array.to_device(cache._rt.queue, np.zeros(spec.pool_shape(
-        cache.num_pages), spec.pool_dtype))
+    for layer in range(layers):
+        cache.pools[layer].finish()
+        cache.pools[layer] = cl.array.to_device(cache._rt.queue, np.zeros(spec.pool_shape(
+            cache.num_pages), spec.pool_dtype))
     return cache
 
 
@@ -137,6 +142,74 @@ def adversarial_variant(profile, dtype, rope):
     assert np.array_equal(pool.get(), _copied(before, copies, P, ps, copy_rows)), \
         "page copy wrote the wrong rows"
     print("adversarial copy ok", flush=True)
+
+
+def fused_variant(profile, dtype, rope, split):
+    """tests/test_cache_fused.py's scenario on the simulator: the fused launches write
+    and read the same bits as the separate ones."""
+    import clattn
+    from test_cache_fused import LLAMA3 as SCALING, SPLIT_EVERY_STEP as SPLIT, equal, scenario
+    window = rope is not None
+    spec = clattn.AttentionSpec(2, 1, 16, page_size=4, dtype=dtype, sliding_window=window,
+                                rope_scaling=SCALING if rope else None,
+                                max_position_embeddings=4096)
+    runs = []
+    for fuse in (True, False):
+        prof = dict(profile, fuse_append=fuse, **(SPLIT if split else {}))
+        cache = _cache(spec, prof, num_pages=40, rope=rope, prefill=False, layers=2)
+        runs.append(scenario(cache, 5, window))
+    (got, n_fused), (want, n_separate) = runs
+    assert all(equal(a, b) for a, b in zip(got, want)), "fused != separate"
+    assert sum(n_fused) < sum(n_separate), (n_fused, n_separate)
+    print(f"fused launches per step {n_fused}, separate {n_separate}", flush=True)
+
+
+def adversarial_fused_variant(profile, dtype, rope):
+    """The fused kernel of a one-token step launched with slots out of the pool (negative,
+    past it, int32 extremes) beside one valid slot no sequence reads, and extreme RoPE
+    positions: exactly the valid slot's rows are written."""
+    import clattn
+    from clattn import runtime
+    cl = runtime.cl()
+    spec = clattn.AttentionSpec(2, 2, 16, page_size=4, dtype=dtype, rotary_dim=8)
+    P, ps, B = 8, 4, 4
+    cache = _cache(spec, profile, num_pages=P, rope="append" if rope else None)
+    rng = np.random.default_rng(3)
+    dt = spec.np_dtype
+    ids = list("abcd")
+    for sid in ids:
+        cache.add(sid)
+    cache.begin(ids, [2] * B)  # pages 0-3 hold the sequences; pages 4-7 are free
+    x = rng.standard_normal((2 * B, 2, 16)).astype(dt)
+    cache.append(0, x, x)
+    cache.end()
+    cache.begin(ids)
+    dev = cache._device
+    assert dev.fuse and dev.fused is not None
+    queue = cache._rt.queue
+    d = lambda a: cl.array.to_device(queue, a)  # noqa: E731
+    k = rng.standard_normal((B, 2, 16)).astype(dt)
+    v = rng.standard_normal((B, 2, 16)).astype(dt)
+    q = rng.standard_normal((B, 2, 16)).astype(dt)
+    slots = np.array([-1, P * ps, 2**31 - 1, 6 * ps + 1], np.int32)
+    k_pos = np.array([2**31 - 1, -2**31, 70000, 2**31 - 64], np.int32)
+    pool = cache.pools[0]
+    before = pool.get()
+    out = cl.array.empty(queue, (B, 2, 16), dt)
+    lse = cl.array.empty(queue, (B, 2), np.float32)
+    dev.fused.launch(queue, *dev.decode_sizes, list(pool.events), q=d(q), pages=pool,
+                     out=out, lse=lse, k=d(k), v=d(v), slots=d(slots), k_pos=d(k_pos))
+    got = pool.get()
+    want = before.copy()
+    want[6, :, :, 1] = np.stack([k[3], v[3]])
+    if rope:  # the rotated key's dims: written and finite; the rest bit for bit
+        assert np.isfinite(got[6, 0, :, 1].astype(np.float32)).all()
+        want[6, 0, :, 1, :8] = got[6, 0, :, 1, :8]
+        assert not np.array_equal(got[6, 0, :, 1, :8], before[6, 0, :, 1, :8])
+    assert np.array_equal(got, want), "the fused append wrote outside its valid slot"
+    assert np.isfinite(out.get().astype(np.float32)).all()
+    cache.cancel()
+    print("adversarial fused append ok", flush=True)
 
 
 def _copied(before, copies, P, ps, copy_rows):
@@ -236,6 +309,15 @@ VARIANTS = {
                                                                       False),
     "append-adversarial-bytes-f32-rope": lambda: adversarial_bytes_variant(SMALL_TILED,
                                                                            "float32", True),
+    "fused-rows-f16-rope-append": lambda: fused_variant({"strategy": "rows"}, "float16",
+                                                        "append", False),
+    "fused-tiled-f32-split": lambda: fused_variant(SMALL_TILED, "float32", None, True),
+    "fused-tiled-f16-rope-append": lambda: fused_variant(SMALL_TILED, "float16", "append",
+                                                         False),
+    "fused-adversarial-rows-f32-rope": lambda: adversarial_fused_variant("generic-cpu",
+                                                                         "float32", True),
+    "fused-adversarial-tiled-f16": lambda: adversarial_fused_variant(SMALL_TILED, "float16",
+                                                                     False),
 }
 #: variants whose decode launches use sincos (in-kernel RoPE): Oclgrind's uninitialised-
 #: value plugin stops on its private pointer (tests/test_oclgrind.py); the append kernel
@@ -244,7 +326,7 @@ WITH_SINCOS = ("cache-tiled-f16-rope-attend", "cache-tiled-f32-q4-q8-rope-attend
 #: variants whose split workspace is replaced by a larger one: the plugin then flags the
 #: merge's stores of later split launches, although every workspace state they read was
 #: written (tests/oclgrind_runner.py, the growing-workspace variants)
-GROWING = ("cache-rows-growing-split", "cache-tiled-growing-split")
+GROWING = ("cache-rows-growing-split", "cache-tiled-growing-split", "fused-tiled-f32-split")
 
 
 def _run(name: str, uninit: bool) -> None:
