@@ -317,10 +317,19 @@ def _prefill_ok(data, rows):
 
 
 def _cache_ok(data, rows):
-    assert all(r["step_ms"] > 0 and r["append_ms"] > 0 and r["attend_ms"] > 0 and
+    assert all(r["step_ms"] > 0 and r["attend_ms"] > 0 and
                r["begin_alone_ms"] > 0 and r["tables_bytes"] > 0 and
                r["steady_host_ms"] >= r["steady_begin_ms"] + r["steady_layers_ms"] > 0
                for r in rows)
+    # the append fused into the decode launch (float pages): one launch per layer, no
+    # append kernel; separate: an append and a decode launch per layer (unsplit rows),
+    # quantized pages' device k and v also the append's check
+    for r in rows:
+        floats = r["format"] in ("float16", "float32")
+        fused = r["append"] == "fused" and floats
+        assert (r["append_ms"] == 0) == fused, r
+        assert r["launches_per_layer"] == (1 if fused else 2 if floats else 3), r
+    assert sorted({r["append"] for r in rows}) == ["fused", "separate"]
 
 
 SUITE_CHECKS = {"decode": _decode_ok, "prefill": _prefill_ok, "cache": _cache_ok}

@@ -92,6 +92,7 @@ from clattn import BatchPrefill, PagedKVCache, cpu_backend, runtime  # noqa: E40
 from clattn.merge import merge_state_, merge_states  # noqa: E402
 from clattn.quant import KV_FORMATS, QUANTIZED, bytes_per_value, pack_pool, row_bytes  # noqa: E402
 from clattn.spec import AttentionSpec, default_sm_scale  # noqa: E402
+from clattn.profiles import get_profile  # noqa: E402
 from clattn.tune import ceilings as ceil  # noqa: E402
 from clattn.tune.checks import TOL, compare, decoder  # noqa: E402
 from clattn.tune.roofline import decode_roofline  # noqa: E402
@@ -996,7 +997,8 @@ def timed_step(cache: PagedKVCache, ids: list[str], x: StepInputs,
                held: bool = False) -> Callable[[], dict]:
     """One whole decode step (begin, layers x (append + attend), end) with the device idle
     first: host seconds of each call (enqueue only), device seconds of the append and
-    attend kernels, wall seconds from begin to the last kernel, bytes uploaded.
+    attend kernels (a fused append's write is in the attend's), wall seconds from begin to
+    the last kernel, bytes uploaded, kernel launches per layer.
 
     ``held``: the queue waits on a user event until the layers are enqueued, so the host
     times of begin, append and attend are the calls' own cost, not shared with a CPU
@@ -1010,7 +1012,7 @@ def timed_step(cache: PagedKVCache, ids: list[str], x: StepInputs,
             cl = runtime.cl()
             gate = cl.UserEvent(x.queue.context)
             cl.enqueue_marker(x.queue, wait_for=[gate])
-        up0 = cache.bytes_uploaded
+        up0, launches0 = cache.bytes_uploaded, cache.stats().launches
         host = dict.fromkeys(("begin", "append", "attend", "end"), 0.0)
         appends, attends = [], []
         t0 = t = time.perf_counter()
@@ -1033,7 +1035,8 @@ def timed_step(cache: PagedKVCache, ids: list[str], x: StepInputs,
         step = time.perf_counter() - t0
         return dict({f"host_{k}": s for k, s in host.items()}, host=sum(host.values()),
                     step=step, append=event_seconds(appends), attend=event_seconds(attends),
-                    tables=cache.bytes_uploaded - up0)
+                    tables=cache.bytes_uploaded - up0,
+                    launches=(cache.stats().launches - launches0) / cache.num_layers)
     return call
 
 
@@ -1105,18 +1108,21 @@ def check_step(row: dict, what: str, cache: PagedKVCache, twin: PagedKVCache, id
 
 
 def cache_pair(args: argparse.Namespace, db: DeviceBench, spec: AttentionSpec, B: int,
-               ctx: int, layers: int) -> tuple[PagedKVCache, PagedKVCache, list[str]]:
-    """The device cache of a row, its one-layer CPU-backend twin, and B sequence ids added
-    to both; pages for the fill, the check step and two passes of a warm-up and ``--repeat``
-    timed steps (free-running and held)."""
+               ctx: int, layers: int,
+               fuse: bool = True) -> tuple[PagedKVCache, PagedKVCache, list[str]]:
+    """The device cache of a row (``fuse``: the profile's ``fuse_append``), its one-layer
+    CPU-backend twin, and B sequence ids added to both; pages for the fill, the check step
+    and two passes of a warm-up and ``--repeat`` timed steps (free-running and held)."""
+    profile = (get_profile(args.profile).with_(fuse_append=fuse) if args.profile
+               else {"fuse_append": fuse})
     steps = 1 + 2 * (max(3, args.repeat) + 1) + STEADY  # the check, two timed passes with
     #                                                      their warm-ups, the steady steps
     kw = dict(num_pages=B * -(-(ctx + steps) // PAGE),
               rope="attend" if args.rope else None)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
-        cache = PagedKVCache(spec, layers, device=db.dev, profile=args.profile,
-                             backend="opencl", **kw)
+        cache = PagedKVCache(spec, layers, device=db.dev, profile=profile, backend="opencl",
+                             **kw)
     twin = PagedKVCache(spec, 1, backend="cpu", **kw)
     ids = [f"s{b}" for b in range(B)]
     for c in (cache, twin):
@@ -1128,7 +1134,7 @@ def cache_pair(args: argparse.Namespace, db: DeviceBench, spec: AttentionSpec, B
 def _cache_row(args: argparse.Namespace, db: DeviceBench, row: dict) -> None:
     spec = model_spec(row["model"], row["dtype"], row["format"])
     B, ctx, layers = row["B"], row["ctx"], row["layers"]
-    cache, twin, ids = cache_pair(args, db, spec, B, ctx, layers)
+    cache, twin, ids = cache_pair(args, db, spec, B, ctx, layers, row["append"] == "fused")
     x = StepInputs(db.queue, spec, db.rng, B, ctx, layers)
     t = time.perf_counter()
     fill_cache(cache, ids, x.dev["fill_k"], x.dev["fill_v"])
@@ -1153,12 +1159,15 @@ def _cache_row(args: argparse.Namespace, db: DeviceBench, row: dict) -> None:
     row.update({f"{k}_ms": r[k] * 1e3 for k in ("step", "host", "host_begin", "host_append",
                                                 "host_attend", "host_end", "append", "attend")},
                begin_alone_ms=alone * 1e3, append_vs_attend=r["append"] / r["attend"],
-               tables_bytes=r["tables"], runs=r["runs"], pages_used=cache.stats().pages_used,
+               tables_bytes=r["tables"], launches_per_layer=r["launches"], runs=r["runs"],
+               pages_used=cache.stats().pages_used,
                profile=cache.decoder.profile.name,
                qkv_bytes=B * (spec.num_qo_heads + 2 * spec.num_kv_heads) * spec.head_dim
                * spec.itemsize * layers)
-    log(f"{what} x {layers} layers: step {row['step_ms']:.3f} ms, host {row['host_ms']:.3f} ms, "
-        f"append {row['append_ms']:.3f} ms / attend {row['attend_ms']:.3f} ms on the device")
+    log(f"{what} x {layers} layers, append {row['append']}: step {row['step_ms']:.3f} ms, "
+        f"host {row['host_ms']:.3f} ms, append {row['append_ms']:.3f} ms / attend "
+        f"{row['attend_ms']:.3f} ms on the device, {row['launches_per_layer']:g} launches "
+        f"per layer")
 
 
 def suite_cache(args: argparse.Namespace, deadline: Deadline) -> dict:
@@ -1170,13 +1179,15 @@ def suite_cache(args: argparse.Namespace, deadline: Deadline) -> dict:
     dtypes = args.dtypes or ["float16"]
     if args.smoke:
         models, batches, contexts, dtypes = ["Qwen2.5-0.5B"], [1], [64], ["float16"]
+    appends = {"both": ["fused", "separate"], "fused": ["fused"], "separate": ["separate"]}
     rows = [dict(model=name, dtype=dt, format=fmt or dt, B=B, ctx=ctx,
-                 layers=args.layers or (2 if args.smoke else MODELS[name].layers))
+                 layers=args.layers or (2 if args.smoke else MODELS[name].layers), append=a)
             for name in models for dt in dtypes for fmt in args.formats or [None]
-            for B in batches for ctx in contexts]
+            for B in batches for ctx in contexts for a in appends[args.append]]
     run_rows(rows, deadline, lambda row: _cache_row(args, db, row))
     cols = [("model", "model", ""), ("dtype", "dtype", ""), ("format", "pages", ""),
             ("B", "B", "d"), ("ctx", "ctx", "d"), ("layers", "layers", "d"),
+            ("append", "append", ""), ("launches_per_layer", "launches per layer", "g"),
             ("step_ms", "step ms (begin to last kernel)", ".3f"), ("host_ms", "host ms", ".3f"),
             ("host_begin_ms", "begin", ".3f"), ("host_append_ms", "appends", ".3f"),
             ("host_attend_ms", "attends", ".3f"), ("host_end_ms", "end", ".3f"),
@@ -1196,7 +1207,9 @@ def suite_cache(args: argparse.Namespace, deadline: Deadline) -> dict:
              "throughout, so no kernel runs between them (a CPU device's kernels run on the "
              "host's cores and leave its caches cold for the next step's calls; on a GPU "
              "they do not; the step whose whole is the median, with its parts); begin alone: "
-             "begin + cancel back to back, device idle)")
+             "begin + cancel back to back, device idle; append: fused into the decode launch "
+             "(a fused append's device time is in the attend's) or separate launches, the "
+             "profile's fuse_append)")
     if args.rope:
         title += ", in-kernel RoPE (rope='attend')"
     return {"sections": [(title, rows, cols)], "ceilings": None, "header": db.header()}
@@ -1229,6 +1242,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--models", type=lambda s: csv(s), default=None,
                     help=f"comma list from {', '.join(MODELS)}")
     ap.add_argument("--batches", type=lambda s: csv(s, int), default=None)
+    ap.add_argument("--append", choices=("both", "fused", "separate"), default="both",
+                    help="--suite cache: the append fused into the decode launch, separate "
+                         "launches, or both rows (default)")
     ap.add_argument("--contexts", type=lambda s: csv(s, int), default=None)
     ap.add_argument("--dtypes", type=lambda s: csv(s), default=None, help="float16,float32")
     ap.add_argument("--formats", type=lambda s: csv(s), default=None,
