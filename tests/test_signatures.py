@@ -55,6 +55,8 @@ def test_every_profile_renders_its_table(name):
     geom = decode_geometry(SPEC, prof, LIMITS)
     src = render_decode(SPEC, geom)
     assert _parsed(src, "clattn_decode") == _expected(signatures.DECODE, "st_t"), geom.strategy
+    fused = render_decode(SPEC, geom, fused=True)  # the append fused in (one-token steps)
+    assert _parsed(fused, "clattn_decode") == _expected(signatures.DECODE_APPEND, "st_t")
     msrc = render_merge(64, "float16", "float16", merge_geometry(64, "float16", prof, LIMITS))
     for table in (signatures.MERGE_PAIR, signatures.MERGE_VARLEN):
         assert _parsed(msrc, table.kernel) == _expected(table, "st_t", "in_t")
@@ -127,3 +129,15 @@ def test_bound_kernel_sets_only_what_changed_and_never_records_a_refused_view(de
     bound.launch(q, gsz, lsz).wait()
     # equal lse 0 on both sides: the merge is the mean of v and vo
     np.testing.assert_allclose(v.get(), (host[0] + host[1]) / 2, rtol=1e-6)
+
+
+def test_fused_decode_refuses_byte_pools_and_head_slices():
+    q8 = clattn.AttentionSpec(8, 2, 64, page_size=16, k_format="q8_0", v_format="q8_0")
+    prof = builtin_profiles()["generic-cpu"]
+    with pytest.raises(ValueError, match="float pools only"):
+        render_decode(q8, decode_geometry(q8, prof, LIMITS), fused=True)
+    wide = clattn.AttentionSpec(32, 2, 64, page_size=16)  # 16 query heads per KV head
+    geom = decode_geometry(wide, clattn.Profile(name="t", strategy="tiled"), LIMITS)
+    assert geom.gdz > 1
+    with pytest.raises(ValueError, match="gdz=2"):
+        render_decode(wide, geom, fused=True)
