@@ -726,7 +726,8 @@ class _DeviceKernels:
         if self.prefill is None:
             self.prefill = opencl.prefill_kernel().bind(
                 **dict.fromkeys(_TABLES + ("units",)), num_pages=self.cache.num_pages,
-                total_q=0, nnz=0, q_pos_mode=0, batch=0, n_units=0, causal=1, **self.scalars)
+                total_q=0, nnz=0, q_pos_mode=0, batch=0, n_units=0, causal=1,
+                mask=None, mask_indptr=None, mask_bytes=0, use_mask=0, **self.scalars)
         return opencl.prefill_geometry.qb
 
     def _start_prefill(self, t: StepTables, runs: PrefillRuns, tab: dict) -> None:

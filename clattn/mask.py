@@ -1,0 +1,71 @@
+"""Custom attention masks of a prefill (docs/prefill.md, "Custom masks"): packing and reading.
+
+Sequence ``b``'s mask is a boolean matrix ``[n_b, chunk_b]`` (query ``i``, chunk row ``r``;
+True: attended), flattened row-major and packed eight bits a byte, least significant bit
+first (``numpy.packbits(..., bitorder="little")``); the sequences' segments follow one
+another, sequence ``b``'s at bytes ``[mask_indptr[b], mask_indptr[b + 1])``.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from .spec import INDEX_DTYPE, INT32_MAX
+
+
+def pack_mask(masks: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """Pack one boolean mask per sequence into ``(custom_mask, mask_indptr)``.
+
+    Parameters
+    ----------
+    masks : sequence of numpy.ndarray of bool, shape [n_b, chunk_b]
+        Sequence ``b``'s mask: ``masks[b][i, r]`` is True when query ``i`` attends chunk
+        row ``r``. ``n_b`` is the sequence's query count, ``chunk_b`` its attended chunk
+        (docs/prefill.md).
+
+    Returns
+    -------
+    custom_mask : numpy.ndarray of uint8, shape [mask_indptr[-1]]
+        The packed bits, segment after segment.
+    mask_indptr : numpy.ndarray of int32, shape [B + 1]
+        Byte offsets of the segments: ``ceil(n_b * chunk_b / 8)`` bytes each.
+
+    Raises
+    ------
+    TypeError
+        A mask that is not a boolean numpy array.
+    ValueError
+        A mask that is not two-dimensional, or masks of more than 2**31 - 1 bytes.
+
+    Examples
+    --------
+    >>> import numpy as np, clattn
+    >>> bits, indptr = clattn.pack_mask([np.tril(np.ones((3, 5), bool), 2)])
+    >>> bits.tolist(), indptr.tolist()
+    ([231, 127], [0, 2])
+    """
+    segs = []
+    for b, m in enumerate(masks):
+        if not isinstance(m, np.ndarray) or m.dtype != np.bool_:
+            raise TypeError(f"masks[{b}]: expected a numpy bool array, got "
+                            f"{getattr(m, 'dtype', type(m).__name__)} (use mask.astype(bool))")
+        if m.ndim != 2:
+            raise ValueError(f"masks[{b}]: expected a 2-d [n_b, chunk_b] matrix, got shape "
+                             f"{m.shape}")
+        segs.append(np.packbits(m.reshape(-1), bitorder="little"))
+    sizes = np.array([len(s) for s in segs], np.int64)
+    if sizes.sum() > INT32_MAX:
+        raise ValueError(f"masks: {int(sizes.sum())} packed bytes; at most 2**31 - 1: run the "
+                         f"batch in parts")
+    indptr = np.concatenate([[0], np.cumsum(sizes)]).astype(INDEX_DTYPE)
+    bits = np.concatenate(segs) if segs else np.zeros(0, np.uint8)
+    return np.ascontiguousarray(bits, dtype=np.uint8), indptr
+
+
+def unpack_mask(custom_mask: np.ndarray, mask_indptr: np.ndarray, b: int, n: int,
+                chunk: int) -> np.ndarray:
+    """Sequence ``b``'s ``[n, chunk]`` boolean mask from checked host arrays."""
+    seg = custom_mask[int(mask_indptr[b]):int(mask_indptr[b + 1])]
+    return np.unpackbits(seg, count=n * chunk, bitorder="little").reshape(n, chunk) \
+        .astype(bool)
