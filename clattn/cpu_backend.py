@@ -143,7 +143,8 @@ def batch_prefill(spec: AttentionSpec, q: np.ndarray, pages: np.ndarray, qo_indp
                          length_info=length_info, window_offset=window_offset,
                          sink_size=sink_size, q_pos=q_pos, k_pos_offset=k_pos_offset,
                          rotary_mode=rotary_mode, causal=causal, sm_scale=sm_scale,
-                         rope_scale=rope_scale, rope_theta=rope_theta, out=out, lse=lse)
+                         rope_scale=rope_scale, rope_theta=rope_theta, out=out, lse=lse,
+                         custom_mask=custom_mask, mask_indptr=mask_indptr)
     t = args.tables
     if spec.byte_pool:
         pages, page_indices = _float_pages(spec, pages, page_indices)

@@ -43,7 +43,7 @@ def pack_mask(masks: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
     >>> import numpy as np, clattn
     >>> bits, indptr = clattn.pack_mask([np.tril(np.ones((3, 5), bool), 2)])
     >>> bits.tolist(), indptr.tolist()
-    ([231, 127], [0, 2])
+    ([231, 125], [0, 2])
     """
     segs = []
     for b, m in enumerate(masks):
