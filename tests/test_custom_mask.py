@@ -7,12 +7,18 @@ backend, each device's ``rows`` kernel, each device running the GPU ``tiled`` ke
 """
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 
 import clattn
 
 from cases import compare, spec_scenario
+from conftest import DEVICES
 from prefill_cases import naive_prefill, prefill_case, run
 from test_prefill import get_prefill
 
@@ -189,3 +195,19 @@ def test_validation():
     bad(r"mask_indptr: sequence 1's segment has 38 bytes, but its mask \[7 queries, 44 chunk "
         r"rows\] packs into 39; pack a \[n_b, chunk_b\] bool matrix per sequence",
         custom_mask=wbits, mask_indptr=wind)
+
+
+@pytest.mark.parametrize("where", ["cpu", "device"])
+def test_tree_verify_example(where):
+    """examples/tree_verify.py at smoke size: the tree against its float64 oracle, then the
+    accepted path through the cache; it exits 0 only within its bounds."""
+    root = Path(__file__).resolve().parent.parent
+    device = "cpu" if where == "cpu" else next(iter(DEVICES), None)
+    if device is None:
+        pytest.skip("no OpenCL device")
+    env = dict(os.environ, PYTHONPATH=str(root))
+    proc = subprocess.run([sys.executable, str(root / "examples" / "tree_verify.py"),
+                           "--device", device, "--prefix", "20"], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.rstrip().endswith("OK"), \
+        proc.stdout + proc.stderr[-3000:]
