@@ -63,6 +63,42 @@ def pack_mask(masks: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
     return np.ascontiguousarray(bits, dtype=np.uint8), indptr
 
 
+def tree_mask(parents: Sequence[int], prefix: int) -> np.ndarray:
+    """The mask of a draft tree appended after ``prefix`` attended rows.
+
+    Parameters
+    ----------
+    parents : sequence of int
+        Node ``i``'s parent (``-1``: a root); parents come before their children, the
+        order in which the nodes are appended to the cache.
+    prefix : int
+        Chunk rows before the tree (the cached tokens the whole tree attends).
+
+    Returns
+    -------
+    numpy.ndarray of bool, shape [len(parents), prefix + len(parents)]
+        Node ``i`` keeps the prefix, its ancestors and itself: one sequence's matrix for
+        :func:`pack_mask`.
+
+    Raises
+    ------
+    ValueError
+        A parent that is not an earlier node or -1, or a negative prefix.
+    """
+    n = len(parents)
+    if int(prefix) < 0:
+        raise ValueError(f"prefix={prefix}: must be >= 0")
+    m = np.zeros((n, int(prefix) + n), bool)
+    m[:, :prefix] = True
+    for i, p in enumerate(parents):
+        if not -1 <= int(p) < i:
+            raise ValueError(f"parents[{i}]={p}: must be -1 (a root) or an earlier node "
+                             f"(0..{i - 1}); list parents before their children")
+        m[i, prefix:] = m[int(p), prefix:] if p >= 0 else False
+        m[i, prefix + i] = True
+    return m
+
+
 def unpack_mask(custom_mask: np.ndarray, mask_indptr: np.ndarray, b: int, n: int,
                 chunk: int) -> np.ndarray:
     """Sequence ``b``'s ``[n, chunk]`` boolean mask from checked host arrays."""

@@ -2,12 +2,12 @@
 
 A sequence's prefix is cached in a ``PagedKVCache``; a draft tree (two roots, depth up to
 4) is appended after it in topological order, and one ``BatchPrefill.run`` with a custom
-mask (``clattn.pack_mask``) attends every draft token to the whole prefix and to its own
-ancestors only. Every query's output and lse are compared with a float64 oracle that
-attends exactly prefix + ancestors; then the step is rolled back (``cache.cancel()``),
-the accepted path is appended as an ordinary causal chunk, and its outputs are compared
-with the tree's for the same tokens. Prints the largest errors and their bounds; exits
-non-zero when one is exceeded.
+mask (``clattn.tree_mask``, ``clattn.pack_mask``) attends every draft token to the whole
+prefix and to its own ancestors only. Every query's output and lse are compared with a
+float64 oracle that attends exactly prefix + ancestors (found by walking the parents);
+then the step is rolled back (``cache.cancel()``), the accepted path is appended as an
+ordinary causal chunk, and its outputs are compared with the tree's for the same tokens.
+Prints the largest errors and their bounds; exits non-zero when one is exceeded.
 
     python examples/tree_verify.py                     # clattn's default device
     python examples/tree_verify.py --device intel --prefix 300 --dtype float16
@@ -31,17 +31,12 @@ PARENTS = [-1, 0, 0, 1, 1, 2, 3, 5, -1, 8]
 ACCEPTED = [0, 2, 5, 7]    # the path the target model accepts (root to leaf)
 
 
-def tree_mask(parents: list[int], prefix: int) -> np.ndarray:
-    """``[n, prefix + n]``: node i keeps the prefix, its ancestors and itself."""
-    n = len(parents)
-    m = np.zeros((n, prefix + n), bool)
-    m[:, :prefix] = True
-    for i in range(n):
-        j = i
-        while j >= 0:
-            m[i, prefix + j] = True
-            j = parents[j]
-    return m
+def ancestors(i: int) -> list[int]:
+    """Node i and its ancestors, by the parent chain."""
+    out = []
+    while i >= 0:
+        out, i = out + [i], PARENTS[i]
+    return out
 
 
 def oracle(q, keys, values, rows, group, scale):
@@ -105,7 +100,7 @@ def main() -> int:
         event.wait()
     t = cache.step_tables    # the tree's last token sees the sequence's every page
     page_indices = t.page_indices[t.page_indptr[n - 1]:t.page_indptr[n]].copy()
-    custom_mask, mask_indptr = clattn.pack_mask([tree_mask(PARENTS, P)])
+    custom_mask, mask_indptr = clattn.pack_mask([clattn.tree_mask(PARENTS, P)])
     res = pre.run(q, cache.pools[0], np.array([0, n], np.int32),
                   np.array([0, len(page_indices)], np.int32), page_indices,
                   t.last_page_len[n - 1:n].copy(), custom_mask=custom_mask,
@@ -115,8 +110,7 @@ def main() -> int:
     scale, group, ok = 1 / math.sqrt(D), H // Hkv, True
     err_o = err_l = bound_o = bound_l = 0.0
     for i in range(n):
-        anc = [j for j in range(n) if tree_mask(PARENTS, 0)[i, j]]
-        rows = list(range(P)) + [P + j for j in anc]
+        rows = list(range(P)) + [P + j for j in sorted(ancestors(i))]
         ro, rl = oracle(q[i], k, v, rows, group, scale)
         bo, bl = bounds(q[i], k, v, rows, group, scale, dt)
         eo = np.abs(np.asarray(res.out[i], np.float64) - ro).max(axis=1)

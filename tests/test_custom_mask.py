@@ -34,10 +34,9 @@ SCENARIOS = {
 CACHED, NEW = [0, 37, 20], [3, 7, 13]
 
 
-def tree_mask(parents: list[int], prefix: int) -> np.ndarray:
-    """The ``[n, prefix + n]`` mask of a draft tree laid out after a prefix: node ``i``
-    (parent ``parents[i]``, -1 for a root; parents come first) keeps the whole prefix, its
-    ancestors and itself."""
+def ancestors_mask(parents: list[int], prefix: int) -> np.ndarray:
+    """The tree's ``[n, prefix + n]`` mask by walking each node's parent chain (the
+    test's own, to check ``clattn.tree_mask``): the prefix, the ancestors, itself."""
     n = len(parents)
     m = np.zeros((n, prefix + n), bool)
     m[:, :prefix] = True
@@ -91,7 +90,11 @@ def test_rope_and_tree(target):
     case = prefill_case(sc.spec, [30, 5, 11], [len(parents), 4, 2], seed=4, rope=True,
                         window=[0, 0, 0], sinks=[0, 0, 0])
     rows = [int(r) for r in case["rows"]]
-    masks = [tree_mask(parents, rows[0] - len(parents)), np.ones((4, rows[1]), bool),
+    tree = clattn.tree_mask(parents, rows[0] - len(parents))
+    np.testing.assert_array_equal(tree, ancestors_mask(parents, rows[0] - len(parents)))
+    with pytest.raises(ValueError, match=r"parents\[1\]=1: must be -1 \(a root\) or an earlier"):
+        clattn.tree_mask([-1, 1], 3)
+    masks = [tree, np.ones((4, rows[1]), bool),
              np.zeros((2, rows[2]), bool)]
     res, _ = check(pre, sc, case, masks, rotary_mode=1, what=f"{target} tree: ")
     assert np.isneginf(res.lse[-2:]).all() and not res.out[-2:].any()
