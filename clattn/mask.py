@@ -7,7 +7,7 @@ another, sequence ``b``'s at bytes ``[mask_indptr[b], mask_indptr[b + 1])``.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -105,3 +105,30 @@ def unpack_mask(custom_mask: np.ndarray, mask_indptr: np.ndarray, b: int, n: int
     seg = custom_mask[int(mask_indptr[b]):int(mask_indptr[b + 1])]
     return np.unpackbits(seg, count=n * chunk, bitorder="little").reshape(n, chunk) \
         .astype(bool)
+
+
+def step_mask(runs: Any, n_seqs: int, masks: Sequence[np.ndarray | None]) -> tuple:
+    """``(custom_mask, mask_indptr)`` of a cache step whose ``n_seqs`` sequences each
+    attend as one prefill run (``runs``: the step's :class:`~clattn.cache_tables.PrefillRuns`,
+    or None); ``masks[b]`` is sequence ``b``'s ``[n_b, chunk_b]`` bool matrix or None (every
+    row kept). Refuses, naming ``masks``, a step that does not run whole on the prefill
+    kernel and a matrix of another shape."""
+    if len(masks) != n_seqs:
+        raise ValueError(f"masks: {len(masks)} given for a step of {n_seqs} sequences; one "
+                         f"[n_b, chunk_b] bool matrix (or None) per sequence")
+    if runs is None or runs.decode is not None or len(runs.n) != n_seqs:
+        raise ValueError("masks: a masked step attends on the prefill kernel alone: every "
+                         "sequence must bring two or more tokens and none may have a window "
+                         "that has begun to slide (and the cache needs prefill=True)")
+    full = []
+    for b, m in enumerate(masks):
+        want = (int(runs.n[b]), int(runs.chunk[b]))
+        if m is None:
+            m = np.ones(want, bool)
+        if not isinstance(m, np.ndarray) or m.dtype != np.bool_ or m.shape != want:
+            raise ValueError(f"masks[{b}]: expected a numpy bool array of shape {want} (the "
+                             f"sequence's new tokens x its attended rows, new ones included), "
+                             f"got {getattr(m, 'dtype', type(m).__name__)} "
+                             f"{getattr(m, 'shape', '')}")
+        full.append(m)
+    return pack_mask(full)

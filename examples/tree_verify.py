@@ -1,9 +1,11 @@
 """Verify a tree of draft tokens (tree speculative decoding) in one masked prefill.
 
 A sequence's prefix is cached in a ``PagedKVCache``; a draft tree (two roots, depth up to
-4) is appended after it in topological order, and one ``BatchPrefill.run`` with a custom
-mask (``clattn.tree_mask``, ``clattn.pack_mask``) attends every draft token to the whole
-prefix and to its own ancestors only. Every query's output and lse are compared with a
+4) is appended after it in topological order in one step begun with the tree's mask
+(``cache.begin(..., masks=[clattn.tree_mask(parents, prefix)])``), so that one masked
+prefill attends every draft token to the whole prefix and to its own ancestors only. The
+same step is also run by ``BatchPrefill.run`` on the cache's pool with the packed mask
+(``clattn.pack_mask``). Every query's output and lse, both ways, are compared with a
 float64 oracle that attends exactly prefix + ancestors (found by walking the parents);
 then the step is rolled back (``cache.cancel()``), the accepted path is appended as an
 ordinary causal chunk, and its outputs are compared with the tree's for the same tokens.
@@ -94,33 +96,36 @@ def main() -> int:
     cache.append(0, k[:P], v[:P])
     cache.end()
 
-    cache.begin(["s"], [n])                                  # the draft tree, one step
+    tree = clattn.tree_mask(PARENTS, P)                      # [n, P + n]
+    cache.begin(["s"], [n], masks=[tree])                    # the draft tree, one step
     event = cache.append(0, k[P:], v[P:])
+    res = cache.attend(0, q)                                 # the masked prefill
     if event is not None:
         event.wait()
-    t = cache.step_tables    # the tree's last token sees the sequence's every page
+    t = cache.step_tables    # the same by hand: the tree's last token sees every page
     page_indices = t.page_indices[t.page_indptr[n - 1]:t.page_indptr[n]].copy()
-    custom_mask, mask_indptr = clattn.pack_mask([clattn.tree_mask(PARENTS, P)])
-    res = pre.run(q, cache.pools[0], np.array([0, n], np.int32),
-                  np.array([0, len(page_indices)], np.int32), page_indices,
-                  t.last_page_len[n - 1:n].copy(), custom_mask=custom_mask,
-                  mask_indptr=mask_indptr)
+    custom_mask, mask_indptr = clattn.pack_mask([tree])
+    alone = pre.run(q, cache.pools[0], np.array([0, n], np.int32),
+                    np.array([0, len(page_indices)], np.int32), page_indices,
+                    t.last_page_len[n - 1:n].copy(), custom_mask=custom_mask,
+                    mask_indptr=mask_indptr)
     cache.cancel()                                           # roll the tree back
 
     scale, group, ok = 1 / math.sqrt(D), H // Hkv, True
-    err_o = err_l = bound_o = bound_l = 0.0
-    for i in range(n):
-        rows = list(range(P)) + [P + j for j in sorted(ancestors(i))]
-        ro, rl = oracle(q[i], k, v, rows, group, scale)
-        bo, bl = bounds(q[i], k, v, rows, group, scale, dt)
-        eo = np.abs(np.asarray(res.out[i], np.float64) - ro).max(axis=1)
-        el = np.abs(np.asarray(res.lse[i], np.float64) - rl)
-        ok &= bool((eo <= bo).all() and (el <= bl).all())
-        err_o, err_l = max(err_o, float(eo.max())), max(err_l, float(el.max()))
-        bound_o, bound_l = max(bound_o, float(bo.min())), max(bound_l, float(bl.min()))
-    print(f"{cache.backend}: tree of {n} drafts over a prefix of {P}: max |out - oracle| "
-          f"{err_o:.3g} (bound {bound_o:.3g}), max |lse - oracle| {err_l:.3g} "
-          f"(bound {bound_l:.3g})")
+    for what, r in (("cache step", res), ("BatchPrefill", alone)):
+        err_o = err_l = bound_o = bound_l = 0.0
+        for i in range(n):
+            rows = list(range(P)) + [P + j for j in sorted(ancestors(i))]
+            ro, rl = oracle(q[i], k, v, rows, group, scale)
+            bo, bl = bounds(q[i], k, v, rows, group, scale, dt)
+            eo = np.abs(np.asarray(r.out[i], np.float64) - ro).max(axis=1)
+            el = np.abs(np.asarray(r.lse[i], np.float64) - rl)
+            ok &= bool((eo <= bo).all() and (el <= bl).all())
+            err_o, err_l = max(err_o, float(eo.max())), max(err_l, float(el.max()))
+            bound_o, bound_l = max(bound_o, float(bo.min())), max(bound_l, float(bl.min()))
+        print(f"{cache.backend} {what}: tree of {n} drafts over a prefix of {P}: max |out - "
+              f"oracle| {err_o:.3g} (bound {bound_o:.3g}), max |lse - oracle| {err_l:.3g} "
+              f"(bound {bound_l:.3g})")
 
     # the accepted path as a plain causal chunk: the same outputs as in the tree
     acc = np.array(ACCEPTED)

@@ -19,7 +19,9 @@ import clattn
 
 from cases import compare, spec_scenario
 from conftest import DEVICES
+from naive import ScoredLse, naive_decode
 from prefill_cases import naive_prefill, prefill_case, run
+from test_cache import make_cache
 from test_prefill import get_prefill
 
 F16, F32 = "float16", "float32"
@@ -214,3 +216,60 @@ def test_tree_verify_example(where):
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and proc.stdout.rstrip().endswith("OK"), \
         proc.stdout + proc.stderr[-3000:]
+
+
+def _oracle_rows(q, k, v, keep):
+    """naive_decode of one token's queries ``q [H, D]`` over rows ``k, v [R, H_kv, D]``
+    (one row a page) keeping ``keep [R]``."""
+    R = len(k)
+    pages = np.stack([k, v], axis=1)[:, :, :, None, :]     # [R, 2, H_kv, 1, D]
+    return naive_decode(q[None], pages, np.array([0, R]), np.arange(R, dtype=np.int32),
+                        np.array([1]), keep=[keep])
+
+
+def test_cache_masked_step(target):
+    """PagedKVCache.begin(..., masks=): a tree step and a plain one in one masked prefill,
+    every token against naive_decode over its kept rows; cancel() rolls the tree back;
+    steps that cannot run masked are refused before anything is reserved."""
+    spec = clattn.AttentionSpec(4, 2, 16, page_size=4, dtype=F32)
+    cache = make_cache(spec, target, layers=2, num_pages=16)
+    rng = np.random.default_rng(14)
+    L, Hkv, H, D = 2, 2, 4, 16
+    ids, prefix, new = ["a", "b"], [9, 5], [5, 3]
+    kv = {s: rng.standard_normal((L, 2, p + n, Hkv, D)).astype(np.float32)
+          for s, p, n in zip(ids, prefix, new)}
+    for s in ids:
+        cache.add(s)
+    cache.begin(ids, prefix)
+    for layer in range(L):
+        cache.append(layer, *(np.concatenate([kv[s][layer, j, :p] for s, p in zip(ids, prefix)])
+                              for j in (0, 1)))
+    cache.end()
+    masks = [clattn.tree_mask([-1, 0, 0, 1, -1], prefix[0]), None]
+    for bad, match in (([None], "masks: 1 given for a step of 2 sequences"),
+                       ([None, np.ones((3, 7), bool)],
+                        r"masks\[1\]: expected a numpy bool array of shape \(3, 8\)")):
+        with pytest.raises(ValueError, match=match):
+            cache.begin(ids, new, masks=bad)
+    with pytest.raises(ValueError, match="masks: a masked step attends on the prefill kernel "
+                                         "alone: every sequence must bring two or more tokens"):
+        cache.begin(ids, [5, 1], masks=[None, None])
+    assert cache.stats().pages_reserved == 0
+    cache.begin(ids, new, masks=masks)
+    assert cache.step_kernels == ("prefill",)
+    q = rng.standard_normal((L, sum(new), H, D)).astype(np.float32)
+    keeps = [masks[0], np.tril(np.ones((new[1], prefix[1] + new[1]), bool), prefix[1])]
+    for layer in range(L):
+        cache.append(layer, *(np.concatenate([kv[s][layer, j, p:] for s, p in zip(ids, prefix)])
+                              for j in (0, 1)))
+        res = cache.attend(layer, q[layer])
+        refs = [_oracle_rows(q[layer, t0 + i], kv[s][layer, 0], kv[s][layer, 1], keep[i])
+                for s, t0, keep in zip(ids, (0, new[0]), keeps) for i in range(len(keep))]
+        ref_o = np.concatenate([r[0] for r in refs])
+        ref_l = ScoredLse(np.concatenate([np.asarray(r[1]) for r in refs]),
+                          **{f: np.concatenate([getattr(r[1], f) for r in refs])
+                             for f in ScoredLse.FIELDS})
+        compare(np.asarray(res.out), np.asarray(res.lse), ref_o, ref_l, F32,
+                what=f"{target} cache layer {layer}: ")
+    cache.cancel()
+    assert [cache.length(s) for s in ids] == prefix
