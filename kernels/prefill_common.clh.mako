@@ -57,6 +57,17 @@ inline int clattn_mask_bit(const __global uchar* mask, const int nbytes, const l
     return (mask[clamp(bit >> 3, 0L, (long)nbytes - 1)] >> (int)(bit & 7)) & 1;
 }
 
+/* bits bit .. bit + 24 (at least) of the packed mask as the low bits of a word (bytes
+   clamped as in clattn_mask_bit) */
+inline uint clattn_mask_bits(const __global uchar* mask, const int nbytes, const long bit)
+{
+    if (nbytes <= 0) return 0u;
+    uint w = 0u;
+    for (int k = 0; k < 4; ++k)
+        w |= (uint)mask[clamp((bit >> 3) + k, 0L, (long)nbytes - 1)] << (8 * k);
+    return w >> (int)(bit & 7);
+}
+
 /* whether any of the n bits from bit0 is set (bytes clamped as in clattn_mask_bit) */
 inline int clattn_mask_any(const __global uchar* mask, const int nbytes, const long bit0,
                            const long n)

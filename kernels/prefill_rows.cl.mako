@@ -32,6 +32,7 @@ ${pc.setup()}
 ## private vectors go through aligned pointers and selects are written as ?:
 ## (vloadN/vstoreN/select are library calls some CPU drivers do not inline)
 <%
+assert KB <= 25, "clattn_mask_bits gives a block's bits in one word"
 V, NV = VEC, D // VEC                             # head_dim vectors of a row
 M, NRV, RG, NK, MV, NI = kx.prefill_rows_tiles(QB * G, KB, NV, V)
 FV, IV = kx.vtype("float", V), kx.vtype("int", V)
@@ -123,15 +124,18 @@ __kernel void clattn_prefill(${SIGNATURE})
                 for (int e = 0; e < ${NV}; ++e) { kf[j][e] = 0.0f; vf[j][e] = 0.0f; }
             }
         }
-        /* the custom mask of the block's keys for every row; mfull: it keeps them all */
+        /* the custom mask of the block's keys for every live row (one word of bits per
+           query); mfull: it keeps them all */
         int mfull = 1;
         if (use_mask) {
-            for (int j = 0; j < ${KB}; ++j)
-                for (int r = 0; r < ${M}; ++r) {
-                    const int keep = j < n && r < rows && MASK_KEEPS(r / ${G}, r0 + j);
-                    ((int*)mk[j])[r] = keep ? -1 : 0;
-                    mfull &= keep || j >= n || r >= rows;
+            for (int i = 0; i < nq; ++i) {
+                const uint w = clattn_mask_bits(mask, mask_bytes, mbit0 + (long)i * chunk + r0);
+                for (int j = 0; j < ${KB}; ++j) {
+                    const int keep = j < n && ((w >> j) & 1u);
+                    mfull &= keep || j >= n;
+                    for (int g = 0; g < ${G}; ++g) ((int*)mk[j])[i * ${G} + g] = keep ? -1 : 0;
                 }
+            }
         }
         /* scores of NK keys x RG row vectors per tile, the masks, the online softmax:
            every row vector at once; a row with no attended key in the block keeps its
