@@ -78,9 +78,13 @@ def test_random_masks(target, dtype, causal):
     pre = get_prefill(sc.spec, target)
     win = dict(window=[0, 20, 0], sinks=[0, 5, 0]) if sc.spec.sliding_window else {}
     case = prefill_case(sc.spec, CACHED, NEW, seed=2, **win)
-    _, ref = check(pre, sc, case, random_masks(case, 3), causal=causal,
+    masks = random_masks(case, 3)
+    row = int(case["rows"][2]) - NEW[2]      # sequence 2's query 0 sits at this chunk row
+    masks[2][0] = np.arange(masks[2].shape[1]) > row   # keeps only rows after its own
+    _, ref = check(pre, sc, case, masks, causal=causal,
                    what=f"{target} {dtype} causal={causal}: ")
     assert np.isneginf(np.asarray(ref[1])).any()  # the masked queries are empty
+    assert np.isneginf(np.asarray(ref[1])[NEW[0] + NEW[1]]).all() == causal
 
 
 def test_rope_and_tree(target):
@@ -144,6 +148,9 @@ def test_device_mask_arrays(device_target):
               mask_indptr=cla.to_device(queue, indptr))
     np.testing.assert_array_equal(dev.out, host.out)
     np.testing.assert_array_equal(dev.lse, host.lse)
+    with pytest.raises(ValueError, match=r"mask_indptr: expected shape \(4\)"):
+        run(pre, case, custom_mask=cla.to_device(queue, bits),
+            mask_indptr=cla.to_device(queue, indptr[:3]))
 
 
 def test_pack_mask_layout():
