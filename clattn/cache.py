@@ -31,6 +31,7 @@ from . import cpu_backend, host_memory, runtime, signatures, validate
 from .cache_tables import CacheFullError, PageTable, PrefillRuns, StepTables, prefill_runs
 from .decode import BatchDecode
 from .device import warn_notes
+from .mask import step_mask
 from .numbers import is_int
 from .prefill import make_prefill_plan
 from .quant import QUANTIZED, check_quantizable, quantize, region_views
@@ -277,7 +278,8 @@ class PagedKVCache:
                 free_tokens=free * self.spec.page_size, prefill_launches=self.prefill_launches)
 
     # -- the step ------------------------------------------------------------------
-    def begin(self, seq_ids: Sequence[Hashable], lengths: Sequence[int] | None = None) -> None:
+    def begin(self, seq_ids: Sequence[Hashable], lengths: Sequence[int] | None = None, *,
+              masks: Sequence[np.ndarray | None] | None = None) -> None:
         """Start a step: reserve ``lengths[i]`` new slots (default 1) for ``seq_ids[i]``.
 
         Builds the step's page tables and split plan and uploads them once. Raises
@@ -290,6 +292,12 @@ class PagedKVCache:
         launch per layer for every such chunk of the step; its tokens past the start of
         the slide, and every sequence bringing one token, attend on the decode kernel.
         With ``prefill=False`` every token attends on the decode kernel.
+
+        ``masks`` (tree speculative decoding): per sequence a bool ``[lengths[i],
+        chunk_i]`` matrix (or None: all True) over its attended rows, the new tokens
+        included, ANDed with the causal rule (docs/prefill.md, "Custom masks"); the step
+        must then run on the prefill kernel alone (every sequence brings two or more
+        tokens, no window has begun to slide). :func:`clattn.tree_mask` makes one.
         """
         with self._lock:
             if self._step is not None:
@@ -299,6 +307,8 @@ class PagedKVCache:
             try:
                 if self.prefill and tables.T > len(tables.lengths):
                     tables.prefill = prefill_runs(tables, self._long_from)
+                if masks is not None:
+                    tables.mask = step_mask(tables.prefill, len(tables.lengths), masks)
                 self._step = _StepInProgress(self, tables)
             except BaseException:
                 self.table.release(tables)
@@ -569,7 +579,9 @@ class _StepInProgress:
             spec, np.ascontiguousarray(q[rows]), cache.pools[layer], runs.qo_indptr,
             runs.page_indptr, runs.page_indices, runs.last_page_len,
             window_offset=runs.window_offset, sink_size=runs.sink_size,
-            k_pos_offset=runs.k_pos_offset if kw["rotary_mode"] else None, **kw)
+            k_pos_offset=runs.k_pos_offset if kw["rotary_mode"] else None,
+            custom_mask=None if self.tables.mask is None else self.tables.mask[0],
+            mask_indptr=None if self.tables.mask is None else self.tables.mask[1], **kw)
         out[rows], lse[rows] = po, ps
         cache.prefill_launches += 1
         return AttentionResult(out, lse)
@@ -726,7 +738,8 @@ class _DeviceKernels:
         if self.prefill is None:
             self.prefill = opencl.prefill_kernel().bind(
                 **dict.fromkeys(_TABLES + ("units",)), num_pages=self.cache.num_pages,
-                total_q=0, nnz=0, q_pos_mode=0, batch=0, n_units=0, causal=1, **self.scalars)
+                total_q=0, nnz=0, q_pos_mode=0, batch=0, n_units=0, causal=1,
+                mask=None, mask_indptr=None, mask_bytes=0, use_mask=0, **self.scalars)
         return opencl.prefill_geometry.qb
 
     def _start_prefill(self, t: StepTables, runs: PrefillRuns, tab: dict) -> None:
@@ -740,10 +753,19 @@ class _DeviceKernels:
                          sink_size=tab.get("prefill.sink_size"),
                          k_pos_offset=tab["prefill.k_pos_offset"] if attend_rope else None,
                          total_q=t.T, batch=len(runs.n), units=tab["prefill.units"],
-                         n_units=n_units)
+                         n_units=n_units, **self._mask_args(t.mask))
         geom = self.opencl.prefill_geometry
         self.prefill_sizes = (geom.global_size(n_units, self.cache.spec.num_kv_heads),
                               geom.local_size())
+
+    def _mask_args(self, mask: tuple | None) -> dict:
+        """The prefill kernel's mask arguments for the step's packed mask (uploaded)."""
+        if mask is None:
+            return dict(mask=None, mask_indptr=None, mask_bytes=0, use_mask=0)
+        cla = runtime.cl().array
+        bits, indptr = (cla.to_device(self.queue, a) for a in mask)
+        self.cache.bytes_uploaded += mask[0].nbytes + mask[1].nbytes
+        return dict(mask=bits, mask_indptr=indptr, mask_bytes=len(mask[0]), use_mask=1)
 
     def _plan(self, t: StepTables, d: Any) -> Any:
         """The split plan of the decode tables ``d``: the last one while it still fits

@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import rope as _rope
+from .mask import unpack_mask
 from .quant import unpack_pool
 from .spec import LOG2E, LSE_DTYPE, AttentionSpec, default_sm_scale
 from .validate import check_decode, check_merge_k, check_merge_pair, check_prefill
@@ -129,18 +130,21 @@ def batch_prefill(spec: AttentionSpec, q: np.ndarray, pages: np.ndarray, qo_indp
                   k_pos_offset: np.ndarray | None = None, rotary_mode: int = 0,
                   causal: bool = True, rope_scale: float = 1.0, rope_theta: float = 1e4,
                   sm_scale: float | None = None, out: np.ndarray | None = None,
-                  lse: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+                  lse: np.ndarray | None = None, custom_mask: np.ndarray | None = None,
+                  mask_indptr: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Paged-KV prefill on the CPU (docs/prefill.md); returns ``(out, lse)``, lse base 2.
 
     Query ``i`` of sequence ``b`` is chunk row ``chunk - n + i``; causal, it attends chunk
-    rows ``[0, chunk - n + i]``, else the whole chunk. f32 accumulation, key blocks merged
-    as in :func:`batch_decode`.
+    rows ``[0, chunk - n + i]``, else the whole chunk; with ``custom_mask`` only those of
+    them its mask keeps (a query keeping none: ``out = 0``, ``lse = -inf``). f32
+    accumulation, key blocks merged as in :func:`batch_decode`.
     """
     args = check_prefill(spec, q, pages, qo_indptr, page_indptr, page_indices, last_page_len,
                          length_info=length_info, window_offset=window_offset,
                          sink_size=sink_size, q_pos=q_pos, k_pos_offset=k_pos_offset,
                          rotary_mode=rotary_mode, causal=causal, sm_scale=sm_scale,
-                         rope_scale=rope_scale, rope_theta=rope_theta, out=out, lse=lse)
+                         rope_scale=rope_scale, rope_theta=rope_theta, out=out, lse=lse,
+                         custom_mask=custom_mask, mask_indptr=mask_indptr)
     t = args.tables
     if spec.byte_pool:
         pages, page_indices = _float_pages(spec, pages, page_indices)
@@ -164,6 +168,7 @@ def batch_prefill(spec: AttentionSpec, q: np.ndarray, pages: np.ndarray, qo_indp
             kpos = int(k_pos_offset[b])
             qpos = kpos + chunk - n if q_pos is None else int(q_pos[b])  # the first query's
             inv = inv2[1] if qpos + n - 1 >= long_from else inv2[0]
+        keep = None if custom_mask is None else unpack_mask(custom_mask, mask_indptr, b, n, chunk)
         for i0 in range(0, n, QUERY_ROWS):
             rows_q = np.arange(chunk - n + i0, chunk - n + min(n, i0 + QUERY_ROWS))  # chunk rows
             if not causal:
@@ -189,8 +194,10 @@ def batch_prefill(spec: AttentionSpec, q: np.ndarray, pages: np.ndarray, qo_indp
                 s = np.einsum("qhgd,rhd->hgqr", qb, k, dtype=np.float32) * scale
                 s = _apply_softcap(s, spec.softcap).astype(np.float32) * np.float32(LOG2E)
                 seen = np.arange(r0, r0 + len(o))[None, :] <= rows_q[:, None]  # causal [q, r]
-                s = np.where(seen, s, -np.inf)
                 live = seen[:, 0]  # the block's first row is attended by the query
+                if keep is not None:
+                    seen = seen & keep[i0:i0 + len(rows_q), r0:r0 + len(o)]
+                s = np.where(seen, s, -np.inf)
                 m_new = np.where(live, np.maximum(m, s.max(axis=-1)), m)
                 base = exp_base(m_new)
                 alpha = np.where(live, np.exp2(m - base), 1.0).astype(np.float32)
@@ -198,12 +205,18 @@ def batch_prefill(spec: AttentionSpec, q: np.ndarray, pages: np.ndarray, qo_indp
                 l = l * alpha + p.sum(axis=-1)
                 pv = np.einsum("hgqr,rhd->hgqd", p, v, dtype=np.float32)
                 if not np.isfinite(v).all():  # a masked row's value must not reach (0 * inf)
-                    for i, rows in enumerate(seen.sum(axis=1)):  # attended: a leading run
-                        pv[:, :, i] = np.einsum("hgr,rhd->hgd", p[:, :, i, :rows], v[:rows],
+                    for i, rows in enumerate(seen):
+                        pv[:, :, i] = np.einsum("hgr,rhd->hgd", p[:, :, i, rows], v[rows],
                                                 dtype=np.float32)
                 acc = acc * alpha[..., None] + pv
                 m = m_new
-            o, st = finish_state(m, l, acc)  # every query here attends a row
+            o, st = finish_state(m, l, acc)  # every query here attends a row ...
+            if keep is not None:  # ... unless its mask keeps none of them: empty
+                lim = np.minimum(rows_q, chunk - 1)
+                kept = (keep[i0:i0 + len(rows_q)] & (np.arange(chunk)[None, :] <=
+                                                     lim[:, None])).any(axis=1)
+                o = np.where(kept[:, None], o, np.float32(0))
+                st = np.where(kept, st, np.float32(-np.inf))
             res_o[qs + i0:qs + i0 + len(rows_q)] = o.transpose(2, 0, 1, 3) \
                 .reshape(len(rows_q), H, D)
             res_s[qs + i0:qs + i0 + len(rows_q)] = st.transpose(2, 0, 1) \

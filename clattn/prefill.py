@@ -208,8 +208,9 @@ class BatchPrefill:
             sink_size: Any = None, q_pos: Any = None, k_pos_offset: Any = None,
             rotary_mode: int = 0, causal: bool = True, rope_scale: float = 1.0,
             rope_theta: float = 1e4, sm_scale: float | None = None, out: Any = None,
-            lse: Any = None, plan: PrefillPlan | None = None,
-            queue: Any = None, wait_for: list | None = None) -> AttentionResult:
+            lse: Any = None, plan: PrefillPlan | None = None, custom_mask: Any = None,
+            mask_indptr: Any = None, queue: Any = None,
+            wait_for: list | None = None) -> AttentionResult:
         """Attend every sequence's new queries (causally) to its paged keys and values.
 
         Arrays are all numpy (copied in, results copied back: the call waits) or all
@@ -252,6 +253,13 @@ class BatchPrefill:
             From :meth:`plan`: the kernel takes the split of q among the sequences from
             it (a device ``qo_indptr`` is then not read). Else planned here; a device
             ``qo_indptr`` is then read back (a blocking copy).
+        custom_mask, mask_indptr : uint8 array [mask_indptr[B]], int32 array [B + 1], optional
+            A custom mask (tree speculative decoding), both from
+            :func:`clattn.pack_mask`: sequence ``b``'s boolean ``[n_b, chunk_b]`` matrix
+            packed little-endian at bytes ``[mask_indptr[b], mask_indptr[b + 1])``. Query
+            ``i`` attends chunk row ``r`` iff its bit is set **and** ``causal`` allows the
+            row; a query keeping no row gives ``out = 0``, ``lse = -inf``
+            (docs/prefill.md, "Custom masks").
         queue : pyopencl.CommandQueue, optional
             Queue to enqueue on (default: this object's).
         wait_for : list of pyopencl.Event, optional
@@ -267,7 +275,7 @@ class BatchPrefill:
         kw = dict(length_info=length_info, window_offset=window_offset, sink_size=sink_size,
                   q_pos=q_pos, k_pos_offset=k_pos_offset, rotary_mode=rotary_mode,
                   causal=causal, rope_scale=rope_scale, rope_theta=rope_theta,
-                  sm_scale=sm_scale)
+                  sm_scale=sm_scale, custom_mask=custom_mask, mask_indptr=mask_indptr)
         if not self.setup:
             check_host_call(plan, PrefillPlan, "BatchPrefill.plan()", queue, wait_for)
             fn = cpu_backend.batch_prefill if plan is None else \
@@ -291,6 +299,10 @@ class BatchPrefill:
         named.update(q=call.input("q", q), pages=call.input("pages", pages),
                      total_q=T, batch=t.B,
                      q_pos_mode=int(bool(rotary_mode) and q_pos is not None), causal=int(causal),
+                     mask=call.input("custom_mask", custom_mask),
+                     mask_indptr=call.input("mask_indptr", mask_indptr),
+                     mask_bytes=0 if custom_mask is None else int(custom_mask.shape[0]),
+                     use_mask=int(custom_mask is not None),
                      units=opencl.unit_table(plan, call.queue) if n_units else None,
                      n_units=n_units, out=dout, lse=dlse,
                      **opencl.scalars(rotary_mode, rope_theta, rope_scale, sm_scale))

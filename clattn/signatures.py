@@ -70,7 +70,9 @@ PAGE_COPY = ArgTable("clattn_page_copy", [
 #: over the paged cache, causal or not; work unit u is a tile of one sequence's queries,
 #: units[4u .. 4u+3] = (sequence, its first query in the tile, the sequence's queries, the
 #: tile's first row of q), made by clattn.prefill's plan (tiles never share a row of q);
-#: q_pos_mode 1: query i of sequence b at RoPE position q_pos[b] + i (0: at its chunk row)
+#: q_pos_mode 1: query i of sequence b at RoPE position q_pos[b] + i (0: at its chunk row);
+#: use_mask 1: the packed custom mask of mask_bytes bytes, sequence b's bits from byte
+#: mask_indptr[b] (clattn.mask's layout), restricts the rows each query attends
 PREFILL = ArgTable("clattn_prefill", [
     Buffer("q", "st_t"), Scalar("total_q", "int"),
     Buffer("pages", "kv_t", offset="ulong"), Scalar("num_pages", "int"),
@@ -79,6 +81,8 @@ PREFILL = ArgTable("clattn_prefill", [
     Buffer("q_pos", "int"), Buffer("k_pos_offset", "int"), Scalar("q_pos_mode", "int"),
     Scalar("batch", "int"), Buffer("units", "int"), Scalar("n_units", "int"),
     Scalar("causal", "int"),
+    Buffer("mask", "uchar"), Buffer("mask_indptr", "int"), Scalar("mask_bytes", "int"),
+    Scalar("use_mask", "int"),
     Buffer("out", "st_t", const=False), Buffer("lse", "float", const=False),
     Scalar("rotary_mode", "int"), Scalar("sm_scale", "float"),
     Buffer("rope_turns", "float2", offset=None), Scalar("long_from", "int"),

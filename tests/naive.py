@@ -228,8 +228,12 @@ def chunk_offsets(stored, window_offset=None, sink_size=None):
 def naive_decode(q, pages, page_indptr, page_indices, last_page_len, *, window_offset=None,
                  sink_size=None, q_pos=None, k_pos_offset=None, rotary_mode=0, rope_scale=1.0,
                  rope_theta=10000.0, sm_scale=None, rope_scaling=None, rotary_dim=None,
-                 softcap=None, max_position_embeddings=None, interleaved=None, inv_freq_fn=None):
+                 softcap=None, max_position_embeddings=None, interleaved=None, inv_freq_fn=None,
+                 keep=None):
     """``(out[B, H_qo, D], lse[B, H_qo])`` in float64, lse base 2; empty chunk -> (0, -inf).
+
+    ``keep``: per sequence, one bool per chunk row; only the rows it marks True are
+    attended (none: empty, as an empty chunk).
 
     RoPE frequencies come from ``rope_scaling`` (clattn's contract: an HF rope_scaling dict
     as the caller gives it), or from ``inv_freq_fn(q_pos) -> (inv_freq, attention_factor)``
@@ -265,7 +269,8 @@ def naive_decode(q, pages, page_indptr, page_indices, last_page_len, *, window_o
             offsets = chunk_offsets(stored, window_offset[b], sink_size[b])
         else:
             offsets = chunk_offsets(stored)
-        if not offsets:
+        kept = [r for r in range(len(offsets)) if keep is None or bool(keep[b][r])]
+        if not kept:
             continue
         if rotary_mode == 1 and inv_freq_fn is not None:
             inv_freq, af = inv_freq_fn(int(q_pos[b]))
@@ -277,7 +282,8 @@ def naive_decode(q, pages, page_indptr, page_indices, last_page_len, *, window_o
                                           max_position_embeddings, use_long)
         for kvh in range(H_kv):
             keys, values = [], []
-            for r, o in enumerate(offsets):
+            for r in kept:
+                o = offsets[r]
                 page = page_indices[begin + o // page_size]
                 slot = o % page_size
                 k = pages[page, 0, kvh, slot].astype(np.float64)

@@ -91,6 +91,36 @@ def adversarial_variant(profile, rope=True):
             print(f"adversarial ok: {tag}", flush=True)
 
 
+def mask_variant(profile):
+    """A custom mask (odd bit counts, a fully masked query) causal and not against the
+    oracle; then garbage device mask tables over a 3-byte mask: clamped, no NaN."""
+    import clattn
+    from cases import compare, spec_scenario
+    from clattn import runtime
+    from prefill_cases import naive_prefill, prefill_case, run
+    sc = spec_scenario("mask", 4, 2, 16, page_size=4, dtype="float32")
+    pre = _prefill(sc.spec, profile)
+    case = prefill_case(sc.spec, [6, 1], [5, 2], seed=2)
+    rng = np.random.default_rng(5)
+    masks = [rng.random((int(n), int(c))) < 0.5 for n, c in zip(case["chunks"], case["rows"])]
+    masks[0][1] = False
+    bits, indptr = clattn.pack_mask(masks)
+    for causal in (True, False):
+        res = run(pre, case, causal=causal, custom_mask=bits, mask_indptr=indptr)
+        compare(res.out, res.lse, *naive_prefill(sc, case, causal=causal, mask=masks),
+                sc.spec.dtype, what=f"mask causal={causal}: ")
+    queue = pre.setup.runtime.queue
+    d = lambda a, t=np.int32: runtime.cl().array.to_device(  # noqa: E731
+        queue, np.ascontiguousarray(a, dtype=t))
+    plan = pre.plan(case["qo_indptr"])
+    for what, ind in (("beyond the mask", [0, 2**31 - 1, 2**31 - 1]),
+                      ("negative", [-2**31, -1, 5]), ("empty mask", None)):
+        short = d(bits[:3] if ind else bits[:0], np.uint8)
+        res = run(pre, case, custom_mask=short, mask_indptr=d(ind or [0, 0, 0]), plan=plan)
+        assert not np.isnan(res.out).any() and not np.isnan(res.lse).any(), f"{what}: NaN"
+        print(f"adversarial mask ok: {what}", flush=True)
+
+
 SMALL = dict(num_qo_heads=4, num_kv_heads=2, head_dim=16, page_size=4)
 PREFILL_VARIANTS = {
     "prefill-rows-f32-window-rope": lambda: values_variant(
@@ -110,6 +140,8 @@ PREFILL_VARIANTS = {
                           rotary_dim=16), [0, 10], [3, 5], rope=True),
     "prefill-tiled-f32-norope": lambda: values_variant(
         SMALL_TILED, dict(SMALL, dtype="float32"), [6, 1], [5, 2]),
+    "prefill-mask-rows": lambda: mask_variant("generic-cpu"),
+    "prefill-mask-tiled": lambda: mask_variant(SMALL_TILED),
     "prefill-adversarial-rows": lambda: adversarial_variant("generic-cpu"),
     "prefill-adversarial-tiled": lambda: adversarial_variant(SMALL_TILED),
     "prefill-adversarial-rows-norope": lambda: adversarial_variant("generic-cpu", rope=False),
@@ -117,4 +149,5 @@ PREFILL_VARIANTS = {
 }
 #: without RoPE (sincos on a private pointer stops Oclgrind's uninitialised-value plugin)
 PREFILL_NO_ROPE = ("prefill-rows-vec1-f16-softcap", "prefill-tiled-f32-norope",
+                   "prefill-mask-rows", "prefill-mask-tiled",
                    "prefill-adversarial-rows-norope", "prefill-adversarial-tiled-norope")
