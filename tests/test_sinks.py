@@ -200,3 +200,33 @@ def test_paged_cache_sinks_per_layer(target):
                             F32, what=f"cache {lengths} layer {layer} {s}{i}: ")
                 at += n
         cache.end()
+
+
+# ---------------------------------------------------------------------------- non-finite
+def test_every_row_minus_inf_with_a_sink(target, get_decoder):
+    """Every score -inf (a -inf key dim against a positive q dim): broken (NaN) without a
+    sink, but with a finite sink the softmax has its sink term: out 0, lse the sink's
+    (docs/contract.md section 11), unsplit and split; -inf sink heads stay broken."""
+    sc = WIN[F32]
+    dec = get_decoder(sc.spec, target)
+    case = window_case(sc.spec, [40, 3], window=[0, 0], sinks=[0, 0], seed=25)
+    case["q"][..., 0] = np.abs(case["q"][..., 0]) + 0.5
+    case["pages"][:, 0, :, :, 0] = -np.inf
+    sinks = sinks_for(sc.spec.num_qo_heads, 5)
+    args = {k: case[k] for k in ("window_offset", "sink_size")}
+    for split in (False, 16):
+        res = dec.run(case["q"], case["pages"], case["page_indptr"], case["page_indices"],
+                      case["last_page_len"], split=split, sink_logits=sinks, **args)
+        assert (res.out[:, :-1] == 0).all(), f"split={split}"
+        np.testing.assert_array_equal(res.lse[:, :-1],
+                                      np.broadcast_to(sinks[:-1] * np.float32(LOG2E), (2, 7)))
+        assert np.isnan(res.out[:, -1]).all() and np.isnan(res.lse[:, -1]).all()
+    pre = get_prefill(ROPE_TYPES["yarn"].spec, target)
+    pcase = prefill_case(pre.spec, [4], [3], seed=8, poison=False)
+    pcase["q"][..., 0] = np.abs(pcase["q"][..., 0]) + 0.5
+    pcase["pages"][:, 0, :, :, 0] = -np.inf
+    res = run(pre, pcase, sink_logits=sinks)
+    assert (res.out[:, :-1] == 0).all()
+    np.testing.assert_array_equal(res.lse[:, :-1],
+                                  np.broadcast_to(sinks[:-1] * np.float32(LOG2E), (3, 7)))
+    assert np.isnan(res.lse[:, -1]).all()
