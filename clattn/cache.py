@@ -891,16 +891,16 @@ class _DeviceKernels:
             waits = waits + list(sinks.events)
         if not self.in_order:
             waits = self.waits + pool.events + waits
-        ops = dict(q=q, pages=pool, out=out, lse=lse, sink_logits=sinks,
-                   use_sinks=int(sinks is not None))
+        sink_args = dict(sink_logits=sinks, use_sinks=int(sinks is not None))
         if self.runs is None:
-            evts = self._decode(ops, waits)
+            evts = self._decode(pool, q, out, lse, waits, sink_args)
         else:
             evts = ()
             if self.runs.decode is not None:
-                evts = self._decode(ops, waits)
+                evts = self._decode(pool, q, out, lse, waits, sink_args)
                 waits = [] if self.in_order else [evts[-1]]
-            evts += (self.prefill.launch(self.queue, *self.prefill_sizes, waits, **ops),)
+            evts += (self.prefill.launch(self.queue, *self.prefill_sizes, waits, q=q,
+                                         pages=pool, out=out, lse=lse, **sink_args),)
             self.cache.prefill_launches += 1
         if not self.in_order:
             pool.events.append(evts[0])  # the next write of the pool waits for this read
@@ -911,17 +911,19 @@ class _DeviceKernels:
         self._track(evts[-1])
         return AttentionResult(out, lse, evts[-1], tuple(evts))
 
-    def _decode(self, ops: dict, waits: list) -> tuple:
-        """The decode kernel (and the merge of a split plan) over the operands ``ops``
-        (q, pages, out, lse and the sinks, by argument name); returns the events."""
+    def _decode(self, pool: Any, q: Any, out: Any, lse: Any, waits: list,
+                sink_args: dict) -> tuple:
+        """The decode kernel (and the merge of a split plan); returns the events.
+        ``sink_args``: the learned-sink arguments (the merge adds the sinks to a split)."""
         if self.split:
             evts = self.opencl.decode_then_merge(
-                self.queue, waits, (self.decode.launch, *self.decode_sizes, ops),
-                (self.merge.launch, *self.merge_sizes,
-                 {k: ops[k] for k in ("out", "lse", "sink_logits", "use_sinks")}),
+                self.queue, waits, (self.decode.launch, *self.decode_sizes,
+                                    dict(q=q, pages=pool, out=out, lse=lse, **sink_args)),
+                (self.merge.launch, *self.merge_sizes, dict(out=out, lse=lse, **sink_args)),
                 queue_orders=self.in_order)
         else:  # no workspace to order: the decode kernel alone, on the per-layer path
-            evts = (self.decode.launch(self.queue, *self.decode_sizes, waits, **ops),)
+            evts = (self.decode.launch(self.queue, *self.decode_sizes, waits, q=q, pages=pool,
+                                       out=out, lse=lse, **sink_args),)
         return evts
 
 

@@ -122,7 +122,8 @@ class DecodeStep:
         (``sink_logits`` None or a checked device array)."""
         waits = events_list(wait_for)
         if sink_logits is not None and sink_logits.context != self._rt.context:
-            Call(self._rt, None).input("sink_logits", sink_logits)  # raises: another context
+            raise ValueError("sink_logits: lives in another OpenCL context than the step's "
+                             "device; create it in that device's context")
         for a in (q, pages, out, lse, sink_logits):
             if a is not None and a.events:
                 waits.extend(a.events)
