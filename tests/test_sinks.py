@@ -5,8 +5,8 @@ A sink is one more logit per query head in the softmax's denominator, with no va
 attention does (the sink concatenated to the scores, softmax, its column dropped); the
 kernels fold it into the final state as a merge with the state (v = 0, lse = sink *
 log2 e). The scenarios are the ones test_kernels.py and test_prefill.py build already
-(``WIN``: group 4, window, Llama-3 RoPE; the yarn prefill scenario), so the sinks add no
-kernel build: they are a run-time argument. Targets: the CPU backend, each device's
+(``WIN``: group 4, window, Llama-3 RoPE, f16 and f32; the prefill scenarios yarn f16 and
+linear f32), so the sinks add no kernel build: they are a run-time argument. Targets: the CPU backend, each device's
 ``rows`` kernels and each device running the GPU ``tiled`` kernels (conftest ``target``).
 The bounds are cases.TOLERANCE's: the sink is one more term of the sum (its f32 base-2
 form is within an f32 rounding of the float64 one, covered by the lse bound's |lse| term).
@@ -118,10 +118,12 @@ def test_decode_step_sinks_per_layer(device_target, get_decoder):
 
 
 # ---------------------------------------------------------------------------- prefill
-def test_prefill_sinks(target):
-    """Rows or tiled prefill (causal, ragged, RoPE yarn as gpt-oss) and a not-causal
-    call where a sequence with queries has an empty chunk: (0, sink * log2 e)."""
-    sc = ROPE_TYPES["yarn"]
+@pytest.mark.parametrize("key", ["yarn", "linear"], ids=["yarn-f16", "linear-f32"])
+def test_prefill_sinks(target, key):
+    """Rows or tiled prefill (causal, ragged, RoPE: yarn as gpt-oss in f16, linear in f32)
+    and a not-causal call where a sequence with queries has an empty chunk: (0, sink *
+    log2 e)."""
+    sc = ROPE_TYPES[key]
     pre = get_prefill(sc.spec, target)
     sinks = sinks_for(sc.spec.num_qo_heads, 4)
     case = prefill_case(sc.spec, [0, 5, 20], [1, 7, 30], seed=5, rope=True)

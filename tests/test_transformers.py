@@ -5,7 +5,9 @@ Models are built from the published architecture configs (written out below), sh
 head_dim, GQA, scaling, soft-capping and sliding windows stay as published (the windows of
 Gemma-2 and Mistral shortened so that the tests cross them). Greedy generation on each
 OpenCL device must give eager attention's tokens, logits within 1e-4: one prompt, and a
-left-padded batch of three prompts of different lengths.
+left-padded batch of three prompts of different lengths. gpt-oss (learned attention sinks,
+set to random values of std SINK_STD; 4 experts) also runs through the GPU kernels and the
+CPU backend, its logits within a bound derived from the f32 sums (_reordered_sum_bound).
 """
 from __future__ import annotations
 
