@@ -369,18 +369,22 @@ class PagedKVCache:
             self._layer(layer)
             return step.append(layer, k, v)
 
-    def attend(self, layer: int, q: Any, *, out: Any = None, lse: Any = None) -> AttentionResult:
+    def attend(self, layer: int, q: Any, *, out: Any = None, lse: Any = None,
+               sink_logits: Any = None) -> AttentionResult:
         """Attention of the step's new queries ``q [T, H_qo, D]`` over ``layer``'s cache.
 
         Each new token attends to the sequence up to and including itself (a prompt
         chunk is causal). ``out``/``lse`` as in :meth:`clattn.DecodeStep.run`. The
         kernels are those :meth:`begin` chose (:attr:`step_kernels`); the results are
-        the same up to f32 rounding whichever runs.
+        the same up to f32 rounding whichever runs. ``sink_logits`` (float32 ``[H_qo]``,
+        numpy or device array, optional): the layer's learned attention sinks
+        (docs/contract.md section 5); numpy values are uploaded once per layer and kept
+        while they stay the same.
         """
         with self._lock:
             step = self._current("attend")
             self._layer(layer)
-            return step.attend(layer, q, out, lse)
+            return step.attend(layer, q, out, lse, sink_logits)
 
     def end(self) -> None:
         """Commit the step: the new tokens become part of their sequences; pages that fell
@@ -514,27 +518,32 @@ class _StepInProgress:
             if scales is not None:
                 sview[page, :, slot] = scales
 
-    def attend(self, layer: int, q: Any, out: Any, lse: Any) -> AttentionResult:
+    def attend(self, layer: int, q: Any, out: Any, lse: Any,
+               sink_logits: Any = None) -> AttentionResult:
         cache, t = self.cache, self.tables
         if not self.appended[layer]:
             raise StepError(f"attend: layer {layer} has not been appended this step; call "
                             f"append({layer}, k, v) first")
+        validate.check_sink_logits(cache.spec, sink_logits)
         if cache.backend == "cpu":
             self._check("q", q, self.q_shape)
+            if sink_logits is not None and not is_host(sink_logits):
+                sink_logits = sink_logits.get()
             if t.prefill is None:
-                return AttentionResult(*self._decode_host(layer, q, t, out, lse))
-            return self._attend_host(layer, q, t.prefill, out, lse)
+                return AttentionResult(*self._decode_host(layer, q, t, out, lse, sink_logits))
+            return self._attend_host(layer, q, t.prefill, out, lse, sink_logits)
         dev = cache._device
+        sinks = dev.sinks(layer, sink_logits)
         if dev.ready(q, self.q_shape) and out is not None and lse is not None and \
                 dev.ready(out, self.q_shape) and dev.ready(lse, self.q_shape[:2], LSE_DTYPE):
-            return dev.attend(cache.pools[layer], q, out, lse)
+            return dev.attend(cache.pools[layer], q, out, lse, sinks=sinks)
         self._check("q", q, self.q_shape)
         self._check_out(out, lse)
         call = Call(cache._rt)
         dq = call.input("q", q)
         dout = call.output("out", out, self.q_shape, cache.spec.np_dtype)
         dlse = call.output("lse", lse, self.q_shape[:2], LSE_DTYPE)
-        res = dev.attend(cache.pools[layer], dq, dout, dlse, call.wait_list())
+        res = dev.attend(cache.pools[layer], dq, dout, dlse, call.wait_list(), sinks=sinks)
         o, s = call.finish([dout, dlse], list(res.events), host=is_host(q))
         return AttentionResult(o, s, res.event, res.events)
 
@@ -549,8 +558,8 @@ class _StepInProgress:
         return dict(rotary_mode=int(cache.rope == "attend"), rope_scale=cache.rope_scale,
                     rope_theta=cache.rope_theta, sm_scale=cache.sm_scale)
 
-    def _decode_host(self, layer: int, q: np.ndarray, d: Any, out: Any,
-                     lse: Any) -> tuple[np.ndarray, np.ndarray]:
+    def _decode_host(self, layer: int, q: np.ndarray, d: Any, out: Any, lse: Any,
+                     sink_logits: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
         """The decode kernel's rows on the CPU backend over the decode tables ``d`` (the
         step's, or the rows a prefill view leaves to decode)."""
         t, kw = self.tables, self._rope_args()
@@ -559,17 +568,18 @@ class _StepInProgress:
             self.cache.spec, q, self.cache.pools[layer], d.page_indptr, d.page_indices,
             d.last_page_len, window_offset=d.window_offset, sink_size=d.sink_size,
             q_pos=t.q_pos if attend_rope else None,
-            k_pos_offset=t.k_pos_offset if attend_rope else None, out=out, lse=lse, **kw)
+            k_pos_offset=t.k_pos_offset if attend_rope else None, out=out, lse=lse,
+            sink_logits=sink_logits, **kw)
 
     def _attend_host(self, layer: int, q: np.ndarray, runs: PrefillRuns, out: Any,
-                     lse: Any) -> AttentionResult:
+                     lse: Any, sink_logits: np.ndarray | None) -> AttentionResult:
         """The CPU backend's step with prefill runs: the decode rows first (when some are
         left to decode), then each run's rows from the prefill kernel's numpy twin."""
         cache = self.cache
         spec = cache.spec
         self._check_out(out, lse)
         if runs.decode is not None:
-            out, lse = self._decode_host(layer, q, runs.decode, out, lse)
+            out, lse = self._decode_host(layer, q, runs.decode, out, lse, sink_logits)
         else:
             out = np.empty(self.q_shape, spec.np_dtype) if out is None else out
             lse = np.empty(self.q_shape[:2], LSE_DTYPE) if lse is None else lse
@@ -581,7 +591,8 @@ class _StepInProgress:
             window_offset=runs.window_offset, sink_size=runs.sink_size,
             k_pos_offset=runs.k_pos_offset if kw["rotary_mode"] else None,
             custom_mask=None if self.tables.mask is None else self.tables.mask[0],
-            mask_indptr=None if self.tables.mask is None else self.tables.mask[1], **kw)
+            mask_indptr=None if self.tables.mask is None else self.tables.mask[1],
+            sink_logits=sink_logits, **kw)
         out[rows], lse[rows] = po, ps
         cache.prefill_launches += 1
         return AttentionResult(out, lse)
@@ -620,11 +631,13 @@ class _DeviceKernels:
                                       cache.rope_scale, cache.sm_scale)
         self.decode = decode.bind(**dict.fromkeys(_TABLES + ("ws_o", "ws_s", "part_indptr")),
                                   num_pages=cache.num_pages, nnz=0, n_ws=0, split=0,
-                                  part_rows=0, **self.scalars)
+                                  part_rows=0, sink_logits=None, use_sinks=0, **self.scalars)
+        self.sink_tables: dict = {}  # layer -> (numpy sink_logits, its device copy)
         self.prefill: Any = None  # the bound prefill kernel, made by the first chunk step
         self.runs: PrefillRuns | None = None
         self.merge = merge.bind(vin=None, sv=None, indptr=None, fixed_k=-1, skip_single=1,
-                                n_states=0, out=None, lse=None, N=0, H=spec.num_qo_heads)
+                                n_states=0, out=None, lse=None, N=0, H=spec.num_qo_heads,
+                                sink_logits=None, use_sinks=0)
         turns, long_from, att = opencl.rope_buffer(int(cache.rope == "append"), cache.rope_theta,
                                                    cache.rope_scale)
         # byte pools: one flag per layer, set by the check pass to the epoch of an append
@@ -739,7 +752,8 @@ class _DeviceKernels:
             self.prefill = opencl.prefill_kernel().bind(
                 **dict.fromkeys(_TABLES + ("units",)), num_pages=self.cache.num_pages,
                 total_q=0, nnz=0, q_pos_mode=0, batch=0, n_units=0, causal=1,
-                mask=None, mask_indptr=None, mask_bytes=0, use_mask=0, **self.scalars)
+                mask=None, mask_indptr=None, mask_bytes=0, use_mask=0, sink_logits=None,
+                use_sinks=0, **self.scalars)
         return opencl.prefill_geometry.qb
 
     def _start_prefill(self, t: StepTables, runs: PrefillRuns, tab: dict) -> None:
@@ -791,6 +805,23 @@ class _DeviceKernels:
         (checked field by field; anything else takes the checked path)."""
         return (not is_host(a) and hasattr(a, "base_data") and a.shape == shape and
                 a.dtype == (dtype or self.dtype) and a.flags.c_contiguous and a.context == self.ctx)
+
+    def sinks(self, layer: int, sink_logits: Any) -> Any:
+        """``sink_logits`` (checked) on the device: a device array as it is; a numpy array
+        uploaded once for ``layer`` and kept while the layer's values stay the same."""
+        if sink_logits is None:
+            return None
+        if not is_host(sink_logits):
+            if sink_logits.context != self.ctx:
+                raise ValueError("attend: sink_logits lives in another OpenCL context than "
+                                 "the cache's device")
+            return sink_logits
+        hit = self.sink_tables.get(layer)
+        if hit is None or not np.array_equal(hit[0], sink_logits):
+            dev = runtime.cl().array.to_device(self.queue, np.ascontiguousarray(sink_logits))
+            self.cache.bytes_uploaded += sink_logits.nbytes
+            hit = self.sink_tables[layer] = (sink_logits.copy(), dev)
+        return hit[1]
 
     def _device_input(self, name: str, a: Any) -> tuple[Any, list]:
         """``(buffer or array, events)`` of k or v: a device array as is, a numpy array
@@ -872,22 +903,26 @@ class _DeviceKernels:
                 f"{spec.v_format} values cannot store; nothing was written for those layers. "
                 f"The step is still open: cancel() it (or append those layers again)")
 
-    def attend(self, pool: Any, q: Any, out: Any, lse: Any,
-               waits: list | None = None) -> AttentionResult:
+    def attend(self, pool: Any, q: Any, out: Any, lse: Any, waits: list | None = None,
+               sinks: Any = None) -> AttentionResult:
         """Launch the step's kernels for one layer: decode, prefill, or decode then
-        prefill (the prefill launch writes the rows the decode launch left empty)."""
+        prefill (the prefill launch writes the rows the decode launch left empty);
+        ``sinks``: the layer's learned sinks on the device (:meth:`sinks`) or None."""
         waits = waits if waits is not None else q.events + out.events + lse.events
+        if sinks is not None and sinks.events:
+            waits = waits + list(sinks.events)
         if not self.in_order:
             waits = self.waits + pool.events + waits
+        sink_args = dict(sink_logits=sinks, use_sinks=int(sinks is not None))
         if self.runs is None:
-            evts = self._decode(pool, q, out, lse, waits)
+            evts = self._decode(pool, q, out, lse, waits, sink_args)
         else:
             evts = ()
             if self.runs.decode is not None:
-                evts = self._decode(pool, q, out, lse, waits)
+                evts = self._decode(pool, q, out, lse, waits, sink_args)
                 waits = [] if self.in_order else [evts[-1]]
             evts += (self.prefill.launch(self.queue, *self.prefill_sizes, waits, q=q,
-                                         pages=pool, out=out, lse=lse),)
+                                         pages=pool, out=out, lse=lse, **sink_args),)
             self.cache.prefill_launches += 1
         if not self.in_order:
             pool.events.append(evts[0])  # the next write of the pool waits for this read
@@ -898,17 +933,19 @@ class _DeviceKernels:
         self._track(evts[-1])
         return AttentionResult(out, lse, evts[-1], tuple(evts))
 
-    def _decode(self, pool: Any, q: Any, out: Any, lse: Any, waits: list) -> tuple:
-        """The decode kernel (and the merge of a split plan); returns the events."""
+    def _decode(self, pool: Any, q: Any, out: Any, lse: Any, waits: list,
+                sink_args: dict) -> tuple:
+        """The decode kernel (and the merge of a split plan); returns the events.
+        ``sink_args``: the learned-sink arguments (the merge adds the sinks to a split)."""
         if self.split:
             evts = self.opencl.decode_then_merge(
                 self.queue, waits, (self.decode.launch, *self.decode_sizes,
-                                    dict(q=q, pages=pool, out=out, lse=lse)),
-                (self.merge.launch, *self.merge_sizes, dict(out=out, lse=lse)),
+                                    dict(q=q, pages=pool, out=out, lse=lse, **sink_args)),
+                (self.merge.launch, *self.merge_sizes, dict(out=out, lse=lse, **sink_args)),
                 queue_orders=self.in_order)
         else:  # no workspace to order: the decode kernel alone, on the per-layer path
             evts = (self.decode.launch(self.queue, *self.decode_sizes, waits, q=q, pages=pool,
-                                       out=out, lse=lse),)
+                                       out=out, lse=lse, **sink_args),)
         return evts
 
 

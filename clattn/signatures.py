@@ -23,6 +23,7 @@ DECODE = ArgTable("clattn_decode", [
     Scalar("rotary_mode", "int"), Scalar("sm_scale", "float"),
     Buffer("rope_turns", "float2", offset=None), Scalar("long_from", "int"),
     Scalar("rope_att", "float"),
+    Buffer("sink_logits", "float"), Scalar("use_sinks", "int"),
 ])
 
 #: in-place pairwise merge: v, s <- merge((v, s), (vo, so)) over NH (state, head) rows
@@ -33,12 +34,14 @@ MERGE_PAIR = ArgTable("clattn_merge_pair", [
 
 #: K-way merge of the states [lo, hi) of each output row (indptr, or fixed_k per row);
 #: skip_single (split-KV) leaves rows of fewer than two states alone and breaks (NaN) a row
-#: whose states are all empty when one of them is marked dead (its v NaN)
+#: whose states are all empty when one of them is marked dead (its v NaN); use_sinks adds the
+#: learned sink sink_logits[h] (natural-log units) of head h to every merged row
 MERGE_VARLEN = ArgTable("clattn_merge_varlen", [
     Buffer("vin", "in_t"), Buffer("sv", "float"), Buffer("indptr", "int"),
     Scalar("fixed_k", "int"), Scalar("skip_single", "int"), Scalar("n_states", "int"),
     Buffer("out", "st_t", const=False), Buffer("lse", "float", const=False),
     Scalar("N", "int"), Scalar("H", "int"),
+    Buffer("sink_logits", "float"), Scalar("use_sinks", "int"),
 ])
 
 #: KV-cache append (clattn.cache): token t's key/value rows of every KV head to flat slot
@@ -87,6 +90,7 @@ PREFILL = ArgTable("clattn_prefill", [
     Scalar("rotary_mode", "int"), Scalar("sm_scale", "float"),
     Buffer("rope_turns", "float2", offset=None), Scalar("long_from", "int"),
     Scalar("rope_att", "float"),
+    Buffer("sink_logits", "float"), Scalar("use_sinks", "int"),
 ])
 
 ALL = (DECODE, MERGE_PAIR, MERGE_VARLEN, APPEND, APPEND_CHECK, PAGE_COPY, PREFILL)

@@ -243,6 +243,22 @@ def _check_positions(k_pos_offset: np.ndarray, chunk: np.ndarray) -> None:
                          f"stay below 2**31")
 
 
+def check_sink_logits(spec: AttentionSpec, sink_logits: Any) -> None:
+    """``sink_logits``: None, or one learned attention-sink logit per query head (float32
+    ``[H_qo]``, natural-log units, docs/contract.md section 5); numpy values must be
+    finite or -inf (no sink for that head). Not ``sink_size`` (the kept leading tokens)."""
+    if sink_logits is None:
+        return
+    check_array("sink_logits", sink_logits, ndim=1, shape=(spec.num_qo_heads,),
+                dtypes=(np.float32,))
+    if is_host(sink_logits):
+        bad = np.isnan(sink_logits) | (sink_logits == np.inf)
+        if bad.any():
+            i = _first_bad(bad)
+            raise ValueError(f"sink_logits[{i}]={float(sink_logits[i])}: a learned sink logit "
+                             f"must be finite, or -inf for no sink on that head")
+
+
 def _first_bad(mask: np.ndarray) -> int:
     return int(np.flatnonzero(mask)[0])
 

@@ -380,8 +380,11 @@ ${rotate_row("f")}
         /* a split-KV partition whose rows all scored -inf is empty to the merge (lse
            -inf, weight 0) and marks its output NaN: the merge breaks the sequence when
            every partition is empty and one is so marked */
-        const float l${g} = ${kx.hred("lv%d" % g, "+", W)};
-        const float inv = clattn_part_inv(l${g}, r_hi > r_lo);
+        float l${g} = ${kx.hred("lv%d" % g, "+", W)};
+        /* the learned sink joins the final state only (a partition stays sink-free: the
+           merge adds it once) */
+        const float alpha = clattn_add_sink(&m${g}, &l${g}, CLATTN_SINK(direct && use_sinks, h));
+        const float inv = clattn_part_inv(l${g}, r_hi > r_lo) * alpha;
         const float st = direct ? clattn_part_lse(m${g}, l${g}, r_hi > r_lo)
                                 : clattn_state_lse(m${g}, l${g});
         if (direct) {

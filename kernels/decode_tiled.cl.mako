@@ -227,7 +227,9 @@ void clattn_decode(${SIGNATURE})
         }
         /* rows that all scored -inf: broken, or for a split-KV partition empty with its
            output marked NaN (decode_rows.cl.mako) */
-        const float inv = clattn_part_inv(lt, r_hi > r_lo);
+        /* the learned sink joins the final state only (the merge adds it to a split) */
+        const float alpha = clattn_add_sink(&mt, &lt, CLATTN_SINK(direct && use_sinks, h));
+        const float inv = clattn_part_inv(lt, r_hi > r_lo) * alpha;
         const float st = direct ? clattn_part_lse(mt, lt, r_hi > r_lo) : clattn_state_lse(mt, lt);
         ot *= inv;
         if (direct) {

@@ -235,14 +235,15 @@ __kernel void clattn_prefill(${SIGNATURE})
     for (int r = 0; r < rows; ++r) {
         const int i = r / ${G};
         const ulong at = (ulong)(qs + i) * ${HQO} + kvh * ${G} + r % ${G};
-        const float l = ((float*)lr)[r];
+        float l = ((float*)lr)[r], mf = ((float*)mr)[r];
         const int seen = KEEPS_ANY(i, ((int*)lim)[r]);   /* rows attended: all scoring -inf breaks it */
-        const float inv = clattn_part_inv(l, seen);
+        const float alpha = clattn_add_sink(&mf, &l, CLATTN_SINK(use_sinks, kvh * ${G} + r % ${G}));
+        const float inv = clattn_part_inv(l, seen) * alpha;
         __global st_t* op = out + at * ${D};
         for (int e = 0; e < ${NV}; ++e) {
             const ${FV} o = acc[r][e] * inv;
             ${c.storev(V, "o", "op + e * %d" % V)}
         }
-        lse[at] = clattn_part_lse(((float*)mr)[r], l, seen);
+        lse[at] = clattn_part_lse(mf, l, seen);
     }
 }

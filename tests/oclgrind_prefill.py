@@ -27,9 +27,11 @@ def _prefill(spec, profile):
     return pre
 
 
-def values_variant(profile, spec_kw, cached, chunks, *, window=None, sinks=None, rope=False):
+def values_variant(profile, spec_kw, cached, chunks, *, window=None, sinks=None, rope=False,
+                   sink_logits=False):
     """Causal and not causal against the oracle; the plan's units cut every sequence."""
     from cases import compare, spec_scenario
+    from oclgrind_runner import learned_sinks
     from prefill_cases import naive_prefill, prefill_case, run
     spec_kw = dict(spec_kw)
     sc = spec_scenario("variant", spec_kw.pop("num_qo_heads"), spec_kw.pop("num_kv_heads"),
@@ -37,6 +39,8 @@ def values_variant(profile, spec_kw, cached, chunks, *, window=None, sinks=None,
     pre = _prefill(sc.spec, profile)
     case = prefill_case(sc.spec, cached, chunks, seed=1, window=window, sinks=sinks, rope=rope)
     call = dict(rotary_mode=1) if rope else {}
+    if sink_logits:
+        call["sink_logits"] = learned_sinks(sc.spec.num_qo_heads)
     for causal in (True, False):
         res = run(pre, case, causal=causal, **call)
         compare(res.out, res.lse, *naive_prefill(sc, case, causal=causal, **call),
@@ -142,6 +146,10 @@ PREFILL_VARIANTS = {
         SMALL_TILED, dict(SMALL, dtype="float32"), [6, 1], [5, 2]),
     "prefill-mask-rows": lambda: mask_variant("generic-cpu"),
     "prefill-mask-tiled": lambda: mask_variant(SMALL_TILED),
+    "prefill-rows-f32-learned-sinks": lambda: values_variant(
+        "generic-cpu", dict(SMALL, dtype="float32"), [6, 0], [5, 2], sink_logits=True),
+    "prefill-tiled-f16-learned-sinks": lambda: values_variant(
+        SMALL_TILED, dict(SMALL, dtype="float16"), [6, 0], [5, 2], sink_logits=True),
     "prefill-adversarial-rows": lambda: adversarial_variant("generic-cpu"),
     "prefill-adversarial-tiled": lambda: adversarial_variant(SMALL_TILED),
     "prefill-adversarial-rows-norope": lambda: adversarial_variant("generic-cpu", rope=False),
@@ -150,4 +158,5 @@ PREFILL_VARIANTS = {
 #: without RoPE (sincos on a private pointer stops Oclgrind's uninitialised-value plugin)
 PREFILL_NO_ROPE = ("prefill-rows-vec1-f16-softcap", "prefill-tiled-f32-norope",
                    "prefill-mask-rows", "prefill-mask-tiled",
+                   "prefill-rows-f32-learned-sinks", "prefill-tiled-f16-learned-sinks",
                    "prefill-adversarial-rows-norope", "prefill-adversarial-tiled-norope")
