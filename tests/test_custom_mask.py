@@ -87,6 +87,21 @@ def test_random_masks(target, dtype, causal):
     assert np.isneginf(np.asarray(ref[1])[NEW[0] + NEW[1]]).all() == causal
 
 
+def test_masks_with_learned_sinks(target):
+    """A mask and learned sinks in one call: a query whose mask keeps no row gives its
+    head's sink alone (out 0, lse = sink log2 e), every other query the oracle's softmax
+    with the sink in its denominator."""
+    sc = SCENARIOS[F32]
+    pre = get_prefill(sc.spec, target)
+    case = prefill_case(sc.spec, CACHED, NEW, seed=5, window=[0, 20, 0], sinks=[0, 5, 0])
+    masks = random_masks(case, 6)
+    sinks = np.random.default_rng(7).normal(0, 2, sc.spec.num_qo_heads).astype(np.float32)
+    res, ref = check(pre, sc, case, masks, sink_logits=sinks, what=f"{target} sinks: ")
+    empty = int(np.flatnonzero(~masks[0].any(axis=1))[0])   # sequence 0's query
+    np.testing.assert_allclose(np.asarray(ref[1])[empty], sinks * np.log2(np.e), rtol=1e-6)
+    assert not res.out[empty].any()
+
+
 def test_rope_and_tree(target):
     """A draft tree over a cached prefix, RoPE in the kernel, next to a plain sequence
     (an all-ones mask: causal alone) and one whose queries all keep nothing."""
