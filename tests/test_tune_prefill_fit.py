@@ -30,7 +30,7 @@ SHAPES = [(m.num_qo_heads, m.num_kv_heads, m.head_dim)
           for m in map(model_shape, ("Llama-3-8B", "Qwen2.5-0.5B", "Gemma-2-2B", "Phi-3-mini"))]
 SHAPES += [(71, 1, 64), (8, 1, 72)]
 #: the wishes each strategy takes, and the geometry field that holds each
-APPLIES = {"rows": {"prefill_qb": "qb", "prefill_kb": "kb"},
+APPLIES = {"rows": {"prefill_qb": "qb", "prefill_kb": "kb", "prefill_vec": "vec"},
            "tiled": {"prefill_qb": "qb", "prefill_kb": "kb", "prefill_tc": "tc",
                      "prefill_rm": "rm"}}
 PROFILES = builtin_profiles()
@@ -111,7 +111,7 @@ def test_defaults_per_device_class():
     assert (cpu.strategy, cpu.prefill_kb, cpu.prefill_qb) == ("rows", 8, None)
     assert (gpu.prefill_tc, gpu.prefill_rm, gpu.prefill_kb, gpu.prefill_qb) == (16, 4, None, None)
     assert PROFILES["nvidia"].prefill_tc == 16 and PROFILES["intel-cpu"].prefill_kb == 8
-    assert prefill_text(cpu) == "kb 8, qb auto" and prefill_text(gpu) == "16x4, kb auto, qb auto"
+    assert prefill_text(cpu) == "kb 8, qb auto, vec auto" and prefill_text(gpu) == "16x4, kb auto, qb auto"
     # a decode tile_rows (what the tuner tunes) does not move the CPU prefill's key blocks
     g = prefill_geometry(clattn.AttentionSpec(32, 8, 128), cpu.with_(tile_rows=2), Limits())
     assert g.kb == 8 and not g.notes
