@@ -194,6 +194,9 @@ UI = "uint" if V == 1 else "uint%d" % V
 %>\
 typedef ${FV} __attribute__((aligned(4))) ldf_t;
 typedef ${UV} __attribute__((aligned(2))) ldh_t;
+/* quantized codes (byte pools: rows are only 16-byte aligned, less than a wide vector) */
+typedef ${"char" if V == 1 else "char%d" % V} __attribute__((aligned(1))) ldq8_t;
+typedef ${"uchar" if V == 1 else "uchar%d" % V} __attribute__((aligned(1))) ldq4_t;
 typedef ${"ldf_t" if DTYPE == "float" else "ldh_t"} ld_t;
 % if STORAGE_HALF:
 /* f16 <-> f32 through clang's storage-only __fp16 type: one hardware conversion per

@@ -134,6 +134,11 @@ PREFILL_VARIANTS = {
     "prefill-rows-vec1-f16-softcap": lambda: values_variant(
         {"strategy": "rows", "vec": 1, "tile_rows": 4}, dict(SMALL, dtype="float16",
                                                              softcap=20.0), [7, 0], [5, 3]),
+    # 16-float vectors (AVX-512 CPU drivers): rows padded to 16, head_dim 32 in two vectors
+    "prefill-rows-vec16-f16-window": lambda: values_variant(
+        {"strategy": "rows", "prefill_vec": 16, "tile_rows": 4},
+        dict(SMALL, head_dim=32, dtype="float16", sliding_window=True), [6, 0], [9, 2],
+        window=[3, 0], sinks=[1, 0]),
     "prefill-tiled-f16-window-rope": lambda: values_variant(
         SMALL_TILED, dict(SMALL, dtype="float16", sliding_window=True, rope_scaling=LLAMA3,
                           max_position_embeddings=131072),
@@ -156,7 +161,7 @@ PREFILL_VARIANTS = {
     "prefill-adversarial-tiled-norope": lambda: adversarial_variant(SMALL_TILED, rope=False),
 }
 #: without RoPE (sincos on a private pointer stops Oclgrind's uninitialised-value plugin)
-PREFILL_NO_ROPE = ("prefill-rows-vec1-f16-softcap", "prefill-tiled-f32-norope",
-                   "prefill-mask-rows", "prefill-mask-tiled",
+PREFILL_NO_ROPE = ("prefill-rows-vec1-f16-softcap", "prefill-rows-vec16-f16-window",
+                   "prefill-tiled-f32-norope", "prefill-mask-rows", "prefill-mask-tiled",
                    "prefill-rows-f32-learned-sinks", "prefill-tiled-f16-learned-sinks",
                    "prefill-adversarial-rows-norope", "prefill-adversarial-tiled-norope")
