@@ -216,6 +216,13 @@ def lanes(kind: int, vec: int, name: str, lane: str | int, fmt_k: str, fmt_v: st
     # so vec <= 16 lanes are one load of vec bytes and one shift, no shuffle
     u = vtype("uchar", vec)
     ld = "ldq4_t" if raw else u
+    if isinstance(lane, int) and raw:
+        # CPU: the nibble widened to 32 bits, set as the low mantissa bits of 2^23 (whose
+        # spacing is 1), minus 2^23 + 8: nibble - 8 exactly, with no int -> float convert
+        b = "convert_%s(*(const __global %s*)(%s + %d))" % (
+            vtype("uint", vec), ld, name, lane // 32 * 16 + lane % 16)
+        nib = "(%s & 15u)" % b if lane % 32 < 16 else "(%s >> 4)" % b
+        return "((as_%s(%s | 0x4b000000u) - 8388616.0f) * %s)" % (fv, nib, scale)
     if isinstance(lane, int):
         b = "(*(const __global %s*)(%s + %d))" % (ld, name, lane // 32 * 16 + lane % 16)
         codes = "(%s & (%s)15)" % (b, u) if lane % 32 < 16 else "(%s >> (%s)4)" % (b, u)

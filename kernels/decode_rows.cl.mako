@@ -330,14 +330,21 @@ ${rotate_row("f")}
 % endif
         }
 % if VQ:
-        /* quantized values: per block, the weight times the block's scale, then the codes
-           (V_CHUNKS chunks of the block at a time, as below) */
+        /* quantized values, block by block: the weights times the block's scales, W rows
+           at a time (rows past n: scale 0, weight 0), then the codes, VCH chunks of the
+           block per pass over the rows */
 <% VCH = max(k for k in range(1, CPB + 1) if CPB % k == 0 and k <= V_CHUNKS) %>
 %   for bb in range(NB):
         {
-            float vsc[${TILE}];
-            for (int j = 0; j < n; ++j)
-                vsc[j] = clattn_h2f_1(vrow_s[j][${bb}]);
+            float vsc[${TILE}] __attribute__((aligned(64)));
+            for (int j = 0; j < ${TILE}; ++j)
+                vsc[j] = j < n ? clattn_h2f_1(vrow_s[j][${bb}]) : 0.0f;
+%     for g in range(G):
+            float w${g}[${TILE}] __attribute__((aligned(64)));
+%       for h in range(NH):
+            ${kx.private_store("%s * %s" % (kx.private_load("s%d + %d" % (g, h * W), FT), kx.private_load("vsc + %d" % (h * W), FT)), "w%d + %d" % (g, h * W), FT)}
+%       endfor
+%     endfor
 %     for i0 in range(bb * CPB, (bb + 1) * CPB, VCH):
             for (int j = 0; j < n; ++j) {
 %       for i in range(i0, i0 + VCH):
@@ -345,7 +352,7 @@ ${rotate_row("f")}
 %       endfor
 %       for g in range(G):
                 {
-                    const float p = s${g}[j] * vsc[j];
+                    const float p = w${g}[j];
 %         for i in range(i0, i0 + VCH):
                     a${g}_${i} += p * v${i - i0};
 %         endfor
