@@ -31,6 +31,7 @@ from . import cpu_backend, host_memory, runtime, signatures, validate
 from .cache_tables import CacheFullError, PageTable, PrefillRuns, StepTables, prefill_runs
 from .decode import BatchDecode
 from .device import warn_notes
+from .mask import step_mask
 from .numbers import is_int
 from .prefill import make_prefill_plan
 from .quant import QUANTIZED, check_quantizable, quantize, region_views
@@ -282,7 +283,8 @@ class PagedKVCache:
                 launches=self.launches)
 
     # -- the step ------------------------------------------------------------------
-    def begin(self, seq_ids: Sequence[Hashable], lengths: Sequence[int] | None = None) -> None:
+    def begin(self, seq_ids: Sequence[Hashable], lengths: Sequence[int] | None = None, *,
+              masks: Sequence[np.ndarray | None] | None = None) -> None:
         """Start a step: reserve ``lengths[i]`` new slots (default 1) for ``seq_ids[i]``.
 
         Builds the step's page tables and split plan and uploads them once. Raises
@@ -295,6 +297,12 @@ class PagedKVCache:
         launch per layer for every such chunk of the step; its tokens past the start of
         the slide, and every sequence bringing one token, attend on the decode kernel.
         With ``prefill=False`` every token attends on the decode kernel.
+
+        ``masks`` (tree speculative decoding): per sequence a bool ``[lengths[i],
+        chunk_i]`` matrix (or None: all True) over its attended rows, the new tokens
+        included, ANDed with the causal rule (docs/prefill.md, "Custom masks"); the step
+        must then run on the prefill kernel alone (every sequence brings two or more
+        tokens, no window has begun to slide). :func:`clattn.tree_mask` makes one.
         """
         with self._lock:
             if self._step is not None:
@@ -304,6 +312,8 @@ class PagedKVCache:
             try:
                 if self.prefill and tables.T > len(tables.lengths):
                     tables.prefill = prefill_runs(tables, self._long_from)
+                if masks is not None:
+                    tables.mask = step_mask(tables.prefill, len(tables.lengths), masks)
                 self._step = _StepInProgress(self, tables)
             except BaseException:
                 self.table.release(tables)
@@ -366,18 +376,22 @@ class PagedKVCache:
             self._layer(layer)
             return step.append(layer, k, v)
 
-    def attend(self, layer: int, q: Any, *, out: Any = None, lse: Any = None) -> AttentionResult:
+    def attend(self, layer: int, q: Any, *, out: Any = None, lse: Any = None,
+               sink_logits: Any = None) -> AttentionResult:
         """Attention of the step's new queries ``q [T, H_qo, D]`` over ``layer``'s cache.
 
         Each new token attends to the sequence up to and including itself (a prompt
         chunk is causal). ``out``/``lse`` as in :meth:`clattn.DecodeStep.run`. The
         kernels are those :meth:`begin` chose (:attr:`step_kernels`); the results are
-        the same up to f32 rounding whichever runs.
+        the same up to f32 rounding whichever runs. ``sink_logits`` (float32 ``[H_qo]``,
+        numpy or device array, optional): the layer's learned attention sinks
+        (docs/contract.md section 5); numpy values are uploaded once per layer and kept
+        while they stay the same.
         """
         with self._lock:
             step = self._current("attend")
             self._layer(layer)
-            return step.attend(layer, q, out, lse)
+            return step.attend(layer, q, out, lse, sink_logits)
 
     def end(self) -> None:
         """Commit the step: the new tokens become part of their sequences; pages that fell
@@ -515,27 +529,33 @@ class _StepInProgress:
             if scales is not None:
                 sview[page, :, slot] = scales
 
-    def attend(self, layer: int, q: Any, out: Any, lse: Any) -> AttentionResult:
+    def attend(self, layer: int, q: Any, out: Any, lse: Any,
+               sink_logits: Any = None) -> AttentionResult:
         cache, t = self.cache, self.tables
         if not self.appended[layer]:
             raise StepError(f"attend: layer {layer} has not been appended this step; call "
                             f"append({layer}, k, v) first")
+        validate.check_sink_logits(cache.spec, sink_logits)
         if cache.backend == "cpu":
             self._check("q", q, self.q_shape)
+            if sink_logits is not None and not is_host(sink_logits):
+                sink_logits = sink_logits.get()
             if t.prefill is None:
-                return AttentionResult(*self._decode_host(layer, q, t, out, lse))
-            return self._attend_host(layer, q, t.prefill, out, lse)
+                return AttentionResult(*self._decode_host(layer, q, t, out, lse, sink_logits))
+            return self._attend_host(layer, q, t.prefill, out, lse, sink_logits)
         dev = cache._device
+        sinks = dev.sinks(layer, sink_logits)
         if dev.ready(q, self.q_shape) and out is not None and lse is not None and \
                 dev.ready(out, self.q_shape) and dev.ready(lse, self.q_shape[:2], LSE_DTYPE):
-            return dev.attend(cache.pools[layer], q, out, lse, layer=layer)
+            return dev.attend(cache.pools[layer], q, out, lse, sinks=sinks, layer=layer)
         self._check("q", q, self.q_shape)
         self._check_out(out, lse)
         call = Call(cache._rt)
         dq = call.input("q", q)
         dout = call.output("out", out, self.q_shape, cache.spec.np_dtype)
         dlse = call.output("lse", lse, self.q_shape[:2], LSE_DTYPE)
-        res = dev.attend(cache.pools[layer], dq, dout, dlse, call.wait_list(), layer=layer)
+        res = dev.attend(cache.pools[layer], dq, dout, dlse, call.wait_list(), sinks=sinks,
+                         layer=layer)
         o, s = call.finish([dout, dlse], list(res.events), host=is_host(q))
         return AttentionResult(o, s, res.event, res.events)
 
@@ -550,8 +570,8 @@ class _StepInProgress:
         return dict(rotary_mode=int(cache.rope == "attend"), rope_scale=cache.rope_scale,
                     rope_theta=cache.rope_theta, sm_scale=cache.sm_scale)
 
-    def _decode_host(self, layer: int, q: np.ndarray, d: Any, out: Any,
-                     lse: Any) -> tuple[np.ndarray, np.ndarray]:
+    def _decode_host(self, layer: int, q: np.ndarray, d: Any, out: Any, lse: Any,
+                     sink_logits: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
         """The decode kernel's rows on the CPU backend over the decode tables ``d`` (the
         step's, or the rows a prefill view leaves to decode)."""
         t, kw = self.tables, self._rope_args()
@@ -560,17 +580,18 @@ class _StepInProgress:
             self.cache.spec, q, self.cache.pools[layer], d.page_indptr, d.page_indices,
             d.last_page_len, window_offset=d.window_offset, sink_size=d.sink_size,
             q_pos=t.q_pos if attend_rope else None,
-            k_pos_offset=t.k_pos_offset if attend_rope else None, out=out, lse=lse, **kw)
+            k_pos_offset=t.k_pos_offset if attend_rope else None, out=out, lse=lse,
+            sink_logits=sink_logits, **kw)
 
     def _attend_host(self, layer: int, q: np.ndarray, runs: PrefillRuns, out: Any,
-                     lse: Any) -> AttentionResult:
+                     lse: Any, sink_logits: np.ndarray | None) -> AttentionResult:
         """The CPU backend's step with prefill runs: the decode rows first (when some are
         left to decode), then each run's rows from the prefill kernel's numpy twin."""
         cache = self.cache
         spec = cache.spec
         self._check_out(out, lse)
         if runs.decode is not None:
-            out, lse = self._decode_host(layer, q, runs.decode, out, lse)
+            out, lse = self._decode_host(layer, q, runs.decode, out, lse, sink_logits)
         else:
             out = np.empty(self.q_shape, spec.np_dtype) if out is None else out
             lse = np.empty(self.q_shape[:2], LSE_DTYPE) if lse is None else lse
@@ -580,7 +601,10 @@ class _StepInProgress:
             spec, np.ascontiguousarray(q[rows]), cache.pools[layer], runs.qo_indptr,
             runs.page_indptr, runs.page_indices, runs.last_page_len,
             window_offset=runs.window_offset, sink_size=runs.sink_size,
-            k_pos_offset=runs.k_pos_offset if kw["rotary_mode"] else None, **kw)
+            k_pos_offset=runs.k_pos_offset if kw["rotary_mode"] else None,
+            custom_mask=None if self.tables.mask is None else self.tables.mask[0],
+            mask_indptr=None if self.tables.mask is None else self.tables.mask[1],
+            sink_logits=sink_logits, **kw)
         out[rows], lse[rows] = po, ps
         cache.prefill_launches += 1
         return AttentionResult(out, lse)
@@ -619,11 +643,13 @@ class _DeviceKernels:
                                       cache.rope_scale, cache.sm_scale)
         self.decode = decode.bind(**dict.fromkeys(_TABLES + ("ws_o", "ws_s", "part_indptr")),
                                   num_pages=cache.num_pages, nnz=0, n_ws=0, split=0,
-                                  part_rows=0, **self.scalars)
+                                  part_rows=0, sink_logits=None, use_sinks=0, **self.scalars)
+        self.sink_tables: dict = {}  # layer -> (numpy sink_logits, its device copy)
         self.prefill: Any = None  # the bound prefill kernel, made by the first chunk step
         self.runs: PrefillRuns | None = None
         self.merge = merge.bind(vin=None, sv=None, indptr=None, fixed_k=-1, skip_single=1,
-                                n_states=0, out=None, lse=None, N=0, H=spec.num_qo_heads)
+                                n_states=0, out=None, lse=None, N=0, H=spec.num_qo_heads,
+                                sink_logits=None, use_sinks=0)
         turns, long_from, att = opencl.rope_buffer(int(cache.rope == "append"), cache.rope_theta,
                                                    cache.rope_scale)
         # byte pools: one flag per layer, set by the check pass to the epoch of an append
@@ -673,6 +699,7 @@ class _DeviceKernels:
         return launcher.bind(**dict.fromkeys(_TABLES + ("ws_o", "ws_s", "part_indptr", "k",
                                                         "v", "slots", "k_pos")),
                              num_pages=cache.num_pages, nnz=0, n_ws=0, split=0, part_rows=0,
+                             sink_logits=None, use_sinks=0,
                              append_rope=int(cache.rope == "append"), **scalars)
 
     def upload_events(self) -> tuple:
@@ -766,7 +793,9 @@ class _DeviceKernels:
         if self.prefill is None:
             self.prefill = opencl.prefill_kernel().bind(
                 **dict.fromkeys(_TABLES + ("units",)), num_pages=self.cache.num_pages,
-                total_q=0, nnz=0, q_pos_mode=0, batch=0, n_units=0, causal=1, **self.scalars)
+                total_q=0, nnz=0, q_pos_mode=0, batch=0, n_units=0, causal=1,
+                mask=None, mask_indptr=None, mask_bytes=0, use_mask=0, sink_logits=None,
+                use_sinks=0, **self.scalars)
         return opencl.prefill_geometry.qb
 
     def _start_prefill(self, t: StepTables, runs: PrefillRuns, tab: dict) -> None:
@@ -780,10 +809,19 @@ class _DeviceKernels:
                          sink_size=tab.get("prefill.sink_size"),
                          k_pos_offset=tab["prefill.k_pos_offset"] if attend_rope else None,
                          total_q=t.T, batch=len(runs.n), units=tab["prefill.units"],
-                         n_units=n_units)
+                         n_units=n_units, **self._mask_args(t.mask))
         geom = self.opencl.prefill_geometry
         self.prefill_sizes = (geom.global_size(n_units, self.cache.spec.num_kv_heads),
                               geom.local_size())
+
+    def _mask_args(self, mask: tuple | None) -> dict:
+        """The prefill kernel's mask arguments for the step's packed mask (uploaded)."""
+        if mask is None:
+            return dict(mask=None, mask_indptr=None, mask_bytes=0, use_mask=0)
+        cla = runtime.cl().array
+        bits, indptr = (cla.to_device(self.queue, a) for a in mask)
+        self.cache.bytes_uploaded += mask[0].nbytes + mask[1].nbytes
+        return dict(mask=bits, mask_indptr=indptr, mask_bytes=len(mask[0]), use_mask=1)
 
     def _plan(self, t: StepTables, d: Any) -> Any:
         """The split plan of the decode tables ``d``: the last one while it still fits
@@ -809,6 +847,23 @@ class _DeviceKernels:
         (checked field by field; anything else takes the checked path)."""
         return (not is_host(a) and hasattr(a, "base_data") and a.shape == shape and
                 a.dtype == (dtype or self.dtype) and a.flags.c_contiguous and a.context == self.ctx)
+
+    def sinks(self, layer: int, sink_logits: Any) -> Any:
+        """``sink_logits`` (checked) on the device: a device array as it is; a numpy array
+        uploaded once for ``layer`` and kept while the layer's values stay the same."""
+        if sink_logits is None:
+            return None
+        if not is_host(sink_logits):
+            if sink_logits.context != self.ctx:
+                raise ValueError("attend: sink_logits lives in another OpenCL context than "
+                                 "the cache's device")
+            return sink_logits
+        hit = self.sink_tables.get(layer)
+        if hit is None or not np.array_equal(hit[0], sink_logits):
+            dev = runtime.cl().array.to_device(self.queue, np.ascontiguousarray(sink_logits))
+            self.cache.bytes_uploaded += sink_logits.nbytes
+            hit = self.sink_tables[layer] = (sink_logits.copy(), dev)
+        return hit[1]
 
     def _device_input(self, name: str, a: Any) -> tuple[Any, list]:
         """``(buffer or array, events)`` of k or v: a device array as is, a numpy array
@@ -922,30 +977,35 @@ class _DeviceKernels:
                 f"{spec.v_format} values cannot store; nothing was written for those layers. "
                 f"The step is still open: cancel() it (or append those layers again)")
 
-    def attend(self, pool: Any, q: Any, out: Any, lse: Any, waits: list | None = None, *,
-               layer: int = -1) -> AttentionResult:
+    def attend(self, pool: Any, q: Any, out: Any, lse: Any, waits: list | None = None,
+               sinks: Any = None, *, layer: int = -1) -> AttentionResult:
         """Launch the step's kernels for one layer: decode (with the layer's deferred
         append fused in), prefill, or decode then prefill (the prefill launch writes the
-        rows the decode launch left empty)."""
+        rows the decode launch left empty); ``sinks``: the layer's learned sinks on the
+        device (:meth:`sinks`) or None."""
         waits = waits if waits is not None else q.events + out.events + lse.events
+        if sinks is not None and sinks.events:
+            waits = waits + list(sinks.events)
         fused = None
         if self.pending is not None and self.pending[0] == layer:
             fused, self.pending = self.pending, None
             waits = waits + fused[3]
         if not self.in_order:
             waits = self.waits + pool.events + waits
+        sink_args = dict(sink_logits=sinks, use_sinks=int(sinks is not None))
         if fused is not None:
-            evts = self._decode(pool, q, out, lse, waits, dict(k=fused[1], v=fused[2]))
+            evts = self._decode(pool, q, out, lse, waits, sink_args,
+                                dict(k=fused[1], v=fused[2]))
             self._written(pool, evts[0])
         elif self.runs is None:
-            evts = self._decode(pool, q, out, lse, waits)
+            evts = self._decode(pool, q, out, lse, waits, sink_args)
         else:
             evts = ()
             if self.runs.decode is not None:
-                evts = self._decode(pool, q, out, lse, waits)
+                evts = self._decode(pool, q, out, lse, waits, sink_args)
                 waits = [] if self.in_order else [evts[-1]]
             evts += (self.prefill.launch(self.queue, *self.prefill_sizes, waits, q=q,
-                                         pages=pool, out=out, lse=lse),)
+                                         pages=pool, out=out, lse=lse, **sink_args),)
             self.cache.prefill_launches += 1
         self.cache.launches += len(evts)
         if not self.in_order:
@@ -958,15 +1018,16 @@ class _DeviceKernels:
         return AttentionResult(out, lse, evts[-1], tuple(evts))
 
     def _decode(self, pool: Any, q: Any, out: Any, lse: Any, waits: list,
-                append: dict | None = None) -> tuple:
+                sink_args: dict, append: dict | None = None) -> tuple:
         """The decode kernel (and the merge of a split plan); returns the events.
+        ``sink_args``: the learned-sink arguments (the merge adds the sinks to a split);
         ``append``: the deferred append's ``k`` and ``v``, written by the fused kernel."""
         kernel = self.decode if append is None else self.fused
-        args = dict(q=q, pages=pool, out=out, lse=lse, **(append or {}))
+        args = dict(q=q, pages=pool, out=out, lse=lse, **sink_args, **(append or {}))
         if self.split:
             evts = self.opencl.decode_then_merge(
                 self.queue, waits, (kernel.launch, *self.decode_sizes, args),
-                (self.merge.launch, *self.merge_sizes, dict(out=out, lse=lse)),
+                (self.merge.launch, *self.merge_sizes, dict(out=out, lse=lse, **sink_args)),
                 queue_orders=self.in_order)
         else:  # no workspace to order: the decode kernel alone, on the per-layer path
             evts = (kernel.launch(self.queue, *self.decode_sizes, waits, **args),)

@@ -127,6 +127,9 @@ class StepTables:
     undo: list = field(repr=False, default_factory=list)
     #: the step's prefill view (:func:`prefill_runs`), set by the cache; None: decode only
     prefill: "PrefillRuns | None" = None
+    #: the step's packed custom mask ``(custom_mask, mask_indptr)`` over the prefill runs
+    #: (:func:`clattn.mask.step_mask`), set by the cache; None: causal alone
+    mask: tuple | None = None
 
     @property
     def n_copies(self) -> int:

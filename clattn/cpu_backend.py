@@ -9,9 +9,11 @@ from __future__ import annotations
 import numpy as np
 
 from . import rope as _rope
+from .mask import unpack_mask
 from .quant import unpack_pool
 from .spec import LOG2E, LSE_DTYPE, AttentionSpec, default_sm_scale
-from .validate import check_decode, check_merge_k, check_merge_pair, check_prefill
+from .validate import check_decode, check_merge_k, check_merge_pair, check_prefill, \
+    check_sink_logits
 
 BLOCK_ROWS = 4096  # rows gathered at once per sequence (bounds temporary memory)
 
@@ -41,6 +43,29 @@ def finish_state(m: np.ndarray, l: np.ndarray, acc: np.ndarray) -> tuple[np.ndar
     return o.astype(np.float32), s.astype(np.float32)
 
 
+def sink_base2(sink_logits: np.ndarray | None, H: int) -> np.ndarray:
+    """Each query head's learned sink in base-2 units (f32, as the kernels form it); -inf
+    (no sink) for every head when ``sink_logits`` is None."""
+    if sink_logits is None:
+        return np.full(H, -np.inf, np.float32)
+    return (sink_logits.astype(np.float32) * np.float32(LOG2E)).astype(np.float32)
+
+
+def add_sink(m: np.ndarray, l: np.ndarray, acc: np.ndarray,
+             t: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """States ``(m, l, acc)`` with the sink ``t`` (base 2, broadcast against ``m``) as one
+    more score of value 0: ``m' = max(m, t)``, ``l' = l 2^(m - m') + 2^(t - m')``, acc
+    scaled by ``2^(m - m')``. ``t = -inf`` leaves a state as it is; ``+inf`` breaks it
+    (docs/contract.md section 5)."""
+    t = np.where(t == np.inf, np.float32(np.nan), t).astype(np.float32)
+    with np.errstate(invalid="ignore", over="ignore"):
+        m2 = np.where(np.isnan(m) | np.isnan(t), np.float32(np.nan), np.maximum(m, t))
+        alpha = np.where(m == -np.inf, np.float32(0), np.exp2(m - m2)).astype(np.float32)
+        w = np.where(t == -np.inf, np.float32(0), np.exp2(t - m2)).astype(np.float32)
+        return (m2.astype(np.float32), (l * alpha + w).astype(np.float32),
+                (acc * alpha[..., None]).astype(np.float32))
+
+
 def _apply_softcap(s: np.ndarray, softcap: float | None) -> np.ndarray:
     return s if softcap is None else softcap * np.tanh(s / softcap)
 
@@ -52,8 +77,11 @@ def batch_decode(spec: AttentionSpec, q: np.ndarray, pages: np.ndarray, page_ind
                  k_pos_offset: np.ndarray | None = None, rotary_mode: int = 0,
                  rope_scale: float = 1.0, rope_theta: float = 1e4,
                  sm_scale: float | None = None, out: np.ndarray | None = None,
-                 lse: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """Paged-KV decode attention on the CPU; returns ``(out, lse)`` (lse base 2)."""
+                 lse: np.ndarray | None = None,
+                 sink_logits: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Paged-KV decode attention on the CPU; returns ``(out, lse)`` (lse base 2).
+    ``sink_logits`` (float32 ``[H_qo]``) adds a learned attention sink per query head."""
+    check_sink_logits(spec, sink_logits)
     args = check_decode(spec, q, pages, page_indptr, page_indices, last_page_len,
                         length_info=length_info, window_offset=window_offset,
                         sink_size=sink_size, q_pos=q_pos, k_pos_offset=k_pos_offset,
@@ -65,7 +93,8 @@ def batch_decode(spec: AttentionSpec, q: np.ndarray, pages: np.ndarray, page_ind
     Hkv, G, ps = spec.num_kv_heads, spec.group_size, spec.page_size
     scale = (default_sm_scale(D) if sm_scale is None else float(sm_scale))
     res_o = np.zeros((B, H, D), dtype=np.float32)
-    res_s = np.full((B, H), -np.inf, dtype=np.float32)
+    sink2 = sink_base2(sink_logits, H)
+    res_s = np.broadcast_to(sink2, (B, H)).copy()  # an empty chunk: the sink alone
     if rotary_mode == 1:
         scaling = _rope.parse_rope_scaling(spec.rope_scaling, spec.max_position_embeddings)
         inv2, att, long_from = _rope.rope_tables(spec.rotary_dim, float(rope_theta), scaling,
@@ -106,7 +135,7 @@ def batch_decode(spec: AttentionSpec, q: np.ndarray, pages: np.ndarray, page_ind
             l = l * alpha + p.sum(axis=-1)
             acc = acc * alpha[..., None] + np.einsum("hgr,rhd->hgd", p, v, dtype=np.float32)
             m = m_new
-        o, st = finish_state(m, l, acc)
+        o, st = finish_state(*add_sink(m, l, acc, sink2.reshape(Hkv, G)))
         res_o[b] = o.reshape(H, D)
         res_s[b] = st.reshape(H)
     if out is None:
@@ -129,18 +158,24 @@ def batch_prefill(spec: AttentionSpec, q: np.ndarray, pages: np.ndarray, qo_indp
                   k_pos_offset: np.ndarray | None = None, rotary_mode: int = 0,
                   causal: bool = True, rope_scale: float = 1.0, rope_theta: float = 1e4,
                   sm_scale: float | None = None, out: np.ndarray | None = None,
-                  lse: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+                  lse: np.ndarray | None = None, custom_mask: np.ndarray | None = None,
+                  mask_indptr: np.ndarray | None = None,
+                  sink_logits: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Paged-KV prefill on the CPU (docs/prefill.md); returns ``(out, lse)``, lse base 2.
 
     Query ``i`` of sequence ``b`` is chunk row ``chunk - n + i``; causal, it attends chunk
-    rows ``[0, chunk - n + i]``, else the whole chunk. f32 accumulation, key blocks merged
-    as in :func:`batch_decode`.
+    rows ``[0, chunk - n + i]``, else the whole chunk; with ``custom_mask`` only those of
+    them its mask keeps (a query keeping none: ``out = 0``, ``lse = -inf``, or its head's
+    sink with ``sink_logits``). f32 accumulation, key blocks merged as in
+    :func:`batch_decode`, the learned sinks ``sink_logits`` too.
     """
+    check_sink_logits(spec, sink_logits)
     args = check_prefill(spec, q, pages, qo_indptr, page_indptr, page_indices, last_page_len,
                          length_info=length_info, window_offset=window_offset,
                          sink_size=sink_size, q_pos=q_pos, k_pos_offset=k_pos_offset,
                          rotary_mode=rotary_mode, causal=causal, sm_scale=sm_scale,
-                         rope_scale=rope_scale, rope_theta=rope_theta, out=out, lse=lse)
+                         rope_scale=rope_scale, rope_theta=rope_theta, out=out, lse=lse,
+                         custom_mask=custom_mask, mask_indptr=mask_indptr)
     t = args.tables
     if spec.byte_pool:
         pages, page_indices = _float_pages(spec, pages, page_indices)
@@ -148,7 +183,8 @@ def batch_prefill(spec: AttentionSpec, q: np.ndarray, pages: np.ndarray, qo_indp
     Hkv, G, ps = spec.num_kv_heads, spec.group_size, spec.page_size
     scale = np.float32(default_sm_scale(D) if sm_scale is None else float(sm_scale))
     res_o = np.zeros((T, H, D), dtype=np.float32)
-    res_s = np.full((T, H), -np.inf, dtype=np.float32)
+    sink2 = sink_base2(sink_logits, H)
+    res_s = np.broadcast_to(sink2, (T, H)).copy()  # a query that attends nothing: the sink
     if rotary_mode == 1:
         scaling = _rope.parse_rope_scaling(spec.rope_scaling, spec.max_position_embeddings)
         inv2, att, long_from = _rope.rope_tables(spec.rotary_dim, float(rope_theta), scaling,
@@ -164,6 +200,7 @@ def batch_prefill(spec: AttentionSpec, q: np.ndarray, pages: np.ndarray, qo_indp
             kpos = int(k_pos_offset[b])
             qpos = kpos + chunk - n if q_pos is None else int(q_pos[b])  # the first query's
             inv = inv2[1] if qpos + n - 1 >= long_from else inv2[0]
+        keep = None if custom_mask is None else unpack_mask(custom_mask, mask_indptr, b, n, chunk)
         for i0 in range(0, n, QUERY_ROWS):
             rows_q = np.arange(chunk - n + i0, chunk - n + min(n, i0 + QUERY_ROWS))  # chunk rows
             if not causal:
@@ -189,8 +226,10 @@ def batch_prefill(spec: AttentionSpec, q: np.ndarray, pages: np.ndarray, qo_indp
                 s = np.einsum("qhgd,rhd->hgqr", qb, k, dtype=np.float32) * scale
                 s = _apply_softcap(s, spec.softcap).astype(np.float32) * np.float32(LOG2E)
                 seen = np.arange(r0, r0 + len(o))[None, :] <= rows_q[:, None]  # causal [q, r]
-                s = np.where(seen, s, -np.inf)
                 live = seen[:, 0]  # the block's first row is attended by the query
+                if keep is not None:
+                    seen = seen & keep[i0:i0 + len(rows_q), r0:r0 + len(o)]
+                s = np.where(seen, s, -np.inf)
                 m_new = np.where(live, np.maximum(m, s.max(axis=-1)), m)
                 base = exp_base(m_new)
                 alpha = np.where(live, np.exp2(m - base), 1.0).astype(np.float32)
@@ -198,12 +237,19 @@ def batch_prefill(spec: AttentionSpec, q: np.ndarray, pages: np.ndarray, qo_indp
                 l = l * alpha + p.sum(axis=-1)
                 pv = np.einsum("hgqr,rhd->hgqd", p, v, dtype=np.float32)
                 if not np.isfinite(v).all():  # a masked row's value must not reach (0 * inf)
-                    for i, rows in enumerate(seen.sum(axis=1)):  # attended: a leading run
-                        pv[:, :, i] = np.einsum("hgr,rhd->hgd", p[:, :, i, :rows], v[:rows],
+                    for i, rows in enumerate(seen):
+                        pv[:, :, i] = np.einsum("hgr,rhd->hgd", p[:, :, i, rows], v[rows],
                                                 dtype=np.float32)
                 acc = acc * alpha[..., None] + pv
                 m = m_new
-            o, st = finish_state(m, l, acc)  # every query here attends a row
+            # every query here attends a row ...
+            o, st = finish_state(*add_sink(m, l, acc, sink2.reshape(Hkv, G, 1)))
+            if keep is not None:  # ... unless its mask keeps none of them: the sink alone
+                lim = np.minimum(rows_q, chunk - 1)
+                kept = (keep[i0:i0 + len(rows_q)] & (np.arange(chunk)[None, :] <=
+                                                     lim[:, None])).any(axis=1)
+                o = np.where(kept[:, None], o, np.float32(0))
+                st = np.where(kept, st, sink2.reshape(Hkv, G, 1))
             res_o[qs + i0:qs + i0 + len(rows_q)] = o.transpose(2, 0, 1, 3) \
                 .reshape(len(rows_q), H, D)
             res_s[qs + i0:qs + i0 + len(rows_q)] = st.transpose(2, 0, 1) \

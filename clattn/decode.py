@@ -7,7 +7,7 @@ import numpy as np
 
 from . import cpu_backend, host_memory, runtime
 from .codegen import render_decode
-from .decode_step import DecodeStep, upload_tables
+from .decode_step import DecodeStep, sink_args, upload_tables
 from .device import DeviceSetup, open_backend, warn_notes
 from .fit import DecodeGeometry, MergeGeometry
 from .numbers import is_int
@@ -17,7 +17,8 @@ from .profiles.record import Profile
 from .result import AttentionResult
 from .spec import INDEX_DTYPE, INT32_MAX, LSE_DTYPE, AttentionSpec
 from .staging import Call, events_list
-from .validate import check_array, check_decode, check_tables, chunk_lengths, is_host
+from .validate import check_array, check_decode, check_sink_logits, check_tables, \
+    chunk_lengths, is_host
 
 _CPU_PROFILE = Profile(name="cpu-backend", strategy="rows")
 
@@ -165,7 +166,7 @@ class BatchDecode:
             rotary_mode: int = 0, rope_scale: float = 1.0, rope_theta: float = 1e4,
             sm_scale: float | None = None, out: Any = None, lse: Any = None,
             plan: Plan | None = None, split: bool | int | None = None, queue: Any = None,
-            wait_for: list | None = None) -> AttentionResult:
+            wait_for: list | None = None, sink_logits: Any = None) -> AttentionResult:
         """Attend one query token per sequence to its paged keys and values.
 
         All arrays are numpy arrays (copied in, results copied back: the call waits) or
@@ -211,12 +212,17 @@ class BatchDecode:
             Queue to enqueue on (default: the decoder's).
         wait_for : list of pyopencl.Event, optional
             Events to wait for besides those attached to the arrays.
+        sink_logits : float32 array, shape [H_qo], optional
+            Learned attention sinks (gpt-oss): one logit per query head, natural-log
+            units, added to the softmax denominator with no value (docs/contract.md
+            section 5). -inf: no sink on that head. Not ``sink_size``.
 
         Returns
         -------
         AttentionResult
-            ``(out, lse, event)``; ``lse`` is base 2; an empty chunk gives ``out = 0``,
-            ``lse = -inf``. ``.events`` lists every kernel event of the call.
+            ``(out, lse, event)``; ``lse`` is base 2 (the sink included); an empty chunk
+            gives ``out = 0``, ``lse = -inf`` (with a sink: ``sink * log2(e)``).
+            ``.events`` lists every kernel event of the call.
         """
         spec = self.spec
         kw = dict(length_info=length_info, window_offset=window_offset, sink_size=sink_size,
@@ -228,16 +234,19 @@ class BatchDecode:
             if plan is not None and hasattr(page_indptr, "shape"):
                 _check_plan_batch(plan, page_indptr.shape[0] - 1)
             return AttentionResult(*run_on_host(cpu_backend.batch_decode, spec, (
-                q, pages, page_indptr, page_indices, last_page_len), kw, out, lse))
+                q, pages, page_indptr, page_indices, last_page_len),
+                dict(kw, sink_logits=sink_logits), out, lse))
         args = check_decode(spec, q, pages, page_indptr, page_indices, last_page_len,
                             out=out, lse=lse, **kw)
+        check_sink_logits(spec, sink_logits)
         B, H, D = args.B, spec.num_qo_heads, spec.head_dim
         plan = self._checked_plan(plan, args, split)
         rt = self.setup.runtime
         call = Call(rt, queue, wait_for)
         named = upload_tables(call, spec, args, page_indptr, page_indices, length_info,
                               window_offset, sink_size, q_pos, k_pos_offset, rotary_mode)
-        named.update(q=call.input("q", q), pages=call.input("pages", pages))
+        sinks = sink_args(call, sink_logits)
+        named.update(q=call.input("q", q), pages=call.input("pages", pages), **sinks)
         dout = call.output("out", out, (B, H, D), spec.np_dtype)
         dlse = call.output("lse", lse, (B, H), LSE_DTYPE)
         opencl = self.opencl
@@ -254,7 +263,8 @@ class BatchDecode:
             gsz = geom.global_size(B, spec.num_kv_heads, plan.num_parts if plan.split else 1)
             merging = (merge, *opencl.merge_geometry.sizes(B * H, D), dict(
                 vin=(ws_o, 0), sv=(ws_s, 0), indptr=pindptr, fixed_k=-1, skip_single=1,
-                n_states=plan.n_ws, out=dout, lse=dlse, N=B, H=H)) if plan.split else None
+                n_states=plan.n_ws, out=dout, lse=dlse, N=B, H=H, **sinks)) if plan.split \
+                else None
             events = opencl.decode_then_merge(call.queue, call.wait_list(),
                                               (decode, gsz, geom.local_size(), named), merging)
         o, s = call.finish([dout, dlse], events, host=is_host(q))

@@ -15,7 +15,7 @@ from .plan import Plan
 from .result import AttentionResult
 from .spec import LSE_DTYPE
 from .staging import Call, events_list
-from .validate import DecodeArgs, check_operands, is_host
+from .validate import DecodeArgs, check_operands, check_sink_logits, is_host
 
 
 class DecodeStep:
@@ -48,7 +48,7 @@ class DecodeStep:
         self._sizes = (geom.global_size(args.B, spec.num_kv_heads,
                                         plan.num_parts if plan.split else 1),
                        geom.local_size())
-        unset = dict(q=None, pages=None, out=None, lse=None)
+        unset = dict(q=None, pages=None, out=None, lse=None, sink_logits=None, use_sinks=0)
         self._decode = decode.bind(**unset, **tables, ws_o=ws[0], ws_s=ws[1],
                                    n_ws=plan.n_ws, split=int(plan.split),
                                    part_rows=plan.part_rows if plan.split else 0)
@@ -57,7 +57,8 @@ class DecodeStep:
             self._merge_sizes = opencl.merge_geometry.sizes(args.B * H, D)
             self._merge = merge.bind(vin=(ws[0], 0), sv=(ws[1], 0), indptr=tables["part_indptr"],
                                      fixed_k=-1, skip_single=1, n_states=plan.n_ws,
-                                     out=None, lse=None, N=args.B, H=H)
+                                     out=None, lse=None, N=args.B, H=H, sink_logits=None,
+                                     use_sinks=0)
 
     def _fast_ok(self, q: Any, pages: Any, out: Any, lse: Any) -> bool:
         """True when every operand is a device array of this context with the right
@@ -75,12 +76,14 @@ class DecodeStep:
         return True
 
     def run(self, q: Any, pages: Any, *, out: Any = None, lse: Any = None, queue: Any = None,
-            wait_for: list | None = None) -> AttentionResult:
+            wait_for: list | None = None, sink_logits: Any = None) -> AttentionResult:
         """Attend one layer: ``q [B, H_qo, D]`` over ``pages [P, 2, H_kv, page_size, D]``.
 
         Arrays as in :meth:`clattn.BatchDecode.run` (numpy in and out, or device arrays
         of the decoder's context); ``pages`` must have the pool size the step was
         prepared for. Pass ``out=``/``lse=`` device arrays to keep the host path short.
+        ``sink_logits`` (float32 ``[H_qo]``, optional): this layer's learned attention
+        sinks, as in :meth:`clattn.BatchDecode.run`.
 
         Returns
         -------
@@ -88,20 +91,22 @@ class DecodeStep:
             ``(out, lse, event)`` with ``.events``.
         """
         spec = self.decoder.spec
+        check_sink_logits(spec, sink_logits)
         if not self._fast_ok(q, pages, out, lse):
             check_operands(spec, q, pages, out, lse, batch=self.batch, num_pages=self.num_pages)
         elif out is not None and lse is not None and queue is None and self._merge is None \
-                and self.batch > 0:
-            return self._run_fast(q, pages, out, lse, wait_for)
+                and self.batch > 0 and (sink_logits is None or not is_host(sink_logits)):
+            return self._run_fast(q, pages, out, lse, wait_for, sink_logits)
         call = Call(self._rt, queue, wait_for)
+        sinks = sink_args(call, sink_logits)
         dq, dpages = call.input("q", q), call.input("pages", pages)
         dout = call.output("out", out, self._shapes[0], self._dtype)
         dlse = call.output("lse", lse, self._shapes[2], LSE_DTYPE)
         events: tuple = ()
         if self.batch > 0:
-            operands = dict(q=dq, pages=dpages, out=dout, lse=dlse)
+            operands = dict(q=dq, pages=dpages, out=dout, lse=dlse, **sinks)
             merging = None if self._merge is None else \
-                (self._merge.launch, *self._merge_sizes, dict(out=dout, lse=dlse))
+                (self._merge.launch, *self._merge_sizes, dict(out=dout, lse=dlse, **sinks))
             with self._lock:
                 events = self._opencl.decode_then_merge(
                     call.queue, call.wait_list(*self._table_events),
@@ -111,23 +116,35 @@ class DecodeStep:
         return AttentionResult(o, s, events[-1] if events else None, tuple(events))
 
 
-    def _run_fast(self, q: Any, pages: Any, out: Any, lse: Any,
-                  wait_for: list | None) -> AttentionResult:
-        """The per-layer path: device operands already checked, outputs given, no split."""
+    def _run_fast(self, q: Any, pages: Any, out: Any, lse: Any, wait_for: list | None,
+                  sink_logits: Any) -> AttentionResult:
+        """The per-layer path: device operands already checked, outputs given, no split
+        (``sink_logits`` None or a checked device array)."""
         waits = events_list(wait_for)
-        for a in (q, pages, out, lse):
-            if a.events:
+        if sink_logits is not None and sink_logits.context != self._rt.context:
+            raise ValueError("sink_logits: lives in another OpenCL context than the step's "
+                             "device; create it in that device's context")
+        for a in (q, pages, out, lse, sink_logits):
+            if a is not None and a.events:
                 waits.extend(a.events)
         with self._lock:
             waits.extend(self._table_events)
             evt = self._decode.launch(self._rt.queue, *self._sizes, waits, q=q, pages=pages,
-                                      out=out, lse=lse)
+                                      out=out, lse=lse, sink_logits=sink_logits,
+                                      use_sinks=int(sink_logits is not None))
             self._table_events = []  # once a launch waited for them (it may raise)
         # the launch waited for every earlier event of out and lse: its own event now
         # stands for all of them (pyopencl's add_event would block on old ones instead)
         out.events[:] = [evt]
         lse.events[:] = [evt]
         return AttentionResult(out, lse, evt)
+
+
+def sink_args(call: Call, sink_logits: Any) -> dict:
+    """The learned-sink arguments of the decode, merge and prefill kernels, by name
+    (``sink_logits`` on the device, or None and the flag off)."""
+    return dict(sink_logits=call.input("sink_logits", sink_logits),
+                use_sinks=int(sink_logits is not None))
 
 
 def upload_tables(call: Call, spec: Any, args: DecodeArgs, page_indptr: Any, page_indices: Any,

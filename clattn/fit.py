@@ -33,10 +33,21 @@ QCOM_WAVES = {64: "half", 128: "full"}
 #: kernels without avx512f, and LLVM then aborts the process on 16-float vectors ("Do not
 #: know how to split this operator's operand") or miscompiles them (measured on a Zen 4)
 ROWS_VEC_CAPS = {"Portable Computing Language": 8}
+#: a device name naming this compiles for AVX-512 (Debian's PoCL, "pthread-skylake-avx512-
+#: ..."): no ROWS_VEC_CAPS cap (16-float vectors measured right and 1.7-1.9x faster in the
+#: rows prefill on a Zen 5)
+AVX512_TARGET = "avx512"
 
 #: local memory assumed where a device record does not report it: the least OpenCL requires
 #: of a device that is not of type CL_DEVICE_TYPE_CUSTOM
 UNREPORTED_LOCAL_MEM = 32768
+
+
+def _rows_max_vec(info: Mapping[str, Any]) -> int:
+    """The widest float vector the rows kernels may use on the device of ``info``."""
+    if AVX512_TARGET in str(info.get("device_name") or "").lower():
+        return 16
+    return ROWS_VEC_CAPS.get(str(info.get("platform_name")), 16)
 
 
 @dataclass(frozen=True)
@@ -63,6 +74,8 @@ class Limits:
     prefetch: bool = False
     #: widest float vector the rows kernels may use (see ROWS_VEC_CAPS)
     rows_max_vec: int = 16
+    #: CL_DEVICE_NATIVE_VECTOR_WIDTH_FLOAT (1: not reported)
+    native_float: int = 1
     #: the driver runs the tiled prefill kernel right: not Mesa's llvmpipe, whose first
     #: launch of it left query rows unwritten (rusticl 22.3; Oclgrind, both PoCL builds and
     #: Intel's runtime agree with the float64 oracle on the same launch)
@@ -91,7 +104,8 @@ class Limits:
             # not reported (an incomplete record): OpenCL's minimum for a device that is
             # not of type CUSTOM, 32 KiB (CL_DEVICE_LOCAL_MEM_SIZE)
             local_mem_size=int(info.get("local_mem_size_bytes") or UNREPORTED_LOCAL_MEM),
-            rows_max_vec=ROWS_VEC_CAPS.get(str(info.get("platform_name")), 16),
+            rows_max_vec=_rows_max_vec(info),
+            native_float=int(info.get("native_vector_width_float") or 1),
             has_fp16=bool(info.get("has_fp16")),
             subgroups=kind, subgroup_sizes=sizes, khr_subgroups="cl_khr_subgroups" in names,
             tiled_prefill="llvmpipe" not in str(info.get("device_name") or "").lower(),
@@ -156,15 +170,16 @@ def _vec_for(d: int, want: int, cap: int = 16) -> int:
     return v
 
 
-def _rows_vec(d: int, want: int, limits: Limits, notes: list) -> int:
-    """The rows kernels' vector width: the profile's, cut to divide head_dim ``d`` and to
-    what the device's compiler builds (``limits.rows_max_vec``); each cut noted."""
+def _rows_vec(d: int, want: int, limits: Limits, notes: list, name: str = "vec") -> int:
+    """The rows kernels' vector width: the profile's (field ``name``), cut to divide
+    head_dim ``d`` and to what the device's compiler builds (``limits.rows_max_vec``);
+    each cut noted."""
     vec = _vec_for(d, want, limits.rows_max_vec)
     if want > limits.rows_max_vec:
-        notes.append(f"vec {want} -> {vec}: this platform's compiler builds the rows kernels "
-                     f"with at most {limits.rows_max_vec} floats per vector")
+        notes.append(f"{name} {want} -> {vec}: this platform's compiler builds the rows "
+                     f"kernels with at most {limits.rows_max_vec} floats per vector")
     elif vec != want:
-        notes.append(f"vec {want} -> {vec}: head_dim {d}")
+        notes.append(f"{name} {want} -> {vec}: head_dim {d}")
     return vec
 
 
@@ -496,7 +511,11 @@ def _prefill_rows(spec: AttentionSpec, profile: Profile, limits: Limits,
                   native: bool) -> PrefillGeometry:
     D, G = spec.head_dim, spec.group_size
     notes = []
-    vec = _rows_vec(D, profile.vec, limits, notes)
+    if profile.prefill_vec is None:
+        vec = max(_rows_vec(D, profile.vec, limits, notes),
+                  _vec_for(D, limits.native_float, limits.rows_max_vec))
+    else:
+        vec = _rows_vec(D, profile.prefill_vec, limits, notes, "prefill_vec")
     kb_field = "prefill_kb" if profile.prefill_kb is not None else "tile_rows"
     want_kb = getattr(profile, kb_field)
     kb = 1 << (min(max(1, want_kb), PREFILL_MAX_KB).bit_length() - 1)
@@ -520,7 +539,8 @@ def _prefill_rows(spec: AttentionSpec, profile: Profile, limits: Limits,
 def prefill_geometry(spec: AttentionSpec, profile: Profile, limits: Limits) -> PrefillGeometry:
     """Fit the profile to the prefill kernels of ``spec`` on a device with ``limits``.
 
-    rows: ``vec`` as in decode; keys per block ``prefill_kb`` (None: ``tile_rows``), a
+    rows: ``prefill_vec`` floats per vector, cut as decode's ``vec`` (None: the wider of
+    ``vec`` and the device's native float vector width); keys per block ``prefill_kb`` (None: ``tile_rows``), a
     power of two up to :data:`PREFILL_MAX_KB`; queries per work-item ``prefill_qb``, at
     most :data:`PREFILL_ROWS` (query, head) rows (None: so that q and the accumulators
     hold about :data:`PREFILL_ROW_FLOATS` floats, at most 16 queries).

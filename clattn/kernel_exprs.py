@@ -181,7 +181,10 @@ def lanes(kind: int, vec: int, name: str, lane: str | int, fmt_k: str, fmt_v: st
     byte_pool : bool
         The pool is bytes (else an element pointer read through ``loadv``).
     raw : bool
-        CPU-style loads (typedefs, exact inline f16 conversion, no library calls).
+        CPU-style loads (typedefs, exact inline f16 conversion, no library calls): the
+        kernel's common.clh.mako ``raw_loads`` of ``vec`` lanes, whose types assume no
+        more alignment than an element's (a byte pool's rows are 16-byte aligned, a
+        vector of 16 floats 64).
     loadv : callable
         ``loadv(vec, ptr)``: the load of a storage-typed element pointer (float pools).
     sname : str, optional
@@ -199,25 +202,32 @@ def lanes(kind: int, vec: int, name: str, lane: str | int, fmt_k: str, fmt_v: st
         return loadv(vec, "%s + %s" % (name, lane))
     fv = vtype("float", vec)
     if fmt == "float":
-        return "*(const __global %s*)(%s + (%s) * 4)" % (fv, name, lane)
+        return "*(const __global %s*)(%s + (%s) * 4)" % ("ldf_t" if raw else fv, name, lane)
     if fmt == "half":
         if raw:
-            return "clattn_h2f(*(const __global %s*)(%s + (%s) * 2))" % (vtype("ushort", vec),
-                                                                         name, lane)
+            return "clattn_h2f(*(const __global ldh_t*)(%s + (%s) * 2))" % (name, lane)
         return ("vload_half(0, (const __global half*)(%s) + %s)" % (name, lane)) if vec == 1 else \
             ("vload_half%d(0, (const __global half*)(%s) + %s)" % (vec, name, lane))
     scale = scale or "clattn_h2f_1(%s[(%s) / 32])" % (sname or name + "_s", lane)
     if fmt == "q8_0":
-        c = vtype("char", vec)
+        c = "ldq8_t" if raw else vtype("char", vec)
         return "(convert_%s(*(const __global %s*)(%s + (%s))) * %s)" % (fv, c, name, lane, scale)
     # q4_0: byte j of a block holds value j (low nibble) and value j + 16 (high nibble),
     # so vec <= 16 lanes are one load of vec bytes and one shift, no shuffle
     u = vtype("uchar", vec)
+    ld = "ldq4_t" if raw else u
+    if isinstance(lane, int) and raw:
+        # CPU: the nibble widened to 32 bits, set as the low mantissa bits of 2^23 (whose
+        # spacing is 1), minus 2^23 + 8: nibble - 8 exactly, with no int -> float convert
+        b = "convert_%s(*(const __global %s*)(%s + %d))" % (
+            vtype("uint", vec), ld, name, lane // 32 * 16 + lane % 16)
+        nib = "(%s & 15u)" % b if lane % 32 < 16 else "(%s >> 4)" % b
+        return "((as_%s(%s | 0x4b000000u) - 8388616.0f) * %s)" % (fv, nib, scale)
     if isinstance(lane, int):
-        b = "(*(const __global %s*)(%s + %d))" % (u, name, lane // 32 * 16 + lane % 16)
+        b = "(*(const __global %s*)(%s + %d))" % (ld, name, lane // 32 * 16 + lane % 16)
         codes = "(%s & (%s)15)" % (b, u) if lane % 32 < 16 else "(%s >> (%s)4)" % (b, u)
     else:
-        b = "(*(const __global %s*)(%s + ((%s) >> 5) * 16 + ((%s) & 15)))" % (u, name, lane, lane)
+        b = "(*(const __global %s*)(%s + ((%s) >> 5) * 16 + ((%s) & 15)))" % (ld, name, lane, lane)
         codes = "((%s >> (%s)((%s) & 16 ? 4 : 0)) & (%s)15)" % (b, u, lane, u)
     return "((convert_%s(%s) - 8.0f) * %s)" % (fv, codes, scale)
 

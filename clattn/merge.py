@@ -178,6 +178,6 @@ def merge_states(v: Any, s: Any, *, out: Any = None, lse: Any = None, device: An
         gsz, lsz = geom.sizes(N * H, D)
         events.append(knl(call.queue, gsz, lsz, call.wait_list(), vin=dv, sv=ds, indptr=None,
                           fixed_k=K, skip_single=0, n_states=N * K, out=dout, lse=dlse,
-                          N=N, H=H))
+                          N=N, H=H, sink_logits=None, use_sinks=0))
     o, l_ = call.finish([dout, dlse], events, host=is_host(v))
     return o, l_

@@ -17,7 +17,7 @@ import numpy as np
 from . import cpu_backend
 from .codegen import render_prefill
 from .decode import check_host_call, run_on_host
-from .decode_step import upload_tables
+from .decode_step import sink_args, upload_tables
 from .device import DeviceSetup, open_backend, warn_notes
 from .fit import PrefillGeometry
 from .opencl_backend import OpenCLBackend
@@ -25,8 +25,8 @@ from .profiles.record import Profile
 from .result import AttentionResult
 from .spec import INDEX_DTYPE, LSE_DTYPE, AttentionSpec
 from .staging import Call
-from .validate import PrefillArgs, check_array, check_indptr, check_prefill, chunk_lengths, \
-    is_host
+from .validate import PrefillArgs, check_array, check_indptr, check_prefill, \
+    check_sink_logits, chunk_lengths, is_host
 
 
 @dataclass(frozen=True)
@@ -208,8 +208,9 @@ class BatchPrefill:
             sink_size: Any = None, q_pos: Any = None, k_pos_offset: Any = None,
             rotary_mode: int = 0, causal: bool = True, rope_scale: float = 1.0,
             rope_theta: float = 1e4, sm_scale: float | None = None, out: Any = None,
-            lse: Any = None, plan: PrefillPlan | None = None,
-            queue: Any = None, wait_for: list | None = None) -> AttentionResult:
+            lse: Any = None, plan: PrefillPlan | None = None, custom_mask: Any = None,
+            mask_indptr: Any = None, queue: Any = None, wait_for: list | None = None,
+            sink_logits: Any = None) -> AttentionResult:
         """Attend every sequence's new queries (causally) to its paged keys and values.
 
         Arrays are all numpy (copied in, results copied back: the call waits) or all
@@ -252,10 +253,20 @@ class BatchPrefill:
             From :meth:`plan`: the kernel takes the split of q among the sequences from
             it (a device ``qo_indptr`` is then not read). Else planned here; a device
             ``qo_indptr`` is then read back (a blocking copy).
+        custom_mask, mask_indptr : uint8 array [mask_indptr[B]], int32 array [B + 1], optional
+            A custom mask (tree speculative decoding), both from
+            :func:`clattn.pack_mask`: sequence ``b``'s boolean ``[n_b, chunk_b]`` matrix
+            packed little-endian at bytes ``[mask_indptr[b], mask_indptr[b + 1])``. Query
+            ``i`` attends chunk row ``r`` iff its bit is set **and** ``causal`` allows the
+            row; a query keeping no row gives ``out = 0``, ``lse = -inf``
+            (docs/prefill.md, "Custom masks").
         queue : pyopencl.CommandQueue, optional
             Queue to enqueue on (default: this object's).
         wait_for : list of pyopencl.Event, optional
             Events to wait for besides those attached to the arrays.
+        sink_logits : float32 array, shape [H_qo], optional
+            Learned attention sinks, one logit per query head, as in
+            :meth:`clattn.BatchDecode.run`.
 
         Returns
         -------
@@ -267,15 +278,17 @@ class BatchPrefill:
         kw = dict(length_info=length_info, window_offset=window_offset, sink_size=sink_size,
                   q_pos=q_pos, k_pos_offset=k_pos_offset, rotary_mode=rotary_mode,
                   causal=causal, rope_scale=rope_scale, rope_theta=rope_theta,
-                  sm_scale=sm_scale)
+                  sm_scale=sm_scale, custom_mask=custom_mask, mask_indptr=mask_indptr)
         if not self.setup:
             check_host_call(plan, PrefillPlan, "BatchPrefill.plan()", queue, wait_for)
             fn = cpu_backend.batch_prefill if plan is None else \
                 functools.partial(_planned_host_prefill, plan)
             return AttentionResult(*run_on_host(fn, spec, (
-                q, pages, qo_indptr, page_indptr, page_indices, last_page_len), kw, out, lse))
+                q, pages, qo_indptr, page_indptr, page_indices, last_page_len),
+                dict(kw, sink_logits=sink_logits), out, lse))
         args = check_prefill(spec, q, pages, qo_indptr, page_indptr, page_indices,
                              last_page_len, out=out, lse=lse, **kw)
+        check_sink_logits(spec, sink_logits)
         t = args.tables
         T, H, D = args.total_q, spec.num_qo_heads, spec.head_dim
         plan = self._checked_plan(plan, args)
@@ -291,8 +304,12 @@ class BatchPrefill:
         named.update(q=call.input("q", q), pages=call.input("pages", pages),
                      total_q=T, batch=t.B,
                      q_pos_mode=int(bool(rotary_mode) and q_pos is not None), causal=int(causal),
+                     mask=call.input("custom_mask", custom_mask),
+                     mask_indptr=call.input("mask_indptr", mask_indptr),
+                     mask_bytes=0 if custom_mask is None else int(custom_mask.shape[0]),
+                     use_mask=int(custom_mask is not None),
                      units=opencl.unit_table(plan, call.queue) if n_units else None,
-                     n_units=n_units, out=dout, lse=dlse,
+                     n_units=n_units, out=dout, lse=dlse, **sink_args(call, sink_logits),
                      **opencl.scalars(rotary_mode, rope_theta, rope_scale, sm_scale))
         events: list = []
         if n_units and T:
@@ -314,10 +331,11 @@ def _check_split(plan: PrefillPlan, args: PrefillArgs, n_q: np.ndarray | None) -
 
 
 def _planned_host_prefill(plan: PrefillPlan, spec: AttentionSpec, *arrays: Any,
-                          out: Any = None, lse: Any = None,
+                          out: Any = None, lse: Any = None, sink_logits: Any = None,
                           **kw: Any) -> tuple[np.ndarray, np.ndarray]:
     """The CPU backend's prefill of a call given a plan: the host computes no units, but
     a plan for another split of q is refused as on a device, before anything is written."""
     args = check_prefill(spec, *arrays, out=out, lse=lse, **kw)
     _check_split(plan, args, args.n_q)
-    return cpu_backend.batch_prefill(spec, *arrays, out=out, lse=lse, **kw)
+    return cpu_backend.batch_prefill(spec, *arrays, out=out, lse=lse, sink_logits=sink_logits,
+                                     **kw)

@@ -23,6 +23,7 @@ DECODE = ArgTable("clattn_decode", [
     Scalar("rotary_mode", "int"), Scalar("sm_scale", "float"),
     Buffer("rope_turns", "float2", offset=None), Scalar("long_from", "int"),
     Scalar("rope_att", "float"),
+    Buffer("sink_logits", "float"), Scalar("use_sinks", "int"),
 ])
 
 #: decode with the append fused in (clattn.cache, one-token steps of float pools): DECODE's
@@ -44,12 +45,14 @@ MERGE_PAIR = ArgTable("clattn_merge_pair", [
 
 #: K-way merge of the states [lo, hi) of each output row (indptr, or fixed_k per row);
 #: skip_single (split-KV) leaves rows of fewer than two states alone and breaks (NaN) a row
-#: whose states are all empty when one of them is marked dead (its v NaN)
+#: whose states are all empty when one of them is marked dead (its v NaN); use_sinks adds the
+#: learned sink sink_logits[h] (natural-log units) of head h to every merged row
 MERGE_VARLEN = ArgTable("clattn_merge_varlen", [
     Buffer("vin", "in_t"), Buffer("sv", "float"), Buffer("indptr", "int"),
     Scalar("fixed_k", "int"), Scalar("skip_single", "int"), Scalar("n_states", "int"),
     Buffer("out", "st_t", const=False), Buffer("lse", "float", const=False),
     Scalar("N", "int"), Scalar("H", "int"),
+    Buffer("sink_logits", "float"), Scalar("use_sinks", "int"),
 ])
 
 #: KV-cache append (clattn.cache): token t's key/value rows of every KV head to flat slot
@@ -81,7 +84,9 @@ PAGE_COPY = ArgTable("clattn_page_copy", [
 #: over the paged cache, causal or not; work unit u is a tile of one sequence's queries,
 #: units[4u .. 4u+3] = (sequence, its first query in the tile, the sequence's queries, the
 #: tile's first row of q), made by clattn.prefill's plan (tiles never share a row of q);
-#: q_pos_mode 1: query i of sequence b at RoPE position q_pos[b] + i (0: at its chunk row)
+#: q_pos_mode 1: query i of sequence b at RoPE position q_pos[b] + i (0: at its chunk row);
+#: use_mask 1: the packed custom mask of mask_bytes bytes, sequence b's bits from byte
+#: mask_indptr[b] (clattn.mask's layout), restricts the rows each query attends
 PREFILL = ArgTable("clattn_prefill", [
     Buffer("q", "st_t"), Scalar("total_q", "int"),
     Buffer("pages", "kv_t", offset="ulong"), Scalar("num_pages", "int"),
@@ -90,10 +95,13 @@ PREFILL = ArgTable("clattn_prefill", [
     Buffer("q_pos", "int"), Buffer("k_pos_offset", "int"), Scalar("q_pos_mode", "int"),
     Scalar("batch", "int"), Buffer("units", "int"), Scalar("n_units", "int"),
     Scalar("causal", "int"),
+    Buffer("mask", "uchar"), Buffer("mask_indptr", "int"), Scalar("mask_bytes", "int"),
+    Scalar("use_mask", "int"),
     Buffer("out", "st_t", const=False), Buffer("lse", "float", const=False),
     Scalar("rotary_mode", "int"), Scalar("sm_scale", "float"),
     Buffer("rope_turns", "float2", offset=None), Scalar("long_from", "int"),
     Scalar("rope_att", "float"),
+    Buffer("sink_logits", "float"), Scalar("use_sinks", "int"),
 ])
 
 ALL = (DECODE, DECODE_APPEND, MERGE_PAIR, MERGE_VARLEN, APPEND, APPEND_CHECK, PAGE_COPY, PREFILL)

@@ -243,6 +243,22 @@ def _check_positions(k_pos_offset: np.ndarray, chunk: np.ndarray) -> None:
                          f"stay below 2**31")
 
 
+def check_sink_logits(spec: AttentionSpec, sink_logits: Any) -> None:
+    """``sink_logits``: None, or one learned attention-sink logit per query head (float32
+    ``[H_qo]``, natural-log units, docs/contract.md section 5); numpy values must be
+    finite or -inf (no sink for that head). Not ``sink_size`` (the kept leading tokens)."""
+    if sink_logits is None:
+        return
+    check_array("sink_logits", sink_logits, ndim=1, shape=(spec.num_qo_heads,),
+                dtypes=(np.float32,))
+    if is_host(sink_logits):
+        bad = np.isnan(sink_logits) | (sink_logits == np.inf)
+        if bad.any():
+            i = _first_bad(bad)
+            raise ValueError(f"sink_logits[{i}]={float(sink_logits[i])}: a learned sink logit "
+                             f"must be finite, or -inf for no sink on that head")
+
+
 def _first_bad(mask: np.ndarray) -> int:
     return int(np.flatnonzero(mask)[0])
 
@@ -400,10 +416,12 @@ def check_prefill(spec: AttentionSpec, q: Any, pages: Any, qo_indptr: Any, page_
                   window_offset: Any = None, sink_size: Any = None, q_pos: Any = None,
                   k_pos_offset: Any = None, rotary_mode: int = 0, causal: bool = True,
                   sm_scale: float | None = None, rope_scale: float = 1.0,
-                  rope_theta: float = 1e4, out: Any = None, lse: Any = None) -> PrefillArgs:
+                  rope_theta: float = 1e4, out: Any = None, lse: Any = None,
+                  custom_mask: Any = None, mask_indptr: Any = None) -> PrefillArgs:
     """Check one prefill call (docs/prefill.md): q ``[total_q, H_qo, D]``, ``qo_indptr
     [B + 1]``, the page tables as for decode; with host tables and ``causal``, every
-    sequence's queries are the last rows of its attended chunk."""
+    sequence's queries are the last rows of its attended chunk; the packed
+    ``custom_mask`` and its ``mask_indptr`` as :func:`check_custom_mask` states."""
     total_q, P = check_operands(spec, q, pages, out, lse)
     check_array("qo_indptr", qo_indptr, ndim=1, dtypes=(INDEX_DTYPE,))
     B = _shape(qo_indptr)[0] - 1
@@ -431,7 +449,44 @@ def check_prefill(spec: AttentionSpec, q: Any, pages: Any, qo_indptr: Any, page_
                 i = _first_bad(last > INT32_MAX)
                 raise ValueError(f"q_pos[{i}]={int(q_pos[i])}: the sequence's last query position "
                                  f"{int(last[i])} exceeds the int32 range")
+    check_custom_mask(custom_mask, mask_indptr, B, n_q, tables.chunk)
     return PrefillArgs(tables, total_q, qo_indptr, n_q)
+
+
+def check_custom_mask(custom_mask: Any, mask_indptr: Any, B: int, n_q: np.ndarray | None,
+                      chunk: np.ndarray | None) -> None:
+    """The packed custom mask of a prefill (docs/prefill.md, "Custom masks"): a uint8
+    ``custom_mask`` of at most 2**31 - 1 bytes with its int32 ``mask_indptr [B + 1]`` of
+    byte offsets, both or neither. With a host ``mask_indptr`` it must split the whole
+    array, and with host queries and page tables every segment must hold exactly
+    ``ceil(n_b * chunk_b / 8)`` bytes."""
+    if custom_mask is None and mask_indptr is None:
+        return
+    if custom_mask is None or mask_indptr is None:
+        given, missing = ("custom_mask", "mask_indptr") if mask_indptr is None else \
+            ("mask_indptr", "custom_mask")
+        raise ValueError(f"{missing}: required with {given}; pack the masks with "
+                         f"clattn.pack_mask(masks), which returns both")
+    check_array("custom_mask", custom_mask, ndim=1, dtypes=(np.uint8,))
+    n_bytes = _shape(custom_mask)[0]
+    if n_bytes > INT32_MAX:
+        raise ValueError(f"custom_mask: {n_bytes} bytes; at most 2**31 - 1 (the kernels index "
+                         f"it with 32-bit ints); run the batch in parts")
+    _ints("mask_indptr", mask_indptr, B + 1)
+    if not is_host(mask_indptr):
+        return
+    seg = check_indptr("mask_indptr", mask_indptr, n_bytes, exact=True,
+                       end_name="the bytes of custom_mask, custom_mask.shape[0]")
+    if n_q is None or chunk is None:
+        return
+    want = -(-(n_q * np.asarray(chunk, np.int64)) // 8)
+    bad = seg != want
+    if bad.any():
+        i = _first_bad(bad)
+        raise ValueError(f"mask_indptr: sequence {i}'s segment has {int(seg[i])} bytes, but "
+                         f"its mask [{int(n_q[i])} queries, {int(chunk[i])} chunk rows] packs "
+                         f"into {int(want[i])}; pack a [n_b, chunk_b] bool matrix per sequence "
+                         f"with clattn.pack_mask(masks)")
 
 
 def _check_query_rows(spec: AttentionSpec, n_q: np.ndarray, t: DecodeArgs) -> None:

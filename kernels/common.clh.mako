@@ -53,6 +53,25 @@ inline float clattn_part_inv(const float l, const int rows)
     return (rows && l == 0.0f) ? NAN : clattn_state_inv(l);
 }
 
+/* fold a learned attention sink into a part's final state (m, l): the sink is one more
+   score t (base 2, no value) of the softmax, so the state becomes the merge of (m, l)
+   with (t, 1, v = 0): m' = max(m, t), l' = l 2^(m - m') + 2^(t - m'). Returns the factor
+   2^(m - m') of the part's acc. t = -inf is no sink: (m, l) unchanged and the factor 1
+   (0 for an empty part, whose acc is 0); t = +inf breaks the state (NaN), as a NaN does
+   (docs/contract.md, "Learned attention sinks") */
+inline float clattn_add_sink(float* m, float* l, float t)
+{
+    t = t == INFINITY ? NAN : t;
+    const float m2 = clattn_max_nan(*m, t);
+    const float alpha = clattn_state_weight(*m, m2);
+    *l = *l * alpha + clattn_state_weight(t, m2);
+    *m = m2;
+    return alpha;
+}
+
+/* the base-2 sink of query head h, -inf (none) unless `on` */
+#define CLATTN_SINK(on, h) ((on) ? sink_logits[h] * CLATTN_LOG2E : -INFINITY)
+
 /* angle (radians, reduced to about [-pi, pi]) of position pos for a frequency given in
    turns per position as an (hi, lo) f32 pair, exact over the whole int range: pos is
    split into two 16-bit halves so each product with hi is exact as an fma pair; whole
@@ -175,6 +194,9 @@ UI = "uint" if V == 1 else "uint%d" % V
 %>\
 typedef ${FV} __attribute__((aligned(4))) ldf_t;
 typedef ${UV} __attribute__((aligned(2))) ldh_t;
+/* quantized codes (byte pools: rows are only 16-byte aligned, less than a wide vector) */
+typedef ${"char" if V == 1 else "char%d" % V} __attribute__((aligned(1))) ldq8_t;
+typedef ${"uchar" if V == 1 else "uchar%d" % V} __attribute__((aligned(1))) ldq4_t;
 typedef ${"ldf_t" if DTYPE == "float" else "ldh_t"} ld_t;
 % if STORAGE_HALF:
 /* f16 <-> f32 through clang's storage-only __fp16 type: one hardware conversion per

@@ -115,7 +115,21 @@ ${a.lanes(e0, vec, "append_rope")}
 ## inline helpers the quantized lane expressions call
 <%def name="q4_helpers()">
 % if BYTE_POOL and ("q4_0" in (KFMT, VFMT) or "q8_0" in (KFMT, VFMT)):
-/* exact f16 -> f32 of one scale (normals, subnormals, zero) without library calls */
+/* exact f16 -> f32 of one scale (normals, subnormals, zero, inf, nan) without library
+   calls: one hardware conversion where the device has one (clang's __fp16 as
+   common.clh.mako's clattn_h2f, or cl_khr_fp16), else integer operations */
+%   if STORAGE_HALF:
+typedef __fp16 clattn_hs_t __attribute__((ext_vector_type(2)));
+inline float clattn_h2f_1(const ushort u)
+{
+    return __builtin_convertvector(__builtin_astype((ushort2)(u, 0), clattn_hs_t), float2).x;
+}
+%   elif NATIVE_HALF:
+inline float clattn_h2f_1(const ushort u)
+{
+    return convert_float(as_half(u));
+}
+%   else:
 inline float clattn_h2f_1(const ushort u)
 {
     const uint h = u;
@@ -126,6 +140,7 @@ inline float clattn_h2f_1(const ushort u)
     bits = em >= (0x7c00u << 13) ? (em | 0x7f800000u) : bits;   /* inf, nan */
     return as_float(bits | sgn);
 }
+%   endif
 % endif
 </%def>
 
@@ -152,7 +167,8 @@ inline float clattn_h2f_1(const ushort u)
 ## CPU's own prefetchers stop at each page of the pool, so every block would otherwise
 ## start with a full memory latency. Locality 2 (x86: prefetcht1, into L2) measured
 ## faster than 3 (into L1) on both CPU drivers: the L1's miss buffers are kept for the
-## block being computed.
+## block being computed. A quantized row's block scales lie apart from its codes (the
+## page's scale region): their line is prefetched with them, one hint per row.
 <%def name="prefetch_row(pgv, slv)">\
 <% rowb = [K_ROWB, V_ROWB] if BYTE_POOL else [D * (2 if DTYPE == "half" else 4)] * 2 %>\
             {
@@ -161,6 +177,9 @@ inline float clattn_h2f_1(const ushort u)
 %   for off in range(0, rowb[kind], 64):
                 __builtin_prefetch((const __global uchar*)pf${kind} + ${off}, 0, 2);
 %   endfor
+%   if BYTE_POOL and (KFMT, VFMT)[kind] in ("q8_0", "q4_0"):
+                __builtin_prefetch((const __global uchar*)pf${kind}_s, 0, 2);
+%   endif
 % endfor
             }
 </%def>

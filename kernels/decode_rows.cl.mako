@@ -92,7 +92,9 @@ __kernel void clattn_decode(${SIGNATURE})
     const int part = get_global_id(2);
     SEQ_SETUP
     if (!valid_part) return;
+% if FUSED:
 ${d.fused_append("part == nparts_b - 1", [i * VEC for i in range(D // VEC)], VEC)}
+% endif
 
     /* q of the G heads of this KV head: rotated, scaled, in registers */
 % for g in range(G):
@@ -333,14 +335,21 @@ ${rotate_row("f")}
 % endif
         }
 % if VQ:
-        /* quantized values: per block, the weight times the block's scale, then the codes
-           (V_CHUNKS chunks of the block at a time, as below) */
+        /* quantized values, block by block: the weights times the block's scales, W rows
+           at a time (rows past n: scale 0, weight 0), then the codes, VCH chunks of the
+           block per pass over the rows */
 <% VCH = max(k for k in range(1, CPB + 1) if CPB % k == 0 and k <= V_CHUNKS) %>
 %   for bb in range(NB):
         {
-            float vsc[${TILE}];
-            for (int j = 0; j < n; ++j)
-                vsc[j] = clattn_h2f_1(vrow_s[j][${bb}]);
+            float vsc[${TILE}] __attribute__((aligned(64)));
+            for (int j = 0; j < ${TILE}; ++j)
+                vsc[j] = j < n ? clattn_h2f_1(vrow_s[j][${bb}]) : 0.0f;
+%     for g in range(G):
+            float w${g}[${TILE}] __attribute__((aligned(64)));
+%       for h in range(NH):
+            ${kx.private_store("%s * %s" % (kx.private_load("s%d + %d" % (g, h * W), FT), kx.private_load("vsc + %d" % (h * W), FT)), "w%d + %d" % (g, h * W), FT)}
+%       endfor
+%     endfor
 %     for i0 in range(bb * CPB, (bb + 1) * CPB, VCH):
             for (int j = 0; j < n; ++j) {
 %       for i in range(i0, i0 + VCH):
@@ -348,7 +357,7 @@ ${rotate_row("f")}
 %       endfor
 %       for g in range(G):
                 {
-                    const float p = s${g}[j] * vsc[j];
+                    const float p = w${g}[j];
 %         for i in range(i0, i0 + VCH):
                     a${g}_${i} += p * v${i - i0};
 %         endfor
@@ -383,8 +392,11 @@ ${rotate_row("f")}
         /* a split-KV partition whose rows all scored -inf is empty to the merge (lse
            -inf, weight 0) and marks its output NaN: the merge breaks the sequence when
            every partition is empty and one is so marked */
-        const float l${g} = ${kx.hred("lv%d" % g, "+", W)};
-        const float inv = clattn_part_inv(l${g}, r_hi > r_lo);
+        float l${g} = ${kx.hred("lv%d" % g, "+", W)};
+        /* the learned sink joins the final state only (a partition stays sink-free: the
+           merge adds it once) */
+        const float alpha = clattn_add_sink(&m${g}, &l${g}, CLATTN_SINK(direct && use_sinks, h));
+        const float inv = clattn_part_inv(l${g}, r_hi > r_lo) * alpha;
         const float st = direct ? clattn_part_lse(m${g}, l${g}, r_hi > r_lo)
                                 : clattn_state_lse(m${g}, l${g});
         if (direct) {

@@ -82,7 +82,9 @@ void clattn_decode(${SIGNATURE})
     const int part = get_group_id(2);
     SEQ_SETUP
     if (!valid_part) return;   /* uniform over the work-group */
+% if FUSED:
 ${d.fused_append("part == nparts_b - 1 && tz == 0", ["tx * %d" % VEC], VEC, fence=True)}
+% endif
 
     __local float scratch[${SCRATCH}];
 % if LOCAL_RED:
@@ -230,7 +232,9 @@ ${d.fused_append("part == nparts_b - 1 && tz == 0", ["tx * %d" % VEC], VEC, fenc
         }
         /* rows that all scored -inf: broken, or for a split-KV partition empty with its
            output marked NaN (decode_rows.cl.mako) */
-        const float inv = clattn_part_inv(lt, r_hi > r_lo);
+        /* the learned sink joins the final state only (the merge adds it to a split) */
+        const float alpha = clattn_add_sink(&mt, &lt, CLATTN_SINK(direct && use_sinks, h));
+        const float inv = clattn_part_inv(lt, r_hi > r_lo) * alpha;
         const float st = direct ? clattn_part_lse(mt, lt, r_hi > r_lo) : clattn_state_lse(mt, lt);
         ot *= inv;
         if (direct) {

@@ -6,8 +6,11 @@ D, SLIDING, FIXUP rendered from clattn.signatures.PREFILL, the pool), QB (querie
 unit), ROT, ROPE.
 
 Semantics (docs/prefill.md): query i of the n_q queries of sequence b is chunk row
-chunk - n_q + i; causal, it attends chunk rows [0, its own row], else the whole chunk. Its RoPE position is k_pos_offset[b] + its row (q_pos_mode 0) or
-q_pos[b] + i (q_pos_mode 1). Every index read from a table is clamped.
+chunk - n_q + i; causal, it attends chunk rows [0, its own row], else the whole chunk;
+with use_mask, only those its bit of the packed custom mask keeps (bit i * chunk + r of
+the sequence's segment, which starts at byte mask_indptr[b]). Its RoPE position is
+k_pos_offset[b] + its row (q_pos_mode 0) or q_pos[b] + i (q_pos_mode 1). Every index
+read from a table or the mask is clamped.
 </%doc>
 <%namespace name="d" file="decode_common.clh.mako"/>
 <%def name="setup()">
@@ -33,10 +36,52 @@ ${d.setup()}
     const int qpos_b = !rotary_mode ? 0 : (q_pos_mode ? q_pos[b] : kpos0 + chunk - n_q); \
     const int qpos0 = qpos_b + q0; \
     const int rope_table = (rotary_mode && (long)qpos_b + n_q - 1 >= long_from) ? 1 : 0; \
-    const __global float2* tt = rope_turns + rope_table * ${ROT // 2};
+    const __global float2* tt = rope_turns + rope_table * ${ROT // 2}; \
+    const long mbit0 = use_mask ? (long)clamp(mask_indptr[b], 0, max(mask_bytes, 0)) * 8 + (long)q0 * chunk : 0;
 
 /* the last chunk row query q0 + i of the unit attends (-1: none) */
 #define QLIM(i) ((i) < nq ? (causal ? c0 + (i) : chunk - 1) : -1)
+
+/* whether the custom mask lets query q0 + i attend chunk row `row` (no mask: it does) */
+#define MASK_KEEPS(i, row) (!use_mask || clattn_mask_bit(mask, mask_bytes, mbit0 + (long)(i) * chunk + (row)))
+
+/* whether query q0 + i attends a row at all: one of rows [0, lim], lim its QLIM, that the
+   mask keeps (a query keeping none is empty: out = 0, lse = -inf) */
+#define KEEPS_ANY(i, lim) ((lim) >= 0 && (!use_mask || clattn_mask_any(mask, mask_bytes, mbit0 + (long)(i) * chunk, (long)(lim) + 1)))
+
+/* bit `bit` of the packed mask (least significant bit of a byte first); the byte is
+   clamped into the mask's nbytes, an empty mask keeps nothing */
+inline int clattn_mask_bit(const __global uchar* mask, const int nbytes, const long bit)
+{
+    if (nbytes <= 0) return 0;
+    return (mask[clamp(bit >> 3, 0L, (long)nbytes - 1)] >> (int)(bit & 7)) & 1;
+}
+
+/* bits bit .. bit + 24 (at least) of the packed mask as the low bits of a word (bytes
+   clamped as in clattn_mask_bit) */
+inline uint clattn_mask_bits(const __global uchar* mask, const int nbytes, const long bit)
+{
+    if (nbytes <= 0) return 0u;
+    uint w = 0u;
+    for (int k = 0; k < 4; ++k)
+        w |= (uint)mask[clamp((bit >> 3) + k, 0L, (long)nbytes - 1)] << (8 * k);
+    return w >> (int)(bit & 7);
+}
+
+/* whether any of the n bits from bit0 is set (bytes clamped as in clattn_mask_bit) */
+inline int clattn_mask_any(const __global uchar* mask, const int nbytes, const long bit0,
+                           const long n)
+{
+    if (n <= 0 || nbytes <= 0) return 0;
+    const long last = bit0 + n - 1;
+    for (long by = bit0 >> 3; by <= last >> 3; ++by) {
+        int m = mask[clamp(by, 0L, (long)nbytes - 1)];
+        if (by == bit0 >> 3) m &= 0xff << (int)(bit0 & 7);
+        if (by == last >> 3) m &= 0xff >> (7 - (int)(last & 7));
+        if (m) return 1;
+    }
+    return 0;
+}
 
 /* rotate the private row f (RoPE pairs of the spec) by the angles of cs/sn, scaled by att */
 inline void clattn_rotate_cs(float* f, const float* cs, const float* sn, const float att)

@@ -32,6 +32,7 @@ ${pc.setup()}
 ## private vectors go through aligned pointers and selects are written as ?:
 ## (vloadN/vstoreN/select are library calls some CPU drivers do not inline)
 <%
+assert KB <= 25, "clattn_mask_bits gives a block's bits in one word"
 V, NV = VEC, D // VEC                             # head_dim vectors of a row
 M, NRV, RG, NK, MV, NI = kx.prefill_rows_tiles(QB * G, KB, NV, V)
 FV, IV = kx.vtype("float", V), kx.vtype("int", V)
@@ -63,6 +64,7 @@ __kernel void clattn_prefill(${SIGNATURE})
     ${FV} acc[${M}][${NV}];                /* accumulators, row-major */
     ${FV} mr[${NRV}], lr[${NRV}];          /* running max and sum of every row */
     ${IV} lim[${NRV}];                     /* last chunk row every row attends; -1: none */
+    ${IV} mk[${KB}][${NRV}];               /* the custom mask of the block: -1 kept, 0 not */
     float pt[${KB}][${M}] __attribute__((aligned(64)));   /* weights of the block: key-major */
     float alpha[${M}] __attribute__((aligned(64)));
     ${FV} kf[${KB}][${NV}], vf[${KB}][${NV}];
@@ -90,6 +92,7 @@ __kernel void clattn_prefill(${SIGNATURE})
     for (int v = 0; v < ${NRV}; ++v) {
         mr[v] = -INFINITY;
         lr[v] = 0.0f;
+        for (int j = 0; j < ${KB}; ++j) mk[j][v] = -1;
     }
     /* RoPE of the keys: the angle of row r0 + j is angle(r0) + angle(j); those of
        j = 0 .. KB-1 once, those of r0 per block, composed exactly (two rotations) */
@@ -121,7 +124,20 @@ __kernel void clattn_prefill(${SIGNATURE})
                 for (int e = 0; e < ${NV}; ++e) { kf[j][e] = 0.0f; vf[j][e] = 0.0f; }
             }
         }
-        /* scores of NK keys x RG row vectors per tile, the causal mask, the online softmax:
+        /* the custom mask of the block's keys for every live row (one word of bits per
+           query); mfull: it keeps them all */
+        int mfull = 1;
+        if (use_mask) {
+            for (int i = 0; i < nq; ++i) {
+                const uint w = clattn_mask_bits(mask, mask_bytes, mbit0 + (long)i * chunk + r0);
+                for (int j = 0; j < ${KB}; ++j) {
+                    const int keep = j < n && ((w >> j) & 1u);
+                    mfull &= keep || j >= n;
+                    for (int g = 0; g < ${G}; ++g) ((int*)mk[j])[i * ${G} + g] = keep ? -1 : 0;
+                }
+            }
+        }
+        /* scores of NK keys x RG row vectors per tile, the masks, the online softmax:
            every row vector at once; a row with no attended key in the block keeps its
            state (r0, the block's first key, is attended iff r0 <= lim) */
         ${FV} bm[${NRV}];
@@ -149,7 +165,7 @@ __kernel void clattn_prefill(${SIGNATURE})
 % for k in range(NK):
 %   for v in range(RG):
             {
-                const ${FV} sv = ${kx.causal_mask("r0 + j + %d" % k, "g + %d" % v, V)} ? ${kx.score("t%d_%d" % (k, v), SOFTCAP)} : (${FV})(-INFINITY);
+                const ${FV} sv = (${kx.causal_mask("r0 + j + %d" % k, "g + %d" % v, V)} & mk[j + ${k}][g + ${v}]) ? ${kx.score("t%d_%d" % (k, v), SOFTCAP)} : (${FV})(-INFINITY);
                 bm[g + ${v}] = ${kx.select_max("bm[g + %d]" % v, "sv")};
                 ${kx.private_store("sv", "pt[j + %d] + (g + %d) * %d" % (k, v, V), FV)}
             }
@@ -172,10 +188,10 @@ __kernel void clattn_prefill(${SIGNATURE})
             ${kx.private_store("al", "alpha + v * %d" % V, FV)}
         }
         /* values: where every row attends every key of the block (rows past the end
-           are 0), MV rows x NI head_dim vectors per tile; else (the causal diagonal)
-           row by row over the keys the row attends, so that a masked key's value is
-           never multiplied (0 * inf would be NaN) */
-        if (r0 + n - 1 <= QLIM(0)) {
+           are 0), MV rows x NI head_dim vectors per tile; else (the causal diagonal, a
+           custom mask) row by row over the keys the row attends, so that a masked key's
+           value is never multiplied (0 * inf would be NaN) */
+        if (mfull && r0 + n - 1 <= QLIM(0)) {
             for (int r = 0; r < rows_v; r += ${MV}) {
                 for (int e = 0; e < ${NV}; e += ${NI}) {
 % for a in range(MV):
@@ -208,7 +224,8 @@ __kernel void clattn_prefill(${SIGNATURE})
                 const int jn = min(n, ((int*)lim)[r] - r0 + 1);
                 for (int e = 0; e < ${NV}; ++e) {
                     ${FV} o = acc[r][e] * alpha[r];
-                    for (int j = 0; j < jn; ++j) o += pt[j][r] * vf[j][e];
+                    for (int j = 0; j < jn; ++j)
+                        if (((int*)mk[j])[r]) o += pt[j][r] * vf[j][e];
                     acc[r][e] = o;
                 }
             }
@@ -218,14 +235,15 @@ __kernel void clattn_prefill(${SIGNATURE})
     for (int r = 0; r < rows; ++r) {
         const int i = r / ${G};
         const ulong at = (ulong)(qs + i) * ${HQO} + kvh * ${G} + r % ${G};
-        const float l = ((float*)lr)[r];
-        const int seen = ((int*)lim)[r] >= 0;   /* rows attended: all scoring -inf breaks it */
-        const float inv = clattn_part_inv(l, seen);
+        float l = ((float*)lr)[r], mf = ((float*)mr)[r];
+        const int seen = KEEPS_ANY(i, ((int*)lim)[r]);   /* rows attended: all scoring -inf breaks it */
+        const float alpha = clattn_add_sink(&mf, &l, CLATTN_SINK(use_sinks, kvh * ${G} + r % ${G}));
+        const float inv = clattn_part_inv(l, seen) * alpha;
         __global st_t* op = out + at * ${D};
         for (int e = 0; e < ${NV}; ++e) {
             const ${FV} o = acc[r][e] * inv;
             ${c.storev(V, "o", "op + e * %d" % V)}
         }
-        lse[at] = clattn_part_lse(((float*)mr)[r], l, seen);
+        lse[at] = clattn_part_lse(mf, l, seen);
     }
 }

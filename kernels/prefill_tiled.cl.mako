@@ -124,7 +124,8 @@ void clattn_prefill(${SIGNATURE})
         for (int a = 0; a < ${RM}; ++a) {
             float mx = -INFINITY;
             for (int k = 0; k < ${RK}; ++k) {
-                s[a][k] = r0 + tc + ${TC} * k <= lim[a] ? ${kx.score("s[a][k]", SOFTCAP)} : -INFINITY;
+                const int key = r0 + tc + ${TC} * k;
+                s[a][k] = key <= lim[a] && MASK_KEEPS((tr * ${RM} + a) / ${G}, key) ? ${kx.score("s[a][k]", SOFTCAP)} : -INFINITY;
                 mx = fmax(mx, s[a][k]);
             }
             red_m[tr * ${RM} + a][tc] = mx;
@@ -160,15 +161,16 @@ void clattn_prefill(${SIGNATURE})
             l[a] = l[a] * alpha[a] + sum;
             for (int cc = 0; cc < ${RD}; ++cc) acc[a][cc] *= alpha[a];
         }
-        /* on the causal diagonal a row adds only the keys it attends: a masked key's
-           value is never multiplied (0 * inf would be NaN); uniform over the group */
-        const int full = min(r0 + ${KB}, r_end) - 1 <= QLIM(0);
+        /* on the causal diagonal (and under a custom mask) a row adds only the keys it
+           attends: a masked key's value is never multiplied (0 * inf would be NaN);
+           uniform over the group */
+        const int full = !use_mask && min(r0 + ${KB}, r_end) - 1 <= QLIM(0);
         for (int j = 0; j < ${KB}; ++j) {
             float vv[${RD}];
             for (int cc = 0; cc < ${RD}; ++cc) vv[cc] = v_tile[j][tc + ${TC} * cc];
             for (int a = 0; a < ${RM}; ++a) {
                 const float p = p_tile[tr * ${RM} + a][j];
-                if (full || r0 + j <= lim[a])
+                if (full || (r0 + j <= lim[a] && MASK_KEEPS((tr * ${RM} + a) / ${G}, r0 + j)))
                     for (int cc = 0; cc < ${RD}; ++cc) acc[a][cc] += p * vv[cc];
             }
         }
@@ -180,8 +182,9 @@ void clattn_prefill(${SIGNATURE})
         const int i = row / ${G};
         if (i >= nq) break;
         const ulong at = (ulong)(qs + i) * ${HQO} + kvh * ${G} + row % ${G};
-        const int seen = lim[a] >= 0;   /* rows attended: all scoring -inf breaks it */
-        const float inv = clattn_part_inv(l[a], seen);
+        const int seen = KEEPS_ANY(i, lim[a]);   /* rows attended: all scoring -inf breaks it */
+        const float alpha = clattn_add_sink(&m[a], &l[a], CLATTN_SINK(use_sinks, kvh * ${G} + row % ${G}));
+        const float inv = clattn_part_inv(l[a], seen) * alpha;
         __global st_t* op = out + at * ${D};
         for (int cc = 0; cc < ${RD}; ++cc) {
             const float o = acc[a][cc] * inv;

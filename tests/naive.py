@@ -228,8 +228,17 @@ def chunk_offsets(stored, window_offset=None, sink_size=None):
 def naive_decode(q, pages, page_indptr, page_indices, last_page_len, *, window_offset=None,
                  sink_size=None, q_pos=None, k_pos_offset=None, rotary_mode=0, rope_scale=1.0,
                  rope_theta=10000.0, sm_scale=None, rope_scaling=None, rotary_dim=None,
-                 softcap=None, max_position_embeddings=None, interleaved=None, inv_freq_fn=None):
+                 softcap=None, max_position_embeddings=None, interleaved=None, inv_freq_fn=None,
+                 keep=None, sink_logits=None):
     """``(out[B, H_qo, D], lse[B, H_qo])`` in float64, lse base 2; empty chunk -> (0, -inf).
+
+    ``keep``: per sequence, one bool per chunk row; only the rows it marks True are
+    attended (none: empty, as an empty chunk).
+
+    ``sink_logits[h]``: a learned attention sink of head h (gpt-oss): one more logit in the
+    softmax's denominator with no value, as transformers' eager attention computes it
+    (the scores and the sink concatenated, softmax, the sink's column dropped); an empty
+    chunk then gives (0, sink * log2(e)).
 
     RoPE frequencies come from ``rope_scaling`` (clattn's contract: an HF rope_scaling dict
     as the caller gives it), or from ``inv_freq_fn(q_pos) -> (inv_freq, attention_factor)``
@@ -256,6 +265,9 @@ def naive_decode(q, pages, page_indptr, page_indices, last_page_len, *, window_o
 
     out = np.zeros((B, H_qo, D), dtype=np.float64)
     lse = np.full((B, H_qo), -np.inf, dtype=np.float64)
+    if sink_logits is not None:
+        sink_logits = [float(x) for x in np.asarray(sink_logits)]
+        lse[:] = np.array(sink_logits) * LOG2E  # what an empty chunk leaves
     sizes = {f: np.zeros((B, H_qo), dtype=np.float64) for f in ScoredLse.FIELDS}
     for b in range(B):
         begin, end = page_indptr[b], page_indptr[b + 1]
@@ -265,7 +277,8 @@ def naive_decode(q, pages, page_indptr, page_indices, last_page_len, *, window_o
             offsets = chunk_offsets(stored, window_offset[b], sink_size[b])
         else:
             offsets = chunk_offsets(stored)
-        if not offsets:
+        kept = [r for r in range(len(offsets)) if keep is None or bool(keep[b][r])]
+        if not kept:
             continue
         if rotary_mode == 1 and inv_freq_fn is not None:
             inv_freq, af = inv_freq_fn(int(q_pos[b]))
@@ -277,7 +290,8 @@ def naive_decode(q, pages, page_indptr, page_indices, last_page_len, *, window_o
                                           max_position_embeddings, use_long)
         for kvh in range(H_kv):
             keys, values = [], []
-            for r, o in enumerate(offsets):
+            for r in kept:
+                o = offsets[r]
                 page = page_indices[begin + o // page_size]
                 slot = o % page_size
                 k = pages[page, 0, kvh, slot].astype(np.float64)
@@ -297,13 +311,15 @@ def naive_decode(q, pages, page_indptr, page_indices, last_page_len, *, window_o
                     if softcap is not None:
                         s = float(softcap) * math.tanh(s / float(softcap))
                     scores.append(s)
-                m = max(scores)
+                sink = [] if sink_logits is None else [sink_logits[h]]
+                m = max(scores + sink)
                 total = 0.0
                 acc = np.zeros(D, dtype=np.float64)
                 for s, v in zip(scores, values):
                     w = math.exp(s - m)
                     total += w
                     acc += w * v
+                total += sum(math.exp(s - m) for s in sink)  # the sink's column: no value
                 out[b, h] = acc / total
                 lse[b, h] = (m + math.log(total)) * LOG2E
                 # not part of the semantics: the size of the terms each score sums (log2

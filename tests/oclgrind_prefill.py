@@ -27,9 +27,11 @@ def _prefill(spec, profile):
     return pre
 
 
-def values_variant(profile, spec_kw, cached, chunks, *, window=None, sinks=None, rope=False):
+def values_variant(profile, spec_kw, cached, chunks, *, window=None, sinks=None, rope=False,
+                   sink_logits=False):
     """Causal and not causal against the oracle; the plan's units cut every sequence."""
     from cases import compare, spec_scenario
+    from oclgrind_runner import learned_sinks
     from prefill_cases import naive_prefill, prefill_case, run
     spec_kw = dict(spec_kw)
     sc = spec_scenario("variant", spec_kw.pop("num_qo_heads"), spec_kw.pop("num_kv_heads"),
@@ -37,6 +39,8 @@ def values_variant(profile, spec_kw, cached, chunks, *, window=None, sinks=None,
     pre = _prefill(sc.spec, profile)
     case = prefill_case(sc.spec, cached, chunks, seed=1, window=window, sinks=sinks, rope=rope)
     call = dict(rotary_mode=1) if rope else {}
+    if sink_logits:
+        call["sink_logits"] = learned_sinks(sc.spec.num_qo_heads)
     for causal in (True, False):
         res = run(pre, case, causal=causal, **call)
         compare(res.out, res.lse, *naive_prefill(sc, case, causal=causal, **call),
@@ -91,6 +95,36 @@ def adversarial_variant(profile, rope=True):
             print(f"adversarial ok: {tag}", flush=True)
 
 
+def mask_variant(profile):
+    """A custom mask (odd bit counts, a fully masked query) causal and not against the
+    oracle; then garbage device mask tables over a 3-byte mask: clamped, no NaN."""
+    import clattn
+    from cases import compare, spec_scenario
+    from clattn import runtime
+    from prefill_cases import naive_prefill, prefill_case, run
+    sc = spec_scenario("mask", 4, 2, 16, page_size=4, dtype="float32")
+    pre = _prefill(sc.spec, profile)
+    case = prefill_case(sc.spec, [6, 1], [5, 2], seed=2)
+    rng = np.random.default_rng(5)
+    masks = [rng.random((int(n), int(c))) < 0.5 for n, c in zip(case["chunks"], case["rows"])]
+    masks[0][1] = False
+    bits, indptr = clattn.pack_mask(masks)
+    for causal in (True, False):
+        res = run(pre, case, causal=causal, custom_mask=bits, mask_indptr=indptr)
+        compare(res.out, res.lse, *naive_prefill(sc, case, causal=causal, mask=masks),
+                sc.spec.dtype, what=f"mask causal={causal}: ")
+    queue = pre.setup.runtime.queue
+    d = lambda a, t=np.int32: runtime.cl().array.to_device(  # noqa: E731
+        queue, np.ascontiguousarray(a, dtype=t))
+    plan = pre.plan(case["qo_indptr"])
+    for what, ind in (("beyond the mask", [0, 2**31 - 1, 2**31 - 1]),
+                      ("negative", [-2**31, -1, 5]), ("empty mask", None)):
+        short = d(bits[:3] if ind else bits[:0], np.uint8)
+        res = run(pre, case, custom_mask=short, mask_indptr=d(ind or [0, 0, 0]), plan=plan)
+        assert not np.isnan(res.out).any() and not np.isnan(res.lse).any(), f"{what}: NaN"
+        print(f"adversarial mask ok: {what}", flush=True)
+
+
 SMALL = dict(num_qo_heads=4, num_kv_heads=2, head_dim=16, page_size=4)
 PREFILL_VARIANTS = {
     "prefill-rows-f32-window-rope": lambda: values_variant(
@@ -100,6 +134,11 @@ PREFILL_VARIANTS = {
     "prefill-rows-vec1-f16-softcap": lambda: values_variant(
         {"strategy": "rows", "vec": 1, "tile_rows": 4}, dict(SMALL, dtype="float16",
                                                              softcap=20.0), [7, 0], [5, 3]),
+    # 16-float vectors (AVX-512 CPU drivers): rows padded to 16, head_dim 32 in two vectors
+    "prefill-rows-vec16-f16-window": lambda: values_variant(
+        {"strategy": "rows", "prefill_vec": 16, "tile_rows": 4},
+        dict(SMALL, head_dim=32, dtype="float16", sliding_window=True), [6, 0], [9, 2],
+        window=[3, 0], sinks=[1, 0]),
     "prefill-tiled-f16-window-rope": lambda: values_variant(
         SMALL_TILED, dict(SMALL, dtype="float16", sliding_window=True, rope_scaling=LLAMA3,
                           max_position_embeddings=131072),
@@ -110,11 +149,19 @@ PREFILL_VARIANTS = {
                           rotary_dim=16), [0, 10], [3, 5], rope=True),
     "prefill-tiled-f32-norope": lambda: values_variant(
         SMALL_TILED, dict(SMALL, dtype="float32"), [6, 1], [5, 2]),
+    "prefill-mask-rows": lambda: mask_variant("generic-cpu"),
+    "prefill-mask-tiled": lambda: mask_variant(SMALL_TILED),
+    "prefill-rows-f32-learned-sinks": lambda: values_variant(
+        "generic-cpu", dict(SMALL, dtype="float32"), [6, 0], [5, 2], sink_logits=True),
+    "prefill-tiled-f16-learned-sinks": lambda: values_variant(
+        SMALL_TILED, dict(SMALL, dtype="float16"), [6, 0], [5, 2], sink_logits=True),
     "prefill-adversarial-rows": lambda: adversarial_variant("generic-cpu"),
     "prefill-adversarial-tiled": lambda: adversarial_variant(SMALL_TILED),
     "prefill-adversarial-rows-norope": lambda: adversarial_variant("generic-cpu", rope=False),
     "prefill-adversarial-tiled-norope": lambda: adversarial_variant(SMALL_TILED, rope=False),
 }
 #: without RoPE (sincos on a private pointer stops Oclgrind's uninitialised-value plugin)
-PREFILL_NO_ROPE = ("prefill-rows-vec1-f16-softcap", "prefill-tiled-f32-norope",
+PREFILL_NO_ROPE = ("prefill-rows-vec1-f16-softcap", "prefill-rows-vec16-f16-window",
+                   "prefill-tiled-f32-norope", "prefill-mask-rows", "prefill-mask-tiled",
+                   "prefill-rows-f32-learned-sinks", "prefill-tiled-f16-learned-sinks",
                    "prefill-adversarial-rows-norope", "prefill-adversarial-tiled-norope")

@@ -26,14 +26,15 @@ def main(strategy: str, kf: str, vf: str) -> None:
     dk, dv = quant.unpack_pool(pool, spec.layout)
     case["q"] = case["q"].astype(np.float16)
     args, kw = decode_args(case)
-    kw["rotary_mode"] = 1
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         dec = clattn.BatchDecode(spec, dev, profile=PROFILES[strategy])
-    for split in (False, 4):
+    # rotary_mode 0: the rows kernel scores the codes (one scale per block); 1: dequantized
+    for kw["rotary_mode"], split in ((1, False), (1, 4), (0, False)):
         res = dec.run(args[0], pool, *args[2:], split=split, **kw)
         ref = naive_decode(args[0], np.stack([dk, dv], 1).astype(np.float64), *args[2:], **kw)
-        compare(res.out, res.lse, *ref, "float16", what=f"split={split}: ")
+        compare(res.out, res.lse, *ref, "float16",
+                what=f"rotary_mode={kw['rotary_mode']} split={split}: ")
     queue = dec.setup.runtime.queue
     d = lambda a: cl.array.to_device(queue, np.asarray(a, np.int32))  # noqa: E731
     P = pool.shape[0]

@@ -63,9 +63,17 @@ def _check(dec, sc, case, *, what, **call):
     return res
 
 
+def learned_sinks(H):
+    """Learned attention sinks of every kind: random, one that outweighs the rows (+30) and
+    none (-inf) on the last head."""
+    s = np.random.default_rng(5).standard_normal(H).astype(np.float32) * 2
+    s[0], s[-1] = 30.0, -np.inf
+    return s
+
+
 # ------------------------------------------------------------------------------ decode variants
 def decode_variant(profile, spec_kw, lengths, *, window=None, sinks=None, rope=False,
-                   splits=(False,), theta=10000.0, seed=0):
+                   splits=(False,), theta=10000.0, seed=0, sink_logits=False):
     from cases import make_case, spec_scenario
     spec_kw = dict(spec_kw)
     sc = spec_scenario("variant", spec_kw.pop("num_qo_heads"), spec_kw.pop("num_kv_heads"),
@@ -79,6 +87,8 @@ def decode_variant(profile, spec_kw, lengths, *, window=None, sinks=None, rope=F
         case.update(window_offset=np.zeros(len(lengths), np.int32),
                     sink_size=np.zeros(len(lengths), np.int32))
     call = dict(rotary_mode=1, rope_theta=theta) if rope else {}
+    if sink_logits:
+        call["sink_logits"] = learned_sinks(spec.num_qo_heads)
     for split in splits:
         _check(dec, sc, case, what=f"split={split}", split=split, **call)
 
@@ -206,6 +216,13 @@ VARIANTS = {
                          dtype="float16", sliding_window=True, rope_scaling=LLAMA3,
                          max_position_embeddings=131072, softcap=20.0),
         [17, 0, 40], window=[9, 0, 16], sinks=[2, 0, 16], rope=True, splits=(False, 8)),
+    # learned attention sinks: the decode kernel's direct epilogue and the split merge's
+    "rows-f32-split-learned-sinks": lambda: decode_variant(
+        "generic-cpu", dict(num_qo_heads=4, num_kv_heads=2, head_dim=16, page_size=4,
+                            dtype="float32"), [0, 1, 13], splits=(False, 4), sink_logits=True),
+    "tiled-f16-split-learned-sinks": lambda: decode_variant(
+        SMALL_TILED, dict(num_qo_heads=4, num_kv_heads=2, head_dim=16, page_size=4,
+                          dtype="float16"), [9, 0, 5], splits=(False, 4), sink_logits=True),
     "rows-vec1-f16": lambda: decode_variant(
         {"strategy": "rows", "vec": 1}, dict(num_qo_heads=2, num_kv_heads=1, head_dim=16,
                                              page_size=4, dtype="float16"),
@@ -255,7 +272,8 @@ VARIANTS = {
 
 #: variants without RoPE: Oclgrind's uninitialised-value plugin aborts on sincos() with a
 #: private pointer ("Work item needed to access private memory!"), so only these run with it
-NO_ROPE = ("rows-f32-split", "rows-vec1-f16", "tiled-local-f32-g1-tile2",
+NO_ROPE = ("rows-f32-split", "rows-f32-split-learned-sinks", "tiled-f16-split-learned-sinks",
+           "rows-vec1-f16", "tiled-local-f32-g1-tile2",
            "tiled-subgroup-fallback-f16", "merge-rows-f32", "merge-rows-f16", "merge-tiled-f32",
            "merge-tiled-f16", "adversarial-rows-norope", "adversarial-tiled-local-norope")
 

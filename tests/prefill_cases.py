@@ -51,22 +51,26 @@ _ORACLE: dict = {}
 def _kept(fn):
     """A reference kept per case content, so that every target of a test shares one
     computation."""
-    def wrapper(sc, case, *, causal=True, q_pos=None, **call):
+    def wrapper(sc, case, *, causal=True, q_pos=None, mask=None, **call):
         h = hashlib.sha1(repr((fn.__name__, sc.name, causal, sorted(call.items()))).encode())
         for k in sorted(case):
             h.update(k.encode() + np.ascontiguousarray(case[k]).tobytes())
         h.update(np.asarray(q_pos).tobytes())
+        for m in mask or ():
+            h.update(repr(np.shape(m)).encode() + np.ascontiguousarray(m).tobytes())
+        h.update(b"mask" if mask is not None else b"")
         key = h.hexdigest()
         if key not in _ORACLE:
-            _ORACLE[key] = fn(sc, case, causal=causal, q_pos=q_pos, **call)
+            _ORACLE[key] = fn(sc, case, causal=causal, q_pos=q_pos, mask=mask, **call)
         return _ORACLE[key]
     wrapper.__doc__ = fn.__doc__
     return wrapper
 
 
 @_kept
-def naive_prefill(sc, case, *, causal=True, q_pos=None, **call):
-    """The float64 reference: one naive decode per query over its causal rows."""
+def naive_prefill(sc, case, *, causal=True, q_pos=None, mask=None, **call):
+    """The float64 reference: one naive decode per query over its causal rows (and, with
+    ``mask``, a bool ``[n_b, chunk_b]`` matrix per sequence, only the rows it keeps)."""
     ps, o_all, parts = case["page_size"], [], []
     orc = dict(sc.oracle)
     base_fn = orc.pop("inv_freq_fn", None)
@@ -86,7 +90,7 @@ def naive_prefill(sc, case, *, causal=True, q_pos=None, **call):
         first = (int(case["k_pos_offset"][b]) + chunk - n) if "k_pos_offset" in case else 0
         if q_pos is not None:
             first = int(q_pos[b])
-        t = dict(indptr=[0], idx=[], last=[], wo=[], sink=[])
+        t = dict(indptr=[0], idx=[], last=[], wo=[], sink=[], keep=[])
         for i in range(n):
             st = stored - n + i + 1 if causal else stored
             npg = -(-st // ps)
@@ -97,9 +101,13 @@ def naive_prefill(sc, case, *, causal=True, q_pos=None, **call):
                 wo = min(int(case["window_offset"][b]), st)
                 t["wo"].append(wo)
                 t["sink"].append(min(int(case["sink_size"][b]), wo))
+            if mask is not None:  # the cut sequence's chunk is a prefix of the whole one
+                t["keep"].append(np.asarray(mask[b])[i])
         kw = {}
+        if mask is not None:
+            kw["keep"] = t["keep"]
         if windowed:
-            kw = dict(window_offset=np.array(t["wo"]), sink_size=np.array(t["sink"]))
+            kw.update(window_offset=np.array(t["wo"]), sink_size=np.array(t["sink"]))
         if call.get("rotary_mode"):
             kw.update(q_pos=first + np.arange(n),
                       k_pos_offset=np.full(n, int(case["k_pos_offset"][b])),

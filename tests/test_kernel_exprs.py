@@ -86,16 +86,24 @@ def test_block_sums():
 def test_lanes_page_formats():
     def lane(fmt, lane, vec=4, raw=True, **kw):
         return kx.lanes(0, vec, "kp", lane, fmt, "half", True, raw, None, **kw)
-    assert lane("float", 8) == "*(const __global float4*)(kp + (8) * 4)"
-    assert lane("half", 8) == "clattn_h2f(*(const __global ushort4*)(kp + (8) * 2))"
+    # raw: the kernel's raw_loads types (no more alignment than an element's)
+    assert lane("float", 8) == "*(const __global ldf_t*)(kp + (8) * 4)"
+    assert lane("float", 8, raw=False) == "*(const __global float4*)(kp + (8) * 4)"
+    assert lane("half", 8) == "clattn_h2f(*(const __global ldh_t*)(kp + (8) * 2))"
     assert lane("half", 8, raw=False) == "vload_half4(0, (const __global half*)(kp) + 8)"
-    assert lane("q8_0", 36) == ("(convert_float4(*(const __global char4*)(kp + (36))) * "
+    assert lane("q8_0", 36) == ("(convert_float4(*(const __global ldq8_t*)(kp + (36))) * "
                                 "clattn_h2f_1(kp_s[(36) / 32]))")
     # q4_0: value j of a block in byte j's low nibble, value j + 16 in its high nibble
-    assert "(kp + 24)) & (uchar4)15)" in lane("q4_0", 40, scale="1.0f")
-    assert "(kp + 0)) >> (uchar4)4)" in lane("q4_0", 16, scale="1.0f")
+    assert "(*(const __global uchar4*)(kp + 24)) & (uchar4)15)" in lane(
+        "q4_0", 40, raw=False, scale="1.0f")
+    assert "(kp + 0)) >> (uchar4)4)" in lane("q4_0", 16, raw=False, scale="1.0f")
+    # CPU loads: the nibble as the low mantissa bits of 2^23, minus 2^23 + 8
+    assert lane("q4_0", 40, scale="s") == (
+        "((as_float4((convert_uint4(*(const __global ldq4_t*)(kp + 24)) & 15u) | 0x4b000000u)"
+        " - 8388616.0f) * s)")
+    assert "(kp + 0)) >> 4) | 0x4b000000u)" in lane("q4_0", 16, scale="1.0f")
     assert lane("q4_0", "x", vec=1) == (
-        "((convert_float((((*(const __global uchar*)(kp + ((x) >> 5) * 16 + ((x) & 15))) >> "
+        "((convert_float((((*(const __global ldq4_t*)(kp + ((x) >> 5) * 16 + ((x) & 15))) >> "
         "(uchar)((x) & 16 ? 4 : 0)) & (uchar)15)) - 8.0f) * clattn_h2f_1(kp_s[(x) / 32]))")
     assert kx.lanes(1, 2, "vp", 4, "half", "half", False, True,
                     lambda v, p: "LOAD%d(%s)" % (v, p)) == "LOAD2(vp + 4)"

@@ -5,7 +5,9 @@ Models are built from the published architecture configs (written out below), sh
 head_dim, GQA, scaling, soft-capping and sliding windows stay as published (the windows of
 Gemma-2 and Mistral shortened so that the tests cross them). Greedy generation on each
 OpenCL device must give eager attention's tokens, logits within 1e-4: one prompt, and a
-left-padded batch of three prompts of different lengths.
+left-padded batch of three prompts of different lengths. gpt-oss (learned attention sinks,
+set to random values of std SINK_STD; 4 experts) also runs through the GPU kernels and the
+CPU backend, its logits within a bound derived from the f32 sums (_reordered_sum_bound).
 """
 from __future__ import annotations
 
@@ -67,6 +69,27 @@ CONFIGS = {
         "rope_theta": 10000.0, "sliding_window": 2047, "tie_word_embeddings": False,
         "vocab_size": 32064},
 }
+# gpt-oss-20b: learned attention sinks (s_aux), sliding and full layers alternating, yarn
+# RoPE, attention biases, a mixture of experts (shrunk below: 4 experts, 2 per token)
+CONFIGS["gpt-oss-20b"] = {
+    "model_type": "gpt_oss", "attention_bias": True, "attention_dropout": 0.0,
+    "eos_token_id": 200002, "experts_per_token": 4, "head_dim": 64, "hidden_act": "silu",
+    "hidden_size": 2880, "initial_context_length": 4096, "initializer_range": 0.02,
+    "intermediate_size": 2880,
+    "layer_types": ["sliding_attention", "full_attention"] * 12,
+    "max_position_embeddings": 131072, "num_attention_heads": 64, "num_experts_per_tok": 4,
+    "num_hidden_layers": 24, "num_key_value_heads": 8, "num_local_experts": 32,
+    "output_router_logits": False, "pad_token_id": 199999, "rms_norm_eps": 1e-05,
+    "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0,
+                     "original_max_position_embeddings": 4096, "rope_type": "yarn",
+                     "truncate": False},
+    "rope_theta": 150000, "router_aux_loss_coef": 0.9, "sliding_window": 128,
+    "swiglu_limit": 7.0, "tie_word_embeddings": False, "vocab_size": 201088}
+#: per-model keys shrunk beyond the common ones (gpt-oss: a smaller mixture of experts)
+SHRINK = {"gpt-oss-20b": dict(num_local_experts=4, num_experts_per_tok=2, experts_per_token=2)}
+#: std of the learned attention sinks set on gpt-oss (HF initialises them near 0, where
+#: they would weigh like one more row of score 0; these outweigh or vanish against rows)
+SINK_STD = 2.0
 # Gemma-2-27B: the 2B's config but for these keys; query_pre_attn_scalar 144 != head_dim
 # 128, so its scaling is not 1/sqrt(head_dim)
 CONFIGS["Gemma-2-27B"] = {**CONFIGS["Gemma-2-2B"], "head_dim": 128, "hidden_size": 4608,
@@ -75,7 +98,7 @@ CONFIGS["Gemma-2-27B"] = {**CONFIGS["Gemma-2-2B"], "head_dim": 128, "hidden_size
                           "query_pre_attn_scalar": 144}
 #: windows shortened so that a 10-token prompt and 32 new tokens cross them (and the
 #: batch's 20-token prompt crosses them inside the prompt)
-WINDOWS = {"Gemma-2-2B": 16, "Gemma-2-27B": 16, "Mistral-7B-v0.1": 12}
+WINDOWS = {"Gemma-2-2B": 16, "Gemma-2-27B": 16, "Mistral-7B-v0.1": 12, "gpt-oss-20b": 12}
 #: q and k projections scaled up where the config soft-caps scores, so that the scores reach
 #: the cap (random weights give scores far below 50, where the cap changes nothing)
 SOFTCAP_GAIN = 12.0
@@ -93,6 +116,9 @@ def shrink(name: str, layers: int = 2) -> dict:
                bos_token_id=1, eos_token_id=2, pad_token_id=0)
     if name in WINDOWS:
         cfg["sliding_window"] = WINDOWS[name]
+    if "layer_types" in cfg:
+        cfg["layer_types"] = cfg["layer_types"][:layers]
+    cfg.update(SHRINK.get(name, {}))
     return cfg
 
 
@@ -112,6 +138,12 @@ def model(name: str, layers: int = 2):
                 for layer in m.model.layers:
                     layer.self_attn.q_proj.weight.mul_(SOFTCAP_GAIN)
                     layer.self_attn.k_proj.weight.mul_(SOFTCAP_GAIN)
+        sinks = [layer.self_attn.sinks for layer in m.model.layers
+                 if hasattr(layer.self_attn, "sinks")]
+        g = torch.Generator().manual_seed(2)
+        with torch.no_grad():
+            for s in sinks:
+                s.copy_(torch.randn(s.shape, generator=g) * SINK_STD)
         m.generation_config.pad_token_id = 0
         _MODELS[name, layers] = m
     return _MODELS[name, layers]
@@ -145,8 +177,11 @@ def eager(name: str, batch: bool):
     return _EAGER[name, batch]
 
 
-def check_same(name: str, batch: bool, device, profile=None) -> ClattnCache:
-    cltf.register(device=device, profile=profile)
+def check_same(name: str, batch: bool, device, profile=None, *, backend="auto",
+               derived=False) -> ClattnCache:
+    """Greedy tokens as eager's, logits within 1e-4 (and, ``derived``, within
+    :func:`_reordered_sum_bound` of the model's layers)."""
+    cltf.register(device=device, profile=profile, backend=backend)
     try:
         got = run(name, batch, attn_implementation="clattn")
     finally:
@@ -159,13 +194,16 @@ def check_same(name: str, batch: bool, device, profile=None) -> ClattnCache:
     assert len(got.logits) == NEW_TOKENS
     assert torch.equal(got.sequences, ref.sequences), f"{name}: tokens differ (logits {diff})"
     assert diff <= 1e-4, f"{name}: logits differ by {diff}"
+    if derived:
+        bound = _reordered_sum_bound(name, ref.logits, layers=len(model(name).model.layers))
+        assert diff <= bound, f"{name}: logits differ by {diff} > {bound}"
     return cache
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_generate_matches_eager(name, device):
     cache = check_same(name, False, device)
-    kinds = 2 if name.startswith("Gemma") else 1
+    kinds = len(set(layer_windows(model(name).config)))  # sliding and full layers: 2
     assert cache.steps["prefill"] == kinds
     assert cache.steps["decode"] == kinds * (NEW_TOKENS - 1)
     assert len(cache.groups) == kinds
@@ -193,6 +231,18 @@ def test_gpu_kernels_through_transformers(device, name="Gemma-2-2B"):
     cache = check_same(name, True, device, profile=GPU_PROFILE)
     assert {g.cache.decoder.profile.strategy for g in cache.groups.values()} == {"tiled"}
     assert cache.steps["prefill"] >= 1 and cache.steps["decode"] >= NEW_TOKENS - 1
+
+
+@pytest.mark.parametrize("batch", [False, True], ids=["one", "batch"])
+def test_gpt_oss_sinks_gpu_kernels_and_cpu_backend(device, batch, name="gpt-oss-20b"):
+    """gpt-oss's learned attention sinks (s_aux, random of std SINK_STD per layer) through
+    the GPU strategy (tiled decode, merge, prefill) on each device and through the numpy
+    backend: eager's tokens, logits within the derived bound."""
+    cache = check_same(name, batch, device, profile=GPU_PROFILE, derived=True)
+    assert {g.cache.decoder.profile.strategy for g in cache.groups.values()} == {"tiled"}
+    assert set(cache.groups) == {None, WINDOWS[name]}
+    check_same(name, batch, None, backend="cpu", derived=True)
+    check_same(name, batch, device, derived=True)  # the device's own (rows) kernels
 
 
 def test_cpu_backend_and_chunk_prompts():
@@ -239,17 +289,20 @@ def test_quantized_caches_through_transformers(device):
         assert diff < 1.0, f"{name}: quantization should stay within reason: {diff}"
 
 
-def _reordered_sum_bound(name: str, logits) -> float:
-    """How far two f32 evaluations of a one-layer model may differ when only the order of
-    the attention's sums differs: each attention output is within 2 (n + D) u of its
-    largest value (u = 2**-24; n rows and D products in a dot, both sides), and the layer's
-    output projection, MLP and head map a relative change of the attention's output to at
-    most 16x that change of the logits' scale (weights of std 0.02 on hidden 256: each
-    matrix's spectral norm is below 1; 16 covers the norms' and residual's gains)."""
+def _reordered_sum_bound(name: str, logits, layers: int = 1) -> float:
+    """How far two f32 evaluations of a model of ``layers`` layers may differ when only the
+    order of the attention's sums differs: each attention output is within 2 (n + 1 + D) u
+    of its largest value (u = 2**-24; n rows, a learned sink's term and D products in a
+    dot, both sides), and a layer's output projection, MLP and head map a relative change
+    of its attention's output, or of its input, to at most 16x that change of the logits'
+    scale (weights of std 0.02 on hidden 256: each matrix's spectral norm is below 1; 16
+    covers the norms' and residual's gains): layer k's error reaches the logits through
+    the layers after it, 16 ** (layers - k + 1) in all."""
     cfg = shrink(name, 1)
     n = max(PROMPTS) + NEW_TOKENS
     scale = max(float(x.abs().max()) for x in logits)
-    return 16 * 2 * (n + cfg["head_dim"]) * 2.0 ** -24 * max(scale, 1.0)
+    gain = sum(16 ** k for k in range(1, layers + 1))
+    return gain * 2 * (n + 1 + cfg["head_dim"]) * 2.0 ** -24 * max(scale, 1.0)
 
 
 def test_explicit_cache_and_forward_without_cache():

@@ -12,8 +12,8 @@ import pytest
 
 from clattn import runtime
 from clattn.tune import ceilings, session
-from clattn.tune.ceilings import (FMA_CHAINS, FMA_ITERS, FMA_UNROLL, FmaPeak, fma_launcher,
-                                  fma_peak, fma_source)
+from clattn.tune.ceilings import (FMA_ITERS, FMA_LANES, FMA_UNROLL, FMA_WIDTHS, FmaPeak,
+                                  fma_launcher, fma_peak, fma_source)
 from clattn.tune.report import format_report
 from clattn.tune.search import Settings
 from clattn.tune.timing import event_seconds
@@ -21,36 +21,41 @@ from clattn.tune.timing import event_seconds
 from test_profiler import _fake_report
 
 
-def test_the_kernel_is_independent_float8_chains_of_multiply_adds():
-    src = fma_source()
-    assert src.count(" * y + y;") == FMA_CHAINS * FMA_UNROLL
-    assert len({f"x{c} = x{c} * y + y;" for c in range(FMA_CHAINS)} & set(
-        line.strip() for line in src.splitlines())) == FMA_CHAINS
-    assert f"i < {FMA_ITERS}" in src and "float8" in src
+@pytest.mark.parametrize("width", FMA_WIDTHS)
+def test_the_kernel_is_independent_chains_of_multiply_adds(width):
+    src = fma_source(width)
+    chains = FMA_LANES // width
+    assert src.count(" * y + y;") == chains * FMA_UNROLL
+    assert len({f"x{c} = x{c} * y + y;" for c in range(chains)} & set(
+        line.strip() for line in src.splitlines())) == chains
+    assert f"i < {FMA_ITERS}" in src and f"float{width} " in src
     # every lane of every chain reaches the output: nothing is dead code
-    assert " + ".join(f"x{c}" for c in range(FMA_CHAINS)) in src
-    assert "s.lo" in src and "s.hi" in src
+    assert " + ".join(f"x{c}" for c in range(chains)) in src
+    assert f"i < {width}; ++i) r += " in src
 
 
-def test_launcher_counts_two_flops_per_lane_and_computes_the_chain(device):
+@pytest.mark.parametrize("width", [None, *FMA_WIDTHS])
+def test_launcher_counts_two_flops_per_lane_and_computes_the_chain(device, width):
     rt = ceilings.as_runtime(device)
-    launch, flops = fma_launcher(rt)
+    launch, flops = fma_launcher(rt, width)
     n = ceilings.FMA_ITEMS_PER_CU * int(device.max_compute_units)
-    assert flops == n * FMA_ITERS * FMA_UNROLL * FMA_CHAINS * 8 * 2
+    assert flops == n * FMA_ITERS * FMA_UNROLL * FMA_LANES * 2
     evt = launch()
     assert isinstance(evt, runtime.cl().Event) and event_seconds([evt]) > 0
+    if width is None:
+        return
     # the launch writes what the chains compute: x <- x * a + a from x0 = i * 1e-9 + c
     cl = runtime.cl()
     out = np.empty(n, np.float32)
-    knl = cl.Kernel(rt.program(fma_source(), ceilings.FMA_OPTIONS), "clattn_fma")
+    knl = cl.Kernel(rt.program(fma_source(width), ceilings.FMA_OPTIONS), "clattn_fma")
     buf = cl.Buffer(rt.context, cl.mem_flags.WRITE_ONLY, out.nbytes)
     knl(rt.queue, (n,), None, buf, np.float32(0.999)).wait()
     cl.enqueue_copy(rt.queue, out, buf)
     a, steps = 0.999, FMA_ITERS * FMA_UNROLL
     want = 0.0
-    for c in range(FMA_CHAINS):  # closed form of the recurrence, in float64
+    for c in range(FMA_LANES // width):  # closed form of the recurrence, in float64
         x0 = c + 0.0
-        want += 8 * (x0 * a ** steps + a * (1 - a ** steps) / (1 - a))
+        want += width * (x0 * a ** steps + a * (1 - a ** steps) / (1 - a))
     assert math.isclose(float(out[0]), want, rel_tol=1e-3), (out[0], want)
 
 
@@ -58,8 +63,8 @@ def test_peak_is_positive_finite_and_excludes_the_warm_up(device, monkeypatch):
     launches = []
     real = ceilings.fma_launcher
 
-    def counting(rt):
-        launch, flops = real(rt)
+    def counting(rt, width=None):
+        launch, flops = real(rt, width)
 
         def counted():
             launches.append(1)
@@ -80,14 +85,15 @@ def test_peak_is_positive_finite_and_excludes_the_warm_up(device, monkeypatch):
     assert math.isfinite(peak.gflops) and peak.gflops > 0
     assert math.isfinite(peak.best_gflops) and peak.best_gflops >= peak.gflops
     assert peak.repetitions == len(peak.samples) >= 3
-    # FMA_ROUNDS rounds, each after one warm-up launch that is never counted; the round
-    # with the fastest median is the peak
-    assert len(rounds) == ceilings.FMA_ROUNDS
+    # FMA_ROUNDS rounds of each vector width, each after one warm-up launch that is never
+    # counted; the round with the fastest median is the peak (every width does the same
+    # FLOPs)
+    assert len(rounds) == ceilings.FMA_ROUNDS * len(FMA_WIDTHS)
     assert len(launches) == sum(len(r) + 1 for r in rounds)
     assert peak.samples == min(rounds, key=lambda r: float(np.median(r)))
     assert math.isclose(peak.best_gflops, peak.flops / min(peak.samples) * 1e-9)
     assert math.isclose(peak.gflops, peak.flops / float(np.median(peak.samples)) * 1e-9)
-    assert "GFLOP/s" in peak.summary() and "float8" in peak.summary()
+    assert "GFLOP/s" in peak.summary() and f"float{peak.width} a" in peak.summary()
     print(f"\n{peak.summary()}")  # the figure, shown (never asserted against a speed)
 
 
@@ -108,7 +114,7 @@ def test_tune_measures_prints_and_reports_the_peak(device, monkeypatch):
     rep.ceilings = res
     text = format_report(rep)
     line = next(ln for ln in text.splitlines() if "f32 multiply-add" in ln)
-    assert f"{res.fma.gflops:.1f} GFLOP/s median" in line and "float8" in line
+    assert f"{res.fma.gflops:.1f} GFLOP/s median" in line and f"float{res.fma.width} a" in line
     assert text.index("Ceilings") < text.index("f32 multiply-add") < text.index("Correctness")
     j = json.loads(json.dumps(rep.to_json()))
     assert j["ceilings"]["fma"]["gflops"] == pytest.approx(res.fma.gflops)

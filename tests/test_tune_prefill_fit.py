@@ -1,5 +1,5 @@
 """Prefill wishes of the profiles (``prefill_qb``, ``prefill_kb``, ``prefill_tc``,
-``prefill_rm``): for every recorded device x every built-in profile each wish reaches the
+``prefill_rm``, ``prefill_vec``): for every recorded device x every built-in profile each wish reaches the
 geometry or is listed as cut with its reason, the geometry fits the device, and the values
 reach the rendered kernel and the plan; a kernel built from them computes what the float64
 oracle does."""
@@ -14,7 +14,7 @@ import pytest
 
 import clattn
 from clattn.codegen import render_prefill
-from clattn.fit import PREFILL_MAX_KB, PREFILL_ROWS, Limits, prefill_geometry
+from clattn.fit import PREFILL_MAX_KB, PREFILL_ROWS, Limits, decode_geometry, prefill_geometry
 from clattn.device_fit import fit_device
 from clattn.profiles import builtin_profiles, match
 from clattn.models import model_shape
@@ -30,7 +30,7 @@ SHAPES = [(m.num_qo_heads, m.num_kv_heads, m.head_dim)
           for m in map(model_shape, ("Llama-3-8B", "Qwen2.5-0.5B", "Gemma-2-2B", "Phi-3-mini"))]
 SHAPES += [(71, 1, 64), (8, 1, 72)]
 #: the wishes each strategy takes, and the geometry field that holds each
-APPLIES = {"rows": {"prefill_qb": "qb", "prefill_kb": "kb"},
+APPLIES = {"rows": {"prefill_qb": "qb", "prefill_kb": "kb", "prefill_vec": "vec"},
            "tiled": {"prefill_qb": "qb", "prefill_kb": "kb", "prefill_tc": "tc",
                      "prefill_rm": "rm"}}
 PROFILES = builtin_profiles()
@@ -111,7 +111,7 @@ def test_defaults_per_device_class():
     assert (cpu.strategy, cpu.prefill_kb, cpu.prefill_qb) == ("rows", 8, None)
     assert (gpu.prefill_tc, gpu.prefill_rm, gpu.prefill_kb, gpu.prefill_qb) == (16, 4, None, None)
     assert PROFILES["nvidia"].prefill_tc == 16 and PROFILES["intel-cpu"].prefill_kb == 8
-    assert prefill_text(cpu) == "kb 8, qb auto" and prefill_text(gpu) == "16x4, kb auto, qb auto"
+    assert prefill_text(cpu) == "kb 8, qb auto, vec auto" and prefill_text(gpu) == "16x4, kb auto, qb auto"
     # a decode tile_rows (what the tuner tunes) does not move the CPU prefill's key blocks
     g = prefill_geometry(clattn.AttentionSpec(32, 8, 128), cpu.with_(tile_rows=2), Limits())
     assert g.kb == 8 and not g.notes
@@ -147,8 +147,35 @@ def test_wishes_are_cut_with_their_reasons():
     assert (g.tc, g.rm, g.kb) == (16, 4, 32) and not g.notes
 
 
+def test_rows_prefill_vectors_follow_the_native_width_decode_keeps_vec():
+    cpu, spec = PROFILES["generic-cpu"], clattn.AttentionSpec(32, 8, 128, dtype="float16")
+    assert cpu.vec == 8 and cpu.prefill_vec is None
+    wide = Limits(native_float=16)
+    g = prefill_geometry(spec, cpu, wide)
+    assert g.vec == 16 and not g.notes
+    assert decode_geometry(spec, cpu, wide).vec == 8
+    # a compiler capped at 8 (PoCL's PyPI build), a narrower native width, head_dim 72
+    assert prefill_geometry(spec, cpu, Limits(native_float=16, rows_max_vec=8)).vec == 8
+    assert prefill_geometry(spec, cpu, Limits(native_float=4)).vec == 8
+    assert prefill_geometry(clattn.AttentionSpec(8, 1, 72), cpu, wide).vec == 8
+    # a wish is honoured, or cut with its reason
+    assert prefill_geometry(spec, cpu.with_(prefill_vec=4), wide).vec == 4
+    g = prefill_geometry(spec, cpu.with_(prefill_vec=16), Limits(rows_max_vec=8))
+    assert g.vec == 8 and g.notes == ("prefill_vec 16 -> 8: this platform's compiler builds "
+                                      "the rows kernels with at most 8 floats per vector",)
+
+
+@pytest.mark.parametrize("name, cap", [("pthread-AMD EPYC", 8),
+                                       ("pthread-skylake-avx512-AMD EPYC", 16)])
+def test_pocl_keeps_wide_vectors_only_when_it_compiles_for_avx512(name, cap):
+    info = {"platform_name": "Portable Computing Language", "device_name": name,
+            "native_vector_width_float": 16}
+    lim = Limits.from_info(info)
+    assert (lim.rows_max_vec, lim.native_float) == (cap, 16)
+
+
 @pytest.mark.parametrize("values", [{"prefill_qb": 0}, {"prefill_kb": -1}, {"prefill_tc": 2.0},
-                                    {"prefill_rm": True}])
+                                    {"prefill_rm": True}, {"prefill_vec": 3}])
 def test_bad_prefill_wishes_raise_naming_the_field(values):
     (key, value), = values.items()
     with pytest.raises(ValueError, match=f"{key}={value!r}"):

@@ -9,6 +9,9 @@ their ratio and the largest difference of the outputs.
 
     python tools/ab_decode.py --rev b7917c1 --device pocl --models Llama-3-8B,Qwen2.5-0.5B
 
+``--formats q8_0,q4_0`` times quantized pages (``k_format = v_format``; one block of
+pages packed by ``clattn.quant.pack_pool`` and repeated over the pool).
+
 ``--pools`` instead of ``--rev`` times this tree twice over the same pages: in a plain
 device array (``pyopencl.array.to_device``) and in the pool ``BatchDecode.empty_pages``
 gives (huge pages of host memory on a CPU device).
@@ -32,11 +35,15 @@ import pyopencl.array as cla
 
 from common import MODELS, PAGE, ROOT  # first: it puts clattn on the path
 import clattn
+from clattn.quant import QUANTIZED, pack_pool
+
+#: pages of pseudo-random values packed at once for a quantized pool (repeated over it)
+PACK_PAGES = 256
 
 
 def load_revision(rev: str, into: Path):
     """The package ``clattn`` of git revision ``rev``, imported as ``clattn_base``."""
-    blob = subprocess.run(["git", "archive", rev, "clattn"], cwd=ROOT, check=True,
+    blob = subprocess.run(["git", "archive", rev, "clattn", "kernels"], cwd=ROOT, check=True,
                           capture_output=True).stdout
     with tarfile.open(fileobj=io.BytesIO(blob)) as tar:
         tar.extractall(into, filter="data")
@@ -50,23 +57,33 @@ def load_revision(rev: str, into: Path):
 
 
 def one_row(pkgs: list, name: str, dtype: str, B: int, ctx: int, device: str,
-            seconds: float, seed: int, pools: tuple = ("plain", "plain")) -> dict:
+            seconds: float, seed: int, pools: tuple = ("plain", "plain"),
+            fmt: str | None = None) -> dict:
     """Median kernel ms of each package's decode of one model shape, alternated call by call.
 
     ``pools[i]``: ``plain`` (a device array of the pages) or ``empty_pages`` (the
-    decoder's own pool, the pages copied in) for package ``i``."""
+    decoder's own pool, the pages copied in) for package ``i``; ``fmt``: the page format
+    of K and V (default: ``dtype``)."""
     m = MODELS[name]
     hqo, hkv, d = m.num_qo_heads, m.num_kv_heads, m.head_dim
     rng = np.random.default_rng(seed)
     per_seq = ctx // PAGE
-    pages = rng.standard_normal((B * per_seq, 2, hkv, PAGE, d)).astype(dtype)
+    fmt = fmt or dtype
+    if fmt in QUANTIZED:
+        kv = rng.uniform(-1, 1, (min(PACK_PAGES, B * per_seq), 2, hkv, PAGE, d))
+        block = pack_pool(kv[:, 0], kv[:, 1], clattn.AttentionSpec(
+            hqo, hkv, d, page_size=PAGE, dtype=dtype, k_format=fmt, v_format=fmt).layout)
+        pages = np.resize(block, (B * per_seq, block.shape[1]))
+    else:
+        pages = rng.standard_normal((B * per_seq, 2, hkv, PAGE, d)).astype(dtype)
     q = rng.standard_normal((B, hqo, d)).astype(dtype)
     indptr = (np.arange(B + 1) * per_seq).astype(np.int32)
     indices = rng.permutation(B * per_seq).astype(np.int32)
     last = np.full(B, PAGE, np.int32)
     runs = []
     for pkg, pool in zip(pkgs, pools):
-        aspec = pkg.AttentionSpec(hqo, hkv, d, page_size=PAGE, dtype=dtype)
+        aspec = pkg.AttentionSpec(hqo, hkv, d, page_size=PAGE, dtype=dtype, k_format=fmt,
+                                  v_format=fmt)
         dec = pkg.BatchDecode(aspec, device=device)
         queue = dec.setup.runtime.queue
         if pool == "plain":
@@ -92,7 +109,7 @@ def one_row(pkgs: list, name: str, dtype: str, B: int, ctx: int, device: str,
         turn += 1
     diff = float(np.max(np.abs(runs[0]["out"].astype(np.float64) - runs[1]["out"])))
     plan = runs[1]["plan"]
-    return dict(model=name, dtype=dtype, B=B, ctx=ctx,
+    return dict(model=name, dtype=fmt, B=B, ctx=ctx,
                 plan=f"split {plan.part_rows} x{plan.num_parts}" if plan.split else "no split",
                 base_ms=float(np.median(runs[0]["ms"])), this_ms=float(np.median(runs[1]["ms"])),
                 calls=turn, max_diff=diff)
@@ -108,6 +125,9 @@ def main(argv: list | None = None) -> None:
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--dtypes", default="float16,float32")
     ap.add_argument("--batches", default="1")
+    ap.add_argument("--formats", default="",
+                    help="page formats (k_format = v_format), e.g. q8_0,q4_0 (default: the "
+                         "dtypes' own)")
     ap.add_argument("--ctx", type=int, default=16384)
     ap.add_argument("--seconds", type=float, default=4.0, help="per row, both builds")
     args = ap.parse_args(argv)
@@ -120,13 +140,14 @@ def main(argv: list | None = None) -> None:
                 ("plain", "plain"), f"clattn {args.rev} -> this tree"
         print(f"decode kernel ms (median of alternated calls, decode + merge events), "
               f"{args.device}, {what}, ctx {args.ctx}")
-        print("| model | dtype | B | plan | base ms | this ms | base / this | calls | max diff |")
+        print("| model | format | B | plan | base ms | this ms | base / this | calls | max diff |")
         print("|---|---|---:|---|---:|---:|---:|---:|---:|")
         for name in args.models.split(","):
-            for dtype in args.dtypes.split(","):
+            for dtype, fmt in ((t, f or None) for t in args.dtypes.split(",")
+                               for f in args.formats.split(",")):
                 for B in (int(b) for b in args.batches.split(",")):
                     r = one_row(pkgs, name, dtype, B, args.ctx, args.device,
-                                args.seconds, seed=len(name) + B, pools=pools)
+                                args.seconds, seed=len(name) + B, pools=pools, fmt=fmt)
                     print(f"| {r['model']} | {r['dtype']} | {r['B']} | {r['plan']} | "
                           f"{r['base_ms']:.3f} | {r['this_ms']:.3f} | "
                           f"{r['base_ms'] / r['this_ms']:.2f} | {r['calls']} | "

@@ -88,7 +88,7 @@ import numpy as np  # noqa: E402
 # common first: it puts the package on the import path
 from common import (GiB, MODELS, PAGE, ROOT, csv, gib, io_bytes, kv_bytes, log,  # noqa: E402
                     model_spec, page_bytes)
-from clattn import BatchPrefill, PagedKVCache, cpu_backend, runtime  # noqa: E402
+from clattn import BatchPrefill, PagedKVCache, cpu_backend, host_memory, runtime  # noqa: E402
 from clattn.merge import merge_state_, merge_states  # noqa: E402
 from clattn.quant import KV_FORMATS, QUANTIZED, bytes_per_value, pack_pool, row_bytes  # noqa: E402
 from clattn.spec import AttentionSpec, default_sm_scale  # noqa: E402
@@ -316,11 +316,13 @@ class PackedPagePool(PagePool):
     """A byte pool (quantized or mixed page formats) on the device: pseudo-random values in
     [-1, 1) packed by :func:`clattn.quant.pack_pool` on the host, one block of
     :data:`PACK_VALUES` values repeated over the pool (every page is still memory of its
-    own, so cold page sets stay cold; quantizing gigabytes in numpy would take minutes)."""
+    own, so cold page sets stay cold; quantizing gigabytes in numpy would take minutes).
+    The pool is allocated as :class:`PagePool`'s (``BatchDecode.empty_pages``' huge pages on
+    a CPU device), so the formats of a row differ in their pages only."""
 
     def __init__(self, rt: Any, spec: AttentionSpec, pages: int, seed: int) -> None:
         self.spec = spec
-        self.pages = runtime.cl().array.empty(rt.queue, spec.pool_shape(pages), spec.pool_dtype)
+        self.pages = host_memory.empty(rt.queue, spec.pool_shape(pages), spec.pool_dtype)
         per_page = 2 * spec.num_kv_heads * PAGE * spec.head_dim
         values = host_pool(np.random.default_rng(seed), min(pages, max(1, PACK_VALUES // per_page)),
                            spec.num_kv_heads, spec.head_dim, np.float32)

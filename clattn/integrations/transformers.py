@@ -296,7 +296,7 @@ def _paged(owner: ClattnCache, index: int, module: Any, query: torch.Tensor,
                            "model); the cache lost track of it: call cache.reset()")
     if step is None:
         step = g.step = _begin(g, rows, attention_mask, B, L, owner.layers[index])
-    out = _run_layer(g, step, local, query, key, value)
+    out = _run_layer(g, step, local, query, key, value, _sink_logits(kwargs))
     step.done.add(local)
     if len(step.done) == len(g.layers):
         if step.begun:
@@ -319,9 +319,6 @@ def _refuse(module: Any, query: torch.Tensor, dropout: float, is_causal: Any,
                                       f"attends causally")
     if position_bias is not None:
         raise UnsupportedFeatureError("clattn: an additive position bias (T5/ALiBi style)")
-    for name in ("s_aux", "sinks"):
-        if kwargs.get(name) is not None:
-            raise UnsupportedFeatureError(f"clattn: learned attention sinks ({name}=...)")
     if isinstance(attention_mask, torch.Tensor):
         raise UnsupportedFeatureError(
             f"clattn: a prepared {attention_mask.dim()}D attention mask was given; clattn "
@@ -384,6 +381,16 @@ def _begin(g: Any, rows: list, attention_mask: Any, B: int, L: int, layer: Any) 
     return step
 
 
+def _sink_logits(kwargs: dict) -> np.ndarray | None:
+    """The layer's learned attention sinks (gpt-oss passes ``s_aux=module.sinks``, one
+    logit per query head) as float32 numpy, or None."""
+    for name in ("s_aux", "sinks"):
+        s = kwargs.get(name)
+        if s is not None:
+            return s.detach().to("cpu", torch.float32).contiguous().numpy()
+    return None
+
+
 def _tokens(x: torch.Tensor, step: Any) -> np.ndarray:
     """``x [B, heads, L, D]`` as the step's tokens ``[T, heads, D]`` (numpy view of a
     contiguous CPU tensor: no copy when the model's layout is token-major already)."""
@@ -395,7 +402,7 @@ def _tokens(x: torch.Tensor, step: Any) -> np.ndarray:
 
 
 def _run_layer(g: Any, step: Any, local: int, query: torch.Tensor, key: torch.Tensor,
-               value: torch.Tensor) -> torch.Tensor:
+               value: torch.Tensor, sinks: np.ndarray | None) -> torch.Tensor:
     B, H, L, D = query.shape
     out = (torch.empty if step.sel is None else torch.zeros)((B, L, H, D), dtype=query.dtype)
     if step.T == 0:
@@ -410,12 +417,13 @@ def _run_layer(g: Any, step: Any, local: int, query: torch.Tensor, key: torch.Te
         dq, dout, dlse = g.buffers_for(step.T)
         up = cl.enqueue_copy(g.queue, dq.base_data, q, dst_offset=dq.offset, is_blocking=False)
         dq.events[:] = [up]
-        res = cache.attend(local, dq, out=dout, lse=dlse)
+        res = cache.attend(local, dq, out=dout, lse=dlse, sink_logits=sinks)
         cl.enqueue_copy(g.queue, dest, dout.base_data, src_offset=dout.offset,
                         wait_for=[res.event] if res.event is not None else None,
                         is_blocking=True)
     else:
-        cache.attend(local, q, out=dest, lse=np.empty((step.T, H), np.float32))
+        cache.attend(local, q, out=dest, lse=np.empty((step.T, H), np.float32),
+                     sink_logits=sinks)
     if step.sel is not None:
         flat[step.sel] = torch.from_numpy(dest)
     return out.to(query.device)

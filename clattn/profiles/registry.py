@@ -401,12 +401,13 @@ def _clip(text: str, n: int) -> str:
 
 
 def prefill_text(p: Profile) -> str:
-    """The prefill wishes that apply to the profile's strategy: ``kb 8, qb auto`` (rows),
+    """The prefill wishes that apply to the profile's strategy: ``kb 8, qb auto, vec auto``
+    (rows),
     ``16x4, kb 32, qb auto`` (tiled: threads x rows of a row group)."""
     def v(x: int | None) -> str:
         return "auto" if x is None else str(x)
     if p.strategy == "rows":
-        return f"kb {p.prefill_kb or p.tile_rows}, qb {v(p.prefill_qb)}"
+        return f"kb {p.prefill_kb or p.tile_rows}, qb {v(p.prefill_qb)}, vec {v(p.prefill_vec)}"
     return f"{v(p.prefill_tc)}x{v(p.prefill_rm)}, kb {v(p.prefill_kb)}, qb {v(p.prefill_qb)}"
 
 

@@ -22,7 +22,9 @@ Each :class:`Measurement` carries the best and the median repetition: compare a 
 median with ``median_gbps`` and its best with ``gbps``.
 
 The arithmetic ceiling (:func:`fma_peak`) is clpeak's too: every work-item runs
-:data:`FMA_CHAINS` independent chains of float8 ``x = x * y + y``, unrolled
+independent chains of ``x = x * y + y`` on 96 lanes (:data:`FMA_WIDTHS`: 12 chains of
+float8, or 6 of float16, the faster of the two counting: a kernel using 16-float vectors
+on an AVX-512 CPU beats an 8-float peak), unrolled
 :data:`FMA_UNROLL` times in a loop of :data:`FMA_ITERS`, so that neither latency nor
 memory limits it; GFLOP/s counts 2 per lane per multiply-add. The program is built with
 ``-cl-mad-enable`` (the compiler may fuse); an explicit ``mad()`` or ``fma()`` is a library
@@ -128,8 +130,13 @@ __kernel void copy_blocked_%(t)s(const __global %(t)s* restrict in, __global %(t
 """
 
 
-#: independent float8 chains per work-item, multiply-adds per chain per loop trip, loop trips
-FMA_CHAINS, FMA_UNROLL, FMA_ITERS = 12, 16, 128
+#: f32 lanes per work-item (chains x vector width), multiply-adds per chain per loop trip,
+#: loop trips
+FMA_LANES, FMA_UNROLL, FMA_ITERS = 96, 16, 128
+#: vector widths of the peak kernel; the faster one is the peak
+FMA_WIDTHS = (8, 16)
+#: independent chains of the default (float8) kernel
+FMA_CHAINS = FMA_LANES // 8
 #: work-items per compute unit of one multiply-add launch
 FMA_ITEMS_PER_CU = 4096
 #: build options of the multiply-add kernel
@@ -138,25 +145,29 @@ FMA_OPTIONS = ("-cl-mad-enable",)
 _FMA = r"""
 __kernel void clattn_fma(__global float* out, const float a)
 {
-    const float8 y = (float8)(a);
+    const %(t)s y = (%(t)s)(a);
 %(decl)s
     for (int i = 0; i < %(iters)d; ++i) {
 %(body)s
     }
-    const float8 s = %(total)s;
-    out[get_global_id(0)] = dot(s.lo, (float4)(1.0f)) + dot(s.hi, (float4)(1.0f));
+    const %(t)s s = %(total)s;
+    float r = 0.0f;
+    for (int i = 0; i < %(w)d; ++i) r += ((const float*)&s)[i];
+    out[get_global_id(0)] = r;
 }
 """
 
 
-def fma_source() -> str:
-    """The OpenCL C of the multiply-add peak kernel ``clattn_fma(out, a)``: every lane of
-    every chain reaches ``out`` (nothing is dead code)."""
-    chains = range(FMA_CHAINS)
-    decl = "\n".join(f"    float8 x{c} = (float8)(get_global_id(0) * 1e-9f + {c}.0f);"
+def fma_source(width: int = 8) -> str:
+    """The OpenCL C of the multiply-add peak kernel ``clattn_fma(out, a)`` on ``width``-float
+    vectors (:data:`FMA_LANES` / ``width`` chains): every lane of every chain reaches ``out``
+    (nothing is dead code)."""
+    t = f"float{width}"
+    chains = range(FMA_LANES // width)
+    decl = "\n".join(f"    {t} x{c} = ({t})(get_global_id(0) * 1e-9f + {c}.0f);"
                      for c in chains)
     body = "\n".join(f"        x{c} = x{c} * y + y;" for _ in range(FMA_UNROLL) for c in chains)
-    return _FMA % {"decl": decl, "iters": FMA_ITERS, "body": body,
+    return _FMA % {"t": t, "w": width, "decl": decl, "iters": FMA_ITERS, "body": body,
                    "total": " + ".join(f"x{c}" for c in chains)}
 
 
@@ -375,6 +386,7 @@ class FmaPeak:
     best_gflops: float
     samples: tuple[float, ...]
     flops: int  # FLOPs of one launch
+    width: int = 8  # vector width of the faster kernel (:data:`FMA_WIDTHS`)
 
     @property
     def repetitions(self) -> int:
@@ -384,8 +396,9 @@ class FmaPeak:
     def summary(self) -> str:
         """One line: device, GFLOP/s median and best, the method."""
         return (f"f32 multiply-add peak on {self.device}: {self.gflops:.1f} GFLOP/s median "
-                f"(best {self.best_gflops:.1f} of {self.repetitions}; {FMA_CHAINS} independent "
-                f"chains of float8 a * b + c per work-item)")
+                f"(best {self.best_gflops:.1f} of {self.repetitions}; {FMA_LANES // self.width} "
+                f"chains of float{self.width} a * b + c per work-item, the faster of float8 "
+                f"and float16)")
 
 
 @dataclass(frozen=True)
@@ -680,7 +693,7 @@ def transfer_bandwidth(runtime_or_device: Any = None, size_bytes: int = 64 * MiB
     return Transfer(*out)
 
 
-def fma_launcher(rt: Any) -> tuple[Callable[[], Any], float]:
+def fma_launcher(rt: Any, width: int | None = None) -> tuple[Callable[[], Any], float]:
     """The multiply-add peak kernel, built once, as a bare launch.
 
     Parameters
@@ -688,6 +701,9 @@ def fma_launcher(rt: Any) -> tuple[Callable[[], Any], float]:
     rt : Runtime, device, name, context or queue
         As ``runtime_or_device`` elsewhere in this module; the kernel is built through the
         runtime's program cache and enqueued on its (profiling-enabled) queue.
+    width : int, optional
+        Vector width of :data:`FMA_WIDTHS`; None: the faster one on this device (one
+        timed launch of each after a warm-up).
 
     Returns
     -------
@@ -697,8 +713,10 @@ def fma_launcher(rt: Any) -> tuple[Callable[[], Any], float]:
         ``flops / seconds`` with :func:`~clattn.tune.timing.event_seconds` of the event.
     """
     r = as_runtime(rt)
+    if width is None:
+        return min((fma_launcher(r, w) for w in FMA_WIDTHS), key=_launch_seconds)
     cl = runtime.cl()
-    knl = cl.Kernel(r.program(fma_source(), FMA_OPTIONS), "clattn_fma")
+    knl = cl.Kernel(r.program(fma_source(width), FMA_OPTIONS), "clattn_fma")
     n = FMA_ITEMS_PER_CU * max(1, int(r.device.max_compute_units or 1))
     out = cl.Buffer(r.context, cl.mem_flags.WRITE_ONLY, 4 * n)
     knl.set_arg(1, np.float32(0.999))  # x -> 0.999 / 0.001: stays finite
@@ -707,7 +725,14 @@ def fma_launcher(rt: Any) -> tuple[Callable[[], Any], float]:
         knl.set_arg(0, out)  # the launch holds the buffer
         return cl.enqueue_nd_range_kernel(r.queue, knl, (n,), None)
 
-    return launch, float(n) * FMA_ITERS * FMA_UNROLL * FMA_CHAINS * 8 * 2
+    return launch, float(n) * FMA_ITERS * FMA_UNROLL * FMA_LANES * 2
+
+
+def _launch_seconds(launcher: tuple[Callable[[], Any], float]) -> float:
+    """Seconds per FLOP of a launcher's second launch (the first warms it up)."""
+    launch, flops = launcher
+    launch().wait()
+    return event_seconds([launch()]) / flops
 
 
 #: rounds of the multiply-add peak; the round with the fastest median counts (on a 2-vCPU
@@ -733,11 +758,13 @@ def fma_peak(runtime_or_device: Any = None, target_s: float = 0.25) -> FmaPeak:
         seconds.
     """
     rt = as_runtime(runtime_or_device)
-    launch, flops = fma_launcher(rt)
-    times = min((_timed(launch, target_s / FMA_ROUNDS) for _ in range(FMA_ROUNDS)),
-                key=statistics.median)
+    times, flops, width = min(((_timed(launch, target_s / FMA_ROUNDS), flops, w)
+                               for w in FMA_WIDTHS for launch, flops in [fma_launcher(rt, w)]
+                               for _ in range(FMA_ROUNDS)),
+                              key=lambda r: statistics.median(r[0]) / r[1])
     return FmaPeak(device=rt.device.name.strip(), gflops=flops / statistics.median(times) * 1e-9,
-                   best_gflops=flops / min(times) * 1e-9, samples=tuple(times), flops=int(flops))
+                   best_gflops=flops / min(times) * 1e-9, samples=tuple(times), flops=int(flops),
+                   width=width)
 
 
 def measure_all(runtime_or_device: Any = None, *, target_s: float = 0.25,
@@ -754,7 +781,7 @@ def measure_all(runtime_or_device: Any = None, *, target_s: float = 0.25,
                     fma=fma_peak(rt, target_s))
 
 
-__all__ = ["COLD_FACTOR", "STREAM_ROUNDS", "Cache", "Ceilings", "FMA_CHAINS", "FMA_ITERS", "FMA_UNROLL", "FmaPeak",
+__all__ = ["COLD_FACTOR", "STREAM_ROUNDS", "Cache", "Ceilings", "FMA_CHAINS", "FMA_ITERS", "FMA_LANES", "FMA_UNROLL", "FMA_WIDTHS", "FmaPeak",
            "Latency", "Measurement", "Sizing", "Transfer", "as_runtime", "copy_bandwidth",
            "fill_random", "fma_launcher", "fma_peak", "fma_source", "host_caches",
            "launch_latency", "measure_all", "parse_size", "read_bandwidth", "read_launcher",

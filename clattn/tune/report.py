@@ -11,7 +11,7 @@ import numpy as np
 from ..device_fit import REPORT_SHAPE
 from ..profiles import device_info
 from ..profiles.record import Profile
-from .ceilings import FMA_CHAINS, FmaPeak, Latency, Measurement, Transfer
+from .ceilings import FMA_LANES, FmaPeak, Latency, Measurement, Transfer
 from .checks import Check, KvBytes
 from .roofline import Roofline, decode_roofline
 from .search import ShapeResult, TuningResult, params_text
@@ -194,8 +194,8 @@ def _ceiling_lines(c: CeilingsResult) -> list[str]:
                      f"device->host {c.transfer.d2h.gbps:.2f} GB/s")
     if c.fma:
         lines.append(f"  f32 multiply-add     {c.fma.gflops:.1f} GFLOP/s median (best "
-                     f"{c.fma.best_gflops:.1f} of {c.fma.repetitions}; {FMA_CHAINS} chains of "
-                     f"float8 a * b + c)")
+                     f"{c.fma.best_gflops:.1f} of {c.fma.repetitions}; {FMA_LANES // c.fma.width} "
+                     f"chains of float{c.fma.width} a * b + c)")
     for k, e in c.errors.items():
         lines.append(f"  {k:<20} NOT MEASURED: {e}")
     return lines

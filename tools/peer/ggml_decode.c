@@ -6,11 +6,12 @@
  *   flash: ggml_flash_attn_ext (the path llama.cpp takes with -fa on)
  *   plain: mul_mat(K, q) -> optional soft-cap -> soft_max_ext -> mul_mat(V^T, p), the
  *          path llama.cpp takes with -fa off (V stored transposed, as llama.cpp does then)
- * Prints one line: "<median ms> <min ms> <checksum>" over `iters` timed computations after
- * `warmup` untimed ones; the checksum is the first output values' sum (the caller compares
- * it between paths to know both computed the same attention).
+ * Inputs come from DATA (raw, in this order: q f32 [B, H, D], K f16 [B, HKV, NKV, D], V f16
+ * [B, HKV, NKV, D]); the output of the last computation goes to OUT (f32 [B, H, D]), for the
+ * caller to check. Prints one line: "<median ms> <min ms>" over `iters` timed computations
+ * after `warmup` untimed ones.
  *
- * usage: ggml_decode PATH H HKV D NKV B SOFTCAP THREADS ITERS WARMUP
+ * usage: ggml_decode PATH H HKV D NKV B SOFTCAP THREADS ITERS WARMUP DATA OUT
  */
 #include <math.h>
 #include <stdint.h>
@@ -33,25 +34,14 @@ static int cmp_double(const void *a, const void *b) {
     return (x > y) - (x < y);
 }
 
-/* xorshift values in [-1, 1), written as f16 */
-static void fill_f16(struct ggml_tensor *t, uint64_t seed) {
-    const int64_t n = ggml_nelements(t);
-    float *tmp = malloc(sizeof(float) * 4096);
-    ggml_fp16_t *dst = (ggml_fp16_t *)t->data;
-    for (int64_t i = 0; i < n; i += 4096) {
-        const int64_t m = n - i < 4096 ? n - i : 4096;
-        for (int64_t j = 0; j < m; ++j) {
-            seed ^= seed << 13; seed ^= seed >> 7; seed ^= seed << 17;
-            tmp[j] = (float)((seed >> 11) * (1.0 / 9007199254740992.0)) * 2.0f - 1.0f;
-        }
-        ggml_fp32_to_fp16_row(tmp, dst + i, m);
-    }
-    free(tmp);
+static int read_all(FILE *f, void *dst, size_t n) {
+    return fread(dst, 1, n, f) == n;
 }
 
 int main(int argc, char **argv) {
-    if (argc != 11) {
-        fprintf(stderr, "usage: %s flash|plain H HKV D NKV B SOFTCAP THREADS ITERS WARMUP\n", argv[0]);
+    if (argc != 13) {
+        fprintf(stderr, "usage: %s flash|plain H HKV D NKV B SOFTCAP THREADS ITERS WARMUP DATA OUT\n",
+                argv[0]);
         return 2;
     }
     const int flash = strcmp(argv[1], "flash") == 0;
@@ -77,17 +67,14 @@ int main(int argc, char **argv) {
     struct ggml_tensor *q = ggml_new_tensor_4d(ctx, GGML_TYPE_F32, D, 1, H, B);
     struct ggml_tensor *k = ggml_new_tensor_4d(ctx, GGML_TYPE_F16, D, NKV, HKV, B);
     struct ggml_tensor *out;
-    {
-        float *qd = (float *)q->data;
-        uint64_t s = 12345;
-        for (int64_t i = 0; i < ggml_nelements(q); ++i) {
-            s ^= s << 13; s ^= s >> 7; s ^= s << 17;
-            qd[i] = (float)((s >> 11) * (1.0 / 9007199254740992.0)) * 2.0f - 1.0f;
-        }
-    }
-    fill_f16(k, 1);
     struct ggml_tensor *v = ggml_new_tensor_4d(ctx, GGML_TYPE_F16, D, NKV, HKV, B);
-    fill_f16(v, 2);
+    FILE *in = fopen(argv[11], "rb");
+    if (!in || !read_all(in, q->data, ggml_nbytes(q)) || !read_all(in, k->data, ggml_nbytes(k)) ||
+        !read_all(in, v->data, ggml_nbytes(v))) {
+        fprintf(stderr, "cannot read %s\n", argv[11]);
+        return 1;
+    }
+    fclose(in);
     if (flash) {
         out = ggml_flash_attn_ext(ctx, q, k, v, NULL, scale, 0.0f, softcap);
     } else {
@@ -122,10 +109,13 @@ int main(int argc, char **argv) {
         if (i >= warmup) t[i - warmup] = now_ms() - t0;
     }
     qsort(t, iters, sizeof(double), cmp_double);
-    double check = 0.0;
-    const float *o = (const float *)out->data;
-    for (int i = 0; i < D; ++i) check += o[i];
-    printf("%.6f %.6f %.9g\n", t[iters / 2], t[0], check);
+    FILE *of = fopen(argv[12], "wb");
+    if (!of || fwrite(out->data, 1, ggml_nbytes(out), of) != ggml_nbytes(out)) {
+        fprintf(stderr, "cannot write %s\n", argv[12]);
+        return 1;
+    }
+    fclose(of);
+    printf("%.6f %.6f\n", t[iters / 2], t[0]);
     free(t);
     ggml_free(ctx);
     return 0;

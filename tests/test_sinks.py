@@ -1,0 +1,258 @@
+"""Learned attention sinks (``sink_logits``, gpt-oss) on every backend against the float64 oracle.
+
+A sink is one more logit per query head in the softmax's denominator, with no value
+(docs/contract.md section 5). ``naive.naive_decode`` computes it as transformers' eager
+attention does (the sink concatenated to the scores, softmax, its column dropped); the
+kernels fold it into the final state as a merge with the state (v = 0, lse = sink *
+log2 e). The scenarios are the ones test_kernels.py and test_prefill.py build already
+(``WIN``: group 4, window, Llama-3 RoPE, f16 and f32; the prefill scenarios yarn f16 and
+linear f32), so the sinks add no kernel build: they are a run-time argument. Targets: the CPU backend, each device's
+``rows`` kernels and each device running the GPU ``tiled`` kernels (conftest ``target``).
+The bounds are cases.TOLERANCE's: the sink is one more term of the sum (its f32 base-2
+form is within an f32 rounding of the float64 one, covered by the lse bound's |lse| term).
+"""
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+
+import clattn
+
+from cases import compare, oracle
+from naive import naive_decode, naive_merge
+from prefill_cases import naive_prefill, prefill_case, run
+from test_kernels import SPLIT_LENGTHS, WIN, check, run_case, window_case
+from test_prefill import ROPE_TYPES, get_prefill
+
+F16, F32 = "float16", "float32"
+LOG2E = 1.4426950408889634
+
+
+def sinks_for(H, seed):
+    """Sinks of every kind: ordinary (N(0, 2)), -30 (weighs nothing), +30 (outweighs every
+    row: out near 0, lse the sink's), and -inf on the last head (no sink)."""
+    s = (np.random.default_rng(seed).standard_normal(H) * 2).astype(np.float32)
+    s[0], s[1], s[-1] = -30.0, 30.0, -np.inf
+    return s
+
+
+def _window_case(spec, seed):
+    # an empty sequence (index 1), one-row sequences and a long one that splits
+    return window_case(spec, SPLIT_LENGTHS, window=[40, 0, 0, 0, 16, 100, 0],
+                       sinks=[4, 0, 0, 0, 1, 100, 0], seed=seed, rope=True,
+                       pos_offset=[99_000, 0, 5, 6, 7, 8, 9])
+
+
+# ---------------------------------------------------------------------------- oracle
+def test_oracle_sink_is_a_merge_with_an_empty_valued_state():
+    """The oracle's sink (a softmax column) equals the merge of the sink-free result with
+    the state (0, sink * log2 e): two independent formulas of the contract."""
+    sc = WIN[F32]
+    case = _window_case(sc.spec, seed=3)
+    sinks = sinks_for(sc.spec.num_qo_heads, 1)
+    with_o, with_l = oracle(sc, case, rotary_mode=1, sink_logits=sinks)
+    free_o, free_l = oracle(sc, case, rotary_mode=1)
+    B, H = free_l.shape
+    t = np.broadcast_to(sinks.astype(np.float64) * LOG2E, (B, H))
+    mo, ml = naive_merge(free_o, np.asarray(free_l), np.zeros_like(free_o), t)
+    np.testing.assert_allclose(np.asarray(with_l), ml, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(with_o, mo, rtol=1e-9, atol=1e-12)
+    assert (with_o[1] == 0).all() and np.array_equal(np.asarray(with_l)[1], t[1])
+
+
+# ---------------------------------------------------------------------------- decode
+@pytest.mark.parametrize("dtype", [F32, F16])
+def test_decode_sinks_unsplit_and_split(target, get_decoder, dtype):
+    """Rows or tiled, unsplit (the decode kernel's epilogue) and split (the merge adds the
+    sink once); an empty chunk gives (0, sink * log2 e)."""
+    sc = WIN[dtype]
+    dec = get_decoder(sc.spec, target)
+    case = _window_case(sc.spec, seed=21)
+    sinks = sinks_for(sc.spec.num_qo_heads, 2)
+    ref = oracle(sc, case, rotary_mode=1, sink_logits=sinks)
+    for split in (False, 16, None):
+        res, _ = check(dec, sc, case, ref=ref, rotary_mode=1,
+                       lib=dict(split=split, sink_logits=sinks), what=f"split={split}: ")
+    assert (res.out[1] == 0).all()
+    np.testing.assert_array_equal(res.lse[1][:-1], sinks[:-1] * np.float32(LOG2E))
+    assert np.isneginf(res.lse[1][-1])
+
+
+def test_no_sink_is_bitwise_sink_free(target, get_decoder):
+    """-inf on every head is the sink-free result, bit for bit, split or not."""
+    sc = WIN[F32]
+    dec = get_decoder(sc.spec, target)
+    case = _window_case(sc.spec, seed=22)
+    none = np.full(sc.spec.num_qo_heads, -np.inf, np.float32)
+    for split in (False, 16):
+        a, _ = check(dec, sc, case, rotary_mode=1, lib=dict(split=split))
+        b, _ = check(dec, sc, case, rotary_mode=1, lib=dict(split=split, sink_logits=none))
+        np.testing.assert_array_equal(a.out, b.out)
+        np.testing.assert_array_equal(a.lse, b.lse)
+
+
+def test_decode_step_sinks_per_layer(device_target, get_decoder):
+    """A prepared step: each layer's run takes its own sinks (numpy, then device arrays on
+    the per-layer fast path)."""
+    sc = WIN[F16]
+    dec = get_decoder(sc.spec, device_target)
+    case = _window_case(sc.spec, seed=23)
+    kw = dict(window_offset=case["window_offset"], sink_size=case["sink_size"],
+              q_pos=case["q_pos"], k_pos_offset=case["k_pos_offset"], rotary_mode=1)
+    step = dec.prepare(case["page_indptr"], case["page_indices"], case["last_page_len"],
+                       num_pages=case["pages"].shape[0], split=False, **kw, **sc.call)
+    q = dec.setup.runtime.queue
+    cla = pytest.importorskip("pyopencl.array")
+    dq, dp = cla.to_device(q, case["q"]), cla.to_device(q, case["pages"])
+    dout = cla.empty(q, case["q"].shape, case["q"].dtype)
+    dlse = cla.empty(q, case["q"].shape[:2], np.float32)
+    for layer in range(3):
+        sinks = sinks_for(sc.spec.num_qo_heads, 10 + layer)
+        ref = oracle(sc, case, rotary_mode=1, sink_logits=sinks)
+        res = step.run(case["q"], case["pages"], sink_logits=sinks)
+        compare(res.out, res.lse, *ref, sc.spec.dtype, what=f"step layer {layer}: ")
+        step.run(dq, dp, out=dout, lse=dlse, sink_logits=cla.to_device(q, sinks))
+        compare(dout.get(), dlse.get(), *ref, sc.spec.dtype, what=f"fast layer {layer}: ")
+
+
+# ---------------------------------------------------------------------------- prefill
+@pytest.mark.parametrize("key", ["yarn", "linear"], ids=["yarn-f16", "linear-f32"])
+def test_prefill_sinks(target, key):
+    """Rows or tiled prefill (causal, ragged, RoPE: yarn as gpt-oss in f16, linear in f32)
+    and a not-causal call where a sequence with queries has an empty chunk: (0, sink *
+    log2 e)."""
+    sc = ROPE_TYPES[key]
+    pre = get_prefill(sc.spec, target)
+    sinks = sinks_for(sc.spec.num_qo_heads, 4)
+    case = prefill_case(sc.spec, [0, 5, 20], [1, 7, 30], seed=5, rope=True)
+    res = run(pre, case, rotary_mode=1, sink_logits=sinks)
+    ref = naive_prefill(sc, case, rotary_mode=1, sink_logits=sinks)
+    compare(res.out, res.lse, *ref, sc.spec.dtype, what="causal: ")
+    case = prefill_case(sc.spec, [0, 12], [0, 3], seed=6)
+    extra = np.random.default_rng(1).standard_normal((2,) + case["q"].shape[1:])
+    case["q"] = np.concatenate([extra.astype(case["q"].dtype), case["q"]])
+    case["qo_indptr"] = np.array([0, 2, 5], np.int32)
+    case["chunks"] = np.array([2, 3])
+    res = run(pre, case, causal=False, sink_logits=sinks)
+    ref = naive_prefill(sc, case, causal=False, sink_logits=sinks)
+    compare(res.out, res.lse, *ref, sc.spec.dtype, what="not causal: ")
+    assert (res.out[:2] == 0).all()
+    np.testing.assert_array_equal(res.lse[:2, :-1],
+                                  np.broadcast_to(sinks[:-1] * np.float32(LOG2E), (2, 7)))
+
+
+# ---------------------------------------------------------------------------- validation
+@pytest.mark.parametrize("bad, err, words", [
+    (np.zeros(7, np.float32), ValueError, "shape"),
+    (np.zeros(8, np.float64), TypeError, "dtype"),
+    (np.zeros((1, 8), np.float32), ValueError, "dimensions"),
+    (np.array([0, 0, np.nan, 0, 0, 0, 0, 0], np.float32), ValueError, "sink_logits[2]"),
+    (np.array([0, 0, 0, np.inf, 0, 0, 0, 0], np.float32), ValueError, "sink_logits[3]"),
+    ([0.0] * 8, TypeError, "numpy or pyopencl"),
+])
+def test_bad_sinks_refused_before_launch(target, get_decoder, bad, err, words):
+    sc = WIN[F32]
+    dec = get_decoder(sc.spec, target)
+    case = _window_case(sc.spec, seed=24)
+    out = np.full(case["q"].shape, 7, np.float32)
+    with pytest.raises(err, match="sink_logits") as info:
+        check(dec, sc, case, rotary_mode=1, lib=dict(sink_logits=bad, out=out))
+    assert words in str(info.value)
+    assert (out == 7).all()
+    pre = get_prefill(ROPE_TYPES["yarn"].spec, target)
+    pcase = prefill_case(pre.spec, [0], [3], seed=7)
+    with pytest.raises(err, match="sink_logits"):
+        run(pre, pcase, sink_logits=bad)
+
+
+def test_paged_cache_sinks_per_layer(target):
+    """PagedKVCache.attend: each layer's sinks, on decode steps and a prompt chunk
+    (prefill kernel), against BatchDecode/the oracle through the same tokens."""
+    spec = clattn.AttentionSpec(8, 2, 64, page_size=16, dtype=F32)
+    kw = dict(backend="cpu") if target.is_cpu else dict(device=target.device,
+                                                        profile=target.profile)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # fitting notes (no sub-groups on a CPU driver)
+        cache = clattn.PagedKVCache(spec, 2, num_pages=16, **kw)
+    rng = np.random.default_rng(9)
+    sinks = [sinks_for(8, 30), sinks_for(8, 31)]
+    cache.add("a")
+    cache.add("b")
+    keys = {s: [[], []] for s in "ab"}
+    for lengths in ([5, 9], [1, 1]):
+        cache.begin(["a", "b"], lengths)
+        T = sum(lengths)
+        for layer in range(2):
+            k, v = (rng.standard_normal((T, 2, 64)).astype(np.float32) for _ in range(2))
+            q = rng.standard_normal((T, 8, 64)).astype(np.float32)
+            cache.append(layer, k, v)
+            res = cache.attend(layer, q, sink_logits=sinks[layer])
+            at = 0
+            for s, n in zip("ab", lengths):
+                keys[s][layer].append((k[at:at + n], v[at:at + n]))
+                kk = np.concatenate([x[0] for x in keys[s][layer]])
+                vv = np.concatenate([x[1] for x in keys[s][layer]])
+                for i in range(n):  # query i of this sequence sees rows [0, len - n + i]
+                    rows = len(kk) - n + i + 1
+                    pages = np.zeros((1, 2, 2, rows, 64), np.float32)
+                    pages[0, 0] = kk[:rows].transpose(1, 0, 2)
+                    pages[0, 1] = vv[:rows].transpose(1, 0, 2)
+                    ro, rl = naive_decode(q[at + i:at + i + 1], pages, np.array([0, 1]),
+                                          np.array([0]), np.array([rows]),
+                                          sink_logits=sinks[layer])
+                    compare(res.out[at + i:at + i + 1], res.lse[at + i:at + i + 1], ro, rl,
+                            F32, what=f"cache {lengths} layer {layer} {s}{i}: ")
+                at += n
+        cache.end()
+
+
+# ---------------------------------------------------------------------------- non-finite
+def test_every_row_minus_inf_with_a_sink(target, get_decoder):
+    """Every score -inf (a -inf key dim against a positive q dim): broken (NaN) without a
+    sink, but with a finite sink the softmax has its sink term: out 0, lse the sink's
+    (docs/contract.md section 11), unsplit and split; -inf sink heads stay broken."""
+    sc = WIN[F32]
+    dec = get_decoder(sc.spec, target)
+    case = window_case(sc.spec, [40, 3], window=[0, 0], sinks=[0, 0], seed=25)
+    case["q"][..., 0] = np.abs(case["q"][..., 0]) + 0.5
+    case["pages"][:, 0, :, :, 0] = -np.inf
+    sinks = sinks_for(sc.spec.num_qo_heads, 5)
+    args = {k: case[k] for k in ("window_offset", "sink_size")}
+    for split in (False, 16):
+        res = dec.run(case["q"], case["pages"], case["page_indptr"], case["page_indices"],
+                      case["last_page_len"], split=split, sink_logits=sinks, **args)
+        assert (res.out[:, :-1] == 0).all(), f"split={split}"
+        np.testing.assert_array_equal(res.lse[:, :-1],
+                                      np.broadcast_to(sinks[:-1] * np.float32(LOG2E), (2, 7)))
+        assert np.isnan(res.out[:, -1]).all() and np.isnan(res.lse[:, -1]).all()
+    pre = get_prefill(ROPE_TYPES["yarn"].spec, target)
+    pcase = prefill_case(pre.spec, [4], [3], seed=8, poison=False)
+    pcase["q"][..., 0] = np.abs(pcase["q"][..., 0]) + 0.5
+    pcase["pages"][:, 0, :, :, 0] = -np.inf
+    res = run(pre, pcase, sink_logits=sinks)
+    assert (res.out[:, :-1] == 0).all()
+    np.testing.assert_array_equal(res.lse[:, :-1],
+                                  np.broadcast_to(sinks[:-1] * np.float32(LOG2E), (3, 7)))
+    assert np.isnan(res.lse[:, -1]).all()
+
+
+def test_device_nan_and_inf_sinks_break_their_heads(device_target, get_decoder):
+    """Device sinks are not read on the host: a NaN or +inf sink breaks its head (NaN out
+    and lse, the empty sequence too), split or not; the other heads are exact."""
+    sc = WIN[F32]
+    dec = get_decoder(sc.spec, device_target)
+    case = _window_case(sc.spec, seed=26)
+    sinks = sinks_for(sc.spec.num_qo_heads, 6)
+    ref = oracle(sc, case, rotary_mode=1, sink_logits=sinks)
+    bad = sinks.copy()
+    bad[2], bad[3] = np.nan, np.inf
+    cla = pytest.importorskip("pyopencl.array")
+    dbad = cla.to_device(dec.setup.runtime.queue, bad)
+    for split in (False, 16):
+        res = run_case(dec, sc, case, rotary_mode=1, lib=dict(split=split, sink_logits=dbad))
+        assert np.isnan(res.out[:, 2:4]).all() and np.isnan(res.lse[:, 2:4]).all()
+        keep = [0, 1, 4, 5, 6, 7]
+        compare(res.out[:, keep], res.lse[:, keep], ref[0][:, keep], ref[1][:, keep],
+                sc.spec.dtype, what=f"split={split}: ")
