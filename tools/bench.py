@@ -1035,6 +1035,8 @@ def timed_step(cache: PagedKVCache, ids: list[str], x: StepInputs,
         host["end"] = time.perf_counter() - t
         x.queue.finish()
         step = time.perf_counter() - t0
+        for i in ids:  # every step at the row's context, however many warm-up steps ran
+            cache.pop(i, 1)
         return dict({f"host_{k}": s for k, s in host.items()}, host=sum(host.values()),
                     step=step, append=event_seconds(appends), attend=event_seconds(attends),
                     tables=cache.bytes_uploaded - up0,
@@ -1114,11 +1116,10 @@ def cache_pair(args: argparse.Namespace, db: DeviceBench, spec: AttentionSpec, B
                fuse: bool = True) -> tuple[PagedKVCache, PagedKVCache, list[str]]:
     """The device cache of a row (``fuse``: the profile's ``fuse_append``), its one-layer
     CPU-backend twin, and B sequence ids added to both; pages for the fill, the check step
-    and two passes of a warm-up and ``--repeat`` timed steps (free-running and held)."""
+    and the steady steps (a timed step pops its token again)."""
     profile = (get_profile(args.profile).with_(fuse_append=fuse) if args.profile
                else {"fuse_append": fuse})
-    steps = 1 + 2 * (max(3, args.repeat) + 1) + STEADY  # the check, two timed passes with
-    #                                                      their warm-ups, the steady steps
+    steps = 2 + STEADY  # the check, the one timed step in flight, the steady steps
     kw = dict(num_pages=B * -(-(ctx + steps) // PAGE),
               rope="attend" if args.rope else None)
     with warnings.catch_warnings():
