@@ -66,7 +66,9 @@ class CacheStats:
     pages taken by the step in progress; ``bytes_per_token``: pool bytes one token takes
     over all layers; ``free_tokens``: the longest context the free pages still hold;
     ``prefill_launches``: attend calls that ran the prefill kernel since the cache was
-    made (one per layer of a step with prompt chunks).
+    made (one per layer of a step with prompt chunks); ``kernel_launches``: kernels the
+    cache enqueued on the device since it was made (appends, their device checks, page
+    copies, decode, merge, prefill; 0 on the CPU backend).
     """
 
     num_pages: int
@@ -80,6 +82,7 @@ class CacheStats:
     pool_bytes: int
     free_tokens: int
     prefill_launches: int = 0
+    kernel_launches: int = 0
 
     def __str__(self) -> str:
         return (f"{self.pages_used}/{self.num_pages} pages used ({self.pages_shared} shared, "
@@ -274,7 +277,8 @@ class PagedKVCache:
                 pages_reserved=self._step.tables.reserved if self._step else 0,
                 sequences=len(t.seqs), bytes_per_token=self.page_bytes * self.num_layers //
                 self.spec.page_size, pool_bytes=self.page_bytes * self.num_pages * self.num_layers,
-                free_tokens=free * self.spec.page_size, prefill_launches=self.prefill_launches)
+                free_tokens=free * self.spec.page_size, prefill_launches=self.prefill_launches,
+                kernel_launches=0 if self.backend == "cpu" else self._device.launches)
 
     # -- the step ------------------------------------------------------------------
     def begin(self, seq_ids: Sequence[Hashable], lengths: Sequence[int] | None = None) -> None:
@@ -640,6 +644,7 @@ class _DeviceKernels:
         self.stage = {"k": [None, 0, []], "v": [None, 0, []]}  # host k/v staging buffers
         self.plan_key: Any = None
         self.plan = self.plan_buf = None
+        self.launches = 0  # kernels enqueued (CacheStats.kernel_launches)
 
     def upload_events(self) -> tuple:
         """The table uploads held in the ring."""
@@ -787,7 +792,8 @@ class _DeviceKernels:
         self.cache.bytes_uploaded += a.nbytes
         return (st[0], 0), [evt]
 
-    def _track(self, evt: Any) -> None:
+    def _track(self, evt: Any, launched: int = 1) -> None:
+        self.launches += launched
         if self.in_order:
             self.events[:] = [evt]
         else:
@@ -826,6 +832,7 @@ class _DeviceKernels:
             if self.quantized and not verified:
                 waits = [self.check_k.launch(self.queue, *self.append_sizes, waits, k=dk, v=dv,
                                              pages=pool, **extra)]
+                self.launches += 1
                 checks[layer] = self.epoch
         evt = self.append_k.launch(self.queue, *self.append_sizes, waits, k=dk, v=dv, pages=pool,
                                    **extra)
@@ -873,7 +880,7 @@ class _DeviceKernels:
                 pool.events.append(evts[-1])
         out.events[:] = [evts[-1]]
         lse.events[:] = [evts[-1]]
-        self._track(evts[-1])
+        self._track(evts[-1], len(evts))
         return AttentionResult(out, lse, evts[-1], tuple(evts))
 
     def _decode(self, pool: Any, q: Any, out: Any, lse: Any, waits: list) -> tuple:

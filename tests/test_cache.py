@@ -269,6 +269,34 @@ def test_cache_grows_its_split_workspace(device):
     assert n_ws[0] > 0 and max(n_ws[1:]) > n_ws[0], n_ws
 
 
+def test_cache_counts_its_launches(device):
+    """stats().kernel_launches: per layer of a step the append and the attend's kernels
+    (decode, and the merge of a split plan), as the results' events list them."""
+    spec = clattn.AttentionSpec(2, 1, 16, page_size=4, dtype="float32")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        cache = clattn.PagedKVCache(spec, 2, device=device, profile=SPLIT_EVERY_STEP,
+                                    backend="opencl", num_pages=24, prefill=False)
+    rng = np.random.default_rng(2)
+    for name in ("a", "b"):
+        cache.add(name)
+    assert cache.stats().kernel_launches == 0
+    for n in (9, 1):
+        before = cache.stats().kernel_launches
+        cache.begin(["a", "b"], [n, n])
+        events = 0
+        for layer in range(2):
+            k, v = (rng.standard_normal((2 * n, 1, 16)).astype(np.float32) for _ in "kv")
+            assert cache.append(layer, k, v) is not None
+            events += 1 + len(cache.attend(
+                layer, rng.standard_normal((2 * n, 2, 16)).astype(np.float32)).events)
+        cache.end()
+        assert cache.stats().kernel_launches - before == events
+    assert events == 2 * 3  # one token each, split: append, decode, merge per layer
+    twin = clattn.PagedKVCache(spec, 1, backend="cpu", num_pages=4)
+    assert twin.stats().kernel_launches == 0
+
+
 SIM_SPECS = {
     # windows with sinks, in-kernel RoPE (llama3 scaling)
     "window-rope": (dict(sliding_window=True, rope_scaling=LLAMA3,
