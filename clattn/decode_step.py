@@ -90,8 +90,7 @@ class DecodeStep:
         spec = self.decoder.spec
         if not self._fast_ok(q, pages, out, lse):
             check_operands(spec, q, pages, out, lse, batch=self.batch, num_pages=self.num_pages)
-        elif out is not None and lse is not None and queue is None and self._merge is None \
-                and self.batch > 0:
+        elif out is not None and lse is not None and queue is None and self.batch > 0:
             return self._run_fast(q, pages, out, lse, wait_for)
         call = Call(self._rt, queue, wait_for)
         dq, dpages = call.input("q", q), call.input("pages", pages)
@@ -113,21 +112,24 @@ class DecodeStep:
 
     def _run_fast(self, q: Any, pages: Any, out: Any, lse: Any,
                   wait_for: list | None) -> AttentionResult:
-        """The per-layer path: device operands already checked, outputs given, no split."""
+        """The per-layer path: device operands already checked, outputs given."""
         waits = events_list(wait_for)
         for a in (q, pages, out, lse):
             if a.events:
                 waits.extend(a.events)
+        operands = dict(q=q, pages=pages, out=out, lse=lse)
+        merging = None if self._merge is None else \
+            (self._merge.launch, *self._merge_sizes, dict(out=out, lse=lse))
         with self._lock:
             waits.extend(self._table_events)
-            evt = self._decode.launch(self._rt.queue, *self._sizes, waits, q=q, pages=pages,
-                                      out=out, lse=lse)
+            events = self._opencl.decode_then_merge(
+                self._rt.queue, waits, (self._decode.launch, *self._sizes, operands), merging)
             self._table_events = []  # once a launch waited for them (it may raise)
-        # the launch waited for every earlier event of out and lse: its own event now
+        # the launch waited for every earlier event of out and lse: its last event now
         # stands for all of them (pyopencl's add_event would block on old ones instead)
-        out.events[:] = [evt]
-        lse.events[:] = [evt]
-        return AttentionResult(out, lse, evt)
+        out.events[:] = [events[-1]]
+        lse.events[:] = [events[-1]]
+        return AttentionResult(out, lse, events[-1], events)
 
 
 def upload_tables(call: Call, spec: Any, args: DecodeArgs, page_indptr: Any, page_indices: Any,

@@ -28,6 +28,7 @@ _PACK = {"int": struct.Struct("=i").pack, "uint": struct.Struct("=I").pack,
 # pyopencl's own invokers set scalars from packed bytes (0.3 us); its public set_arg
 # with a numpy scalar costs 15 us. Use the fast entry where this pyopencl has it.
 _SET_BYTES = getattr(cl.Kernel, "_set_arg_buf", None)
+_UNSET = object()  # no argument of that name set yet
 
 
 @dataclass(frozen=True)
@@ -235,8 +236,8 @@ class BoundKernel:
         pos, by_name, k = self.table.positions, self.table.by_name, self.kernel
         refs, done = self._refs, self._set
         for name, v in named.items():
-            if v is not None and refs.get(name) is v:
-                continue  # the same object: its buffer and offset (or value) are set already
+            if refs.get(name, _UNSET) is v:
+                continue  # the same object (or None again): set already
             a = by_name[name]
             i = pos[name]
             if a.__class__ is Scalar:
