@@ -7,6 +7,7 @@ import numpy as np
 
 from . import cpu_backend, host_memory, runtime
 from .codegen import render_decode
+from .decode_fast import OneCallPath
 from .decode_step import DecodeStep, sink_args, upload_tables
 from .device import DeviceSetup, open_backend, warn_notes
 from .fit import DecodeGeometry, MergeGeometry
@@ -58,6 +59,7 @@ class BatchDecode:
         self.backend = "opencl" if self.setup else "cpu"
         #: the kernels, tables and workspace on the device (None on the CPU backend)
         self.opencl: OpenCLBackend | None = None
+        self._one_call: OneCallPath | None = None  # the short path's kept state (first use)
         if self.setup:
             self.opencl = OpenCLBackend(spec, self.setup)
             warn_notes(self.opencl.fit_decode(), stacklevel=2)
@@ -236,6 +238,15 @@ class BatchDecode:
             return AttentionResult(*run_on_host(cpu_backend.batch_decode, spec, (
                 q, pages, page_indptr, page_indices, last_page_len),
                 dict(kw, sink_logits=sink_logits), out, lse))
+        if plan is not None and split is None and queue is None:
+            if self._one_call is None:
+                self._one_call = OneCallPath(spec, self.opencl)
+            res = self._one_call.run(q, pages, page_indptr, page_indices, last_page_len,
+                                     length_info, window_offset, sink_size, q_pos, k_pos_offset,
+                                     rotary_mode, rope_scale, rope_theta, sm_scale, out, lse,
+                                     plan, wait_for, sink_logits)
+            if res is not None:
+                return res
         args = check_decode(spec, q, pages, page_indptr, page_indices, last_page_len,
                             out=out, lse=lse, **kw)
         check_sink_logits(spec, sink_logits)

@@ -94,8 +94,8 @@ class DecodeStep:
         check_sink_logits(spec, sink_logits)
         if not self._fast_ok(q, pages, out, lse):
             check_operands(spec, q, pages, out, lse, batch=self.batch, num_pages=self.num_pages)
-        elif out is not None and lse is not None and queue is None and self._merge is None \
-                and self.batch > 0 and (sink_logits is None or not is_host(sink_logits)):
+        elif out is not None and lse is not None and queue is None and self.batch > 0 \
+                and (sink_logits is None or not is_host(sink_logits)):
             return self._run_fast(q, pages, out, lse, wait_for, sink_logits)
         call = Call(self._rt, queue, wait_for)
         sinks = sink_args(call, sink_logits)
@@ -115,10 +115,9 @@ class DecodeStep:
         o, s = call.finish([dout, dlse], events, host=is_host(q))
         return AttentionResult(o, s, events[-1] if events else None, tuple(events))
 
-
     def _run_fast(self, q: Any, pages: Any, out: Any, lse: Any, wait_for: list | None,
                   sink_logits: Any) -> AttentionResult:
-        """The per-layer path: device operands already checked, outputs given, no split
+        """The per-layer path: device operands already checked, outputs given
         (``sink_logits`` None or a checked device array)."""
         waits = events_list(wait_for)
         if sink_logits is not None and sink_logits.context != self._rt.context:
@@ -127,17 +126,20 @@ class DecodeStep:
         for a in (q, pages, out, lse, sink_logits):
             if a is not None and a.events:
                 waits.extend(a.events)
+        sinks = dict(sink_logits=sink_logits, use_sinks=int(sink_logits is not None))
+        operands = dict(q=q, pages=pages, out=out, lse=lse, **sinks)
+        merging = None if self._merge is None else \
+            (self._merge.launch, *self._merge_sizes, dict(out=out, lse=lse, **sinks))
         with self._lock:
             waits.extend(self._table_events)
-            evt = self._decode.launch(self._rt.queue, *self._sizes, waits, q=q, pages=pages,
-                                      out=out, lse=lse, sink_logits=sink_logits,
-                                      use_sinks=int(sink_logits is not None))
+            events = self._opencl.decode_then_merge(
+                self._rt.queue, waits, (self._decode.launch, *self._sizes, operands), merging)
             self._table_events = []  # once a launch waited for them (it may raise)
-        # the launch waited for every earlier event of out and lse: its own event now
+        # the launch waited for every earlier event of out and lse: its last event now
         # stands for all of them (pyopencl's add_event would block on old ones instead)
-        out.events[:] = [evt]
-        lse.events[:] = [evt]
-        return AttentionResult(out, lse, evt)
+        out.events[:] = [events[-1]]
+        lse.events[:] = [events[-1]]
+        return AttentionResult(out, lse, events[-1], events)
 
 
 def sink_args(call: Call, sink_logits: Any) -> dict:

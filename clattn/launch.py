@@ -28,6 +28,7 @@ _PACK = {"int": struct.Struct("=i").pack, "uint": struct.Struct("=I").pack,
 # pyopencl's own invokers set scalars from packed bytes (0.3 us); its public set_arg
 # with a numpy scalar costs 15 us. Use the fast entry where this pyopencl has it.
 _SET_BYTES = getattr(cl.Kernel, "_set_arg_buf", None)
+_UNSET = object()  # no argument of that name set yet
 
 
 @dataclass(frozen=True)
@@ -150,6 +151,8 @@ def _buffer_and_offset(arg: Buffer, v: Any, dummy: Any) -> tuple[Any, int]:
     if hasattr(v, "base_data"):  # a pyopencl array (views included)
         if v.base_data is None:  # zero-size: no buffer, nothing read
             return dummy, 0
+        if not v.offset:
+            return v.base_data, 0
         item = v.dtype.itemsize
         if v.offset % item:
             raise ValueError(f"{arg.name}: the array view starts {v.offset} bytes into its "
@@ -227,11 +230,14 @@ class BoundKernel:
         """Set some arguments by name (buffers as in :meth:`ArgTable.values`); an argument
         equal to what it holds already (the same array object, the same buffer and offset,
         an equal scalar) is not set again."""
+        self._set_named(named)
+
+    def _set_named(self, named: Mapping[str, Any]) -> None:
         pos, by_name, k = self.table.positions, self.table.by_name, self.kernel
         refs, done = self._refs, self._set
         for name, v in named.items():
-            if v is not None and refs.get(name) is v:
-                continue  # the same object: its buffer and offset (or value) are set already
+            if refs.get(name, _UNSET) is v:
+                continue  # the same object (or None again): set already
             a = by_name[name]
             i = pos[name]
             if a.__class__ is Scalar:
@@ -246,8 +252,9 @@ class BoundKernel:
             if last[0] is buf and last[1] == off:
                 continue
             done[name] = (buf, off)
-            k.set_arg(i, buf)
-            if a.offset:
+            if last[0] is not buf:
+                k.set_arg(i, buf)
+            if a.offset and last[1] != off:  # views of one buffer: the offset alone
                 _set_scalar(k, i + 1, a.offset, off)
 
     def launch(self, queue: Any, global_size: tuple, local_size: tuple | None,
@@ -255,7 +262,7 @@ class BoundKernel:
         """Set ``named`` and enqueue; returns the event."""
         with self.lock:
             if named:
-                self.set(**named)
+                self._set_named(named)
             return cl.enqueue_nd_range_kernel(queue, self.kernel, global_size, local_size,
                                               wait_for=wait_for or None)
 

@@ -465,6 +465,41 @@ def timed_decode(dec: Any, w: Workload, plan: Any, *, hot: bool = False) -> Call
     return call
 
 
+HELD_CALLS = 32  # calls per sample of the held host timing (their kernels run after it)
+HELD_SAMPLES = 5
+
+
+def held_host_us(dec: Any, w: Workload, plan: Any) -> dict:
+    """Host microseconds per call with the queue held: the launches wait on a user event
+    set complete after the timing, so the calls' own cost is timed, not that of kernels
+    sharing a CPU device's cores. ``run``: the one-call ``BatchDecode.run`` (device
+    arrays, the plan, ``out=``/``lse=``); ``step``: a prepared ``DecodeStep.run`` over the
+    same tables. Medians over ``HELD_SAMPLES`` samples of ``HELD_CALLS`` calls each, the
+    two kinds alternating."""
+    cl = runtime.cl()
+    q, pages, indptr, indices, last = w.args(0, hot=True)
+    queue = q.queue
+    step = dec.prepare(indptr, indices, last, num_pages=pages.shape[0], plan=plan)
+    calls = {"run": lambda: dec.run(q, pages, indptr, indices, last, plan=plan, out=w.out,
+                                    lse=w.lse),
+             "step": lambda: step.run(q, pages, out=w.out, lse=w.lse)}
+    times: dict = {k: [] for k in calls}
+    for _ in range(HELD_SAMPLES + 1):  # the first sample warms up
+        for name, fn in calls.items():
+            queue.finish()
+            gate = cl.UserEvent(queue.context)
+            cl.enqueue_marker(queue, wait_for=[gate])
+            try:
+                t = time.perf_counter()
+                for _ in range(HELD_CALLS):
+                    fn()
+                times[name].append((time.perf_counter() - t) / HELD_CALLS)
+            finally:
+                gate.set_status(cl.command_execution_status.COMPLETE)
+                queue.finish()
+    return {k: float(np.median(v[1:])) * 1e6 for k, v in times.items()}
+
+
 def cpu_decode(spec: AttentionSpec, q: np.ndarray, pages: np.ndarray, indptr: np.ndarray,
                indices: np.ndarray, last: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """``cpu_backend.batch_decode`` one sequence at a time: a byte pool is decoded to f32
@@ -508,8 +543,10 @@ def _decode_row(args: argparse.Namespace, db: DeviceBench, row: dict, dec: Any,
                  "hot": timed_decode(dec, w, plan, hot=True)}
         calls.update(db.row_ceilings())
         res, _ = sample_interleaved(calls, args.repeat, args.row_seconds)
+        held = held_host_us(dec, w, plan)
     finally:
         w.release()
+    row.update(run_host_us=held["run"], step_host_us=held["step"])
     r, h = res["cold"], res["hot"]
     nbytes = io_bytes(spec, B, ctx)
     gbps = nbytes / r["kernel"] * 1e-9
@@ -530,7 +567,9 @@ def _decode_row(args: argparse.Namespace, db: DeviceBench, row: dict, dec: Any,
                roof_frac=roof.fraction(r["kernel"]))
     row["fallback_ratio"] = row["fallback_ms"] / row["wall_ms"]
     log(f"{what}: kernel {row['kernel_ms']:.3f} ms cold, {row['hot_ms']:.3f} hot "
-        f"({row['frac']:.0%} of read bw), wall {row['wall_ms']:.3f} ms; {row['plan']}")
+        f"({row['frac']:.0%} of read bw), wall {row['wall_ms']:.3f} ms; {row['plan']}; host "
+        f"per call, queue held: run {row['run_host_us']:.1f} us, prepared step "
+        f"{row['step_host_us']:.1f} us")
 
 
 def _decode_spec_rows(args: argparse.Namespace, db: DeviceBench, deadline: Deadline, name: str,
@@ -616,7 +655,9 @@ def suite_decode(args: argparse.Namespace, deadline: Deadline) -> dict:
             ("roof_frac", "of roofline (cold)", ".1%")]
     if args.formats:
         cols.append(("vs_f16", "cold ms / float16 pages'", ".2f"))
-    cols += [("fallback_ms", "CPU backend ms", ".2f"), ("fallback_ratio", "backend/wall", ".1f"),
+    cols += [("run_host_us", "run() host us, queue held", ".1f"),
+             ("step_host_us", "prepared step host us, queue held", ".1f"),
+             ("fallback_ms", "CPU backend ms", ".2f"), ("fallback_ratio", "backend/wall", ".1f"),
              ("max_err", "max abs err", ".1e")]
     sections = [("Decode (median kernel event times, cold: page sets rotating over at least "
                  f"{db.cold_bytes / 2**20:.0f} MiB; hot: the same pages; GB/s = KV bytes read "
@@ -1168,9 +1209,9 @@ def _cache_row(args: argparse.Namespace, db: DeviceBench, row: dict) -> None:
                qkv_bytes=B * (spec.num_qo_heads + 2 * spec.num_kv_heads) * spec.head_dim
                * spec.itemsize * layers)
     log(f"{what} x {layers} layers, append {row['append']}: step {row['step_ms']:.3f} ms, "
-        f"host {row['host_ms']:.3f} ms, append {row['append_ms']:.3f} ms / attend "
-        f"{row['attend_ms']:.3f} ms on the device, {row['launches_per_layer']:g} launches "
-        f"per layer")
+        f"host {row['host_ms']:.3f} ms (queue held {row['held_host_ms']:.3f}, steady "
+        f"{row['steady_host_ms']:.3f}), {row['launches_per_layer']:g} launches per layer, "
+        f"append {row['append_ms']:.3f} ms / attend {row['attend_ms']:.3f} ms on the device")
 
 
 def suite_cache(args: argparse.Namespace, deadline: Deadline) -> dict:
@@ -1199,6 +1240,7 @@ def suite_cache(args: argparse.Namespace, deadline: Deadline) -> dict:
             ("steady_host_ms", "host ms, steady", ".3f"), ("steady_begin_ms", "begin", ".3f"),
             ("steady_layers_ms", "appends + attends", ".3f"),
             ("begin_alone_ms", "begin alone ms", ".3f"),
+            ("launches_per_layer", "launches per layer", ".2f"),
             ("append_ms", "append kernels ms", ".3f"), ("attend_ms", "attend kernels ms", ".3f"),
             ("append_vs_attend", "append/attend", ".2%"),
             ("tables_bytes", "tables B/step", ".0f"),
