@@ -301,6 +301,250 @@ def test_cache_counts_its_launches(device):
     twin = clattn.PagedKVCache(spec, 1, backend="cpu", num_pages=4)
     assert twin.stats().launches == 0
 
+
+SIM_SPECS = {
+    # windows with sinks, in-kernel RoPE (llama3 scaling)
+    "window-rope": (dict(sliding_window=True, rope_scaling=LLAMA3,
+                         max_position_embeddings=4096), "attend"),
+    # no window, keys stored as given
+    "plain": (dict(), None),
+    # quantized pages (byte pool): q8_0 keys rotated in the kernel, q4_0 values, windows
+    "q8-q4-window-rope": (dict(head_dim=32, k_format="q8_0", v_format="q4_0",
+                               sliding_window=True, rope_scaling=LLAMA3,
+                               max_position_embeddings=4096), "attend"),
+    # q4_0 keys beside float values of the other storage type (a byte pool all the same)
+    "q4-float": (dict(head_dim=32, k_format="q4_0", v_format="float32"), None),
+}
+
+
+@pytest.mark.parametrize("steps", [90, pytest.param(2000, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("variant", list(SIM_SPECS))
+def test_simulation(target, dtype, variant, steps):
+    """A few hundred steps over all targets by default; thousands under ``-m slow``."""
+    build, rope = SIM_SPECS[variant]
+    build = dict(build)
+    spec = clattn.AttentionSpec(4, 2, build.pop("head_dim", 16), page_size=4, dtype=dtype,
+                                **build)
+    cache = make_cache(spec, target, num_pages=24 if steps < 1000 else 40, rope=rope)
+    seed = zlib.crc32(f"{variant}-{dtype}-{steps}".encode()) % 1000
+    counts = simulate(cache, steps, seed=seed, rope=rope == "attend")
+    assert counts["step"] > steps // 3 and counts["fork"] and counts["chunk"], counts
+    if steps >= 1000:
+        assert counts["full"] and counts["cow"] and counts["pop_refused"] and counts["cancel"]
+
+
+# ---------------------------------------------------------------------------- semantics
+def _step(cache, ids, ns, rng, layers=None):
+    spec = cache.spec
+    T = sum(ns)
+    cache.begin(ids, ns)
+    ks, vs = [], []
+    for layer in range(cache.num_layers if layers is None else layers):
+        k = rng.standard_normal((T, spec.num_kv_heads, spec.head_dim)).astype(spec.np_dtype)
+        v = rng.standard_normal((T, spec.num_kv_heads, spec.head_dim)).astype(spec.np_dtype)
+        cache.append(layer, k, v)
+        ks.append(k)
+        vs.append(v)
+    return ks, vs
+
+
+def _forked(target, layers, seed, parent="p", child="c"):
+    """A cache whose ``parent`` holds 6 tokens (a page and a half of 4) and ``child`` its
+    fork; returns (cache, rng, the parent's keys per layer)."""
+    spec = clattn.AttentionSpec(2, 1, 16, page_size=4, dtype="float32")
+    cache = make_cache(spec, target, layers=layers, num_pages=8)
+    rng = np.random.default_rng(seed)
+    cache.add(parent)
+    k, _ = _step(cache, [parent], [6], rng)
+    cache.end()
+    cache.fork(parent, child)
+    return cache, rng, k
+
+
+def test_fork_copies_on_write(target):
+    """The child shares the parent's pages; the first write into the shared, partly
+    filled page copies it (on the device) and leaves the parent's rows alone."""
+    cache, rng, k = _forked(target, 1, 0)
+    assert cache.stats().pages_shared == 2
+    before = pool_host(cache, 0).copy()
+    kc, _ = _step(cache, ["c"], [1], rng)
+    assert cache._step.tables.n_copies == 1
+    cache.end()
+    t = cache.table
+    pp, cp = t.seqs["p"].pages[:2], t.seqs["c"].pages[:2]
+    assert pp[0] == cp[0] and pp[1] != cp[1]  # full page shared, partial page copied
+    after = pool_host(cache, 0)
+    assert np.array_equal(after[pp[1]], before[pp[1]]), "the parent's page was written"
+    assert np.array_equal(after[cp[1], :, :, :2], before[pp[1], :, :, :2]), "copy lost rows"
+    assert np.array_equal(after[cp[1], 0, :, 2], kc[0][0]), "the child's new key"
+    # now the parent writes in place (its page is its own again)
+    _step(cache, ["p"], [1], rng)
+    assert cache._step.tables.n_copies == 0
+    cache.end()
+    assert cache.stats().pages_shared == 1
+    check_pool(cache)
+
+
+def test_window_gives_pages_back(target):
+    spec = clattn.AttentionSpec(2, 1, 16, page_size=4, dtype="float16", sliding_window=True)
+    cache = make_cache(spec, target, layers=1, num_pages=6)
+    rng = np.random.default_rng(1)
+    cache.add("s", window=8, sink=2)
+    for _ in range(60):  # 60 tokens through 6 pages of 4: only possible if pages come back
+        _step(cache, ["s"], [1], rng)
+        cache.attend(0, rng.standard_normal((1, 2, 16)).astype(np.float16))
+        cache.end()
+        assert cache.stats().pages_used <= 4  # a sink page and the window's pages
+    assert cache.length("s") == 60
+    with pytest.raises(PopTooLongError, match="given back"):
+        cache.pop("s", 1)  # the window of 59 tokens starts at 51: its page went back
+    # rollback=4 keeps the pages of 4 tokens behind the window: pop 4 works, 9 does not
+    cache = make_cache(spec, target, layers=1, num_pages=6, rollback=4)
+    cache.add("s", window=8, sink=2)
+    for _ in range(60):
+        _step(cache, ["s"], [1], rng)
+        cache.end()
+        assert cache.stats().pages_used <= 5
+    with pytest.raises(PopTooLongError, match="at most 4"):
+        cache.pop("s", 9)
+    cache.pop("s", 4)
+    check_pool(cache)
+
+
+def test_rope_at_append(target):
+    """rope="append": the pool holds keys rotated at their absolute positions (float64
+    rotation within f32 rounding, then the storage rounding), and attend reads them."""
+    for dtype in ("float32", "float16"):
+        spec = clattn.AttentionSpec(4, 2, 32, page_size=4, dtype=dtype, rotary_dim=16,
+                                    rope_scaling=LLAMA3, max_position_embeddings=4096)
+        cache = make_cache(spec, target, layers=1, num_pages=10, rope="append",
+                           rope_theta=5e5)
+        rng = np.random.default_rng(2)
+        cache.add("a", pos_offset=100000)
+        cache.add("b")
+        ks, _ = _step(cache, ["a", "b"], [5, 3], rng)
+        assert cache.positions.tolist() == [100000 + i for i in range(5)] + [0, 1, 2]
+        q = rng.standard_normal((8, 4, 32)).astype(spec.np_dtype)
+        res = cache.attend(0, q)
+        t = cache._step.tables
+        cache.end()
+        pool = pool_host(cache, 0)
+        _check_rotated_keys(pool, t.slots, ks[0], t.k_pos, naive_inv_freq(16, 5e5, LLAMA3, 4096),
+                            16, dtype)
+        # attend over the stored (rotated) keys, no rotation in the kernel
+        pages = np.stack([pool[t.slots // 4, 0, :, t.slots % 4],
+                          pool[t.slots // 4, 1, :, t.slots % 4]], axis=1)[:, :, :, None]
+        for b, (lo, n) in enumerate(((0, 5), (5, 3))):
+            for i in range(n):
+                ref = naive_decode(q[lo + i:lo + i + 1], pages[lo:lo + i + 1],
+                                   np.array([0, i + 1], np.int32),
+                                   np.arange(i + 1, dtype=np.int32), np.ones(1, np.int32))
+                compare(res.out[lo + i:lo + i + 1], res.lse[lo + i:lo + i + 1], *ref, dtype)
+
+
+def _check_rotated_keys(pool, slots, k, positions, inv_att, rotary_dim, dtype):
+    """The pool's keys at ``slots`` (one page axis of a float pool) are ``k [T, H, D]``
+    rotated at ``positions`` (float64 rotation within the storage rounding and the f32
+    rotation's error)."""
+    ps = pool.shape[3]
+    inv, af = inv_att
+    for i, (slot, pos) in enumerate(zip(slots, positions)):
+        stored = pool[slot // ps, 0, :, slot % ps].astype(np.float64)
+        for h in range(k.shape[1]):
+            want = naive_rotate(k[i, h].astype(np.float64), int(pos), inv, af, rotary_dim,
+                                False)
+            ulp = np.spacing(np.abs(want).astype(dtype)).astype(np.float64)
+            assert np.all(np.abs(stored[h] - want) <= ulp + 1e-5 * np.abs(want).max()), \
+                (dtype, i, h, int(pos))
+
+
+def test_rope_append_positions_continue_after_a_chunk(target):
+    """rope="append", pos_offset 100: a 3-token chunk, then decode steps of a batch (one
+    new token each): token i of a sequence is at pos_offset + i, whatever step wrote it
+    (positions, the keys the pool holds), and attend reads the rotated keys."""
+    spec = clattn.AttentionSpec(2, 1, 16, page_size=4, dtype="float32")
+    cache = make_cache(spec, target, layers=1, num_pages=8, rope="append", rope_theta=1e4)
+    rng = np.random.default_rng(6)
+    cache.add("a", pos_offset=100)
+    cache.add("b", pos_offset=7)
+    _step(cache, ["a"], [3], rng)
+    assert cache.positions.tolist() == [100, 101, 102]
+    cache.end()
+    for n, ids in enumerate((["a"], ["a", "b"], ["b", "a"])):
+        want = [(100 if s == "a" else 7) + cache.length(s) for s in ids]
+        ks, _ = _step(cache, ids, [1] * len(ids), rng)
+        assert cache.positions.tolist() == want, f"decode step {n}"
+        t = cache._step.tables
+        q = rng.standard_normal((len(ids), 2, 16)).astype(np.float32)
+        res = cache.attend(0, q)
+        cache.end()
+        pool = pool_host(cache, 0)
+        _check_rotated_keys(pool, t.slots, ks[0], want, naive_inv_freq(16, 1e4, None), 16,
+                            np.float32)
+        for i, s in enumerate(ids):  # attend: q over the sequence's stored keys as given
+            pages = cache.table.seqs[s].pages[:cache.table.seqs[s].npages]
+            n_rows = cache.length(s)
+            rows = np.concatenate([pool[p] for p in pages], axis=2)[:, :, :n_rows]
+            ref = naive_decode(q[i:i + 1], rows.transpose(2, 0, 1, 3)[:, :, :, None],
+                               np.array([0, n_rows], np.int32), np.arange(n_rows, dtype=np.int32),
+                               np.ones(1, np.int32))
+            compare(res.out[i:i + 1], res.lse[i:i + 1], *ref, "float32", what=f"{s} step {n}: ")
+
+
+def test_positions_past_int32_refused_for_every_token_of_a_step(target):
+    """A step whose last token would sit past int32 is refused before anything changes,
+    whichever token of the step crosses; a step that ends exactly at 2**31 - 1 is
+    accepted, and its keys are rotated at the int32 extremes."""
+    spec = clattn.AttentionSpec(2, 1, 16, page_size=4, dtype="float32")
+    cache = make_cache(spec, target, layers=1, num_pages=6, rope="append", rope_theta=1e4)
+    rng = np.random.default_rng(7)
+    top = 2**31 - 1
+    cache.add("a", pos_offset=top - 2)
+    cache.add("b")
+    snap = _snapshot(cache)
+    for ids, ns in ((["a"], [5]), (["a"], [4]), (["b", "a"], [2, 4])):
+        with pytest.raises(ValueError, match=f"sequence 'a' would reach position {top + ns[-1] - 3}"):
+            cache.begin(ids, ns)
+        _same(_snapshot(cache), snap)
+    ks, _ = _step(cache, ["b", "a"], [1, 3], rng)
+    assert cache.positions.tolist() == [0, top - 2, top - 1, top]
+    t = cache._step.tables
+    cache.end()
+    _check_rotated_keys(pool_host(cache, 0), t.slots, ks[0], [0, top - 2, top - 1, top],
+                        naive_inv_freq(16, 1e4, None), 16, np.float32)
+    with pytest.raises(ValueError, match="beyond int32"):
+        cache.begin(["b", "a"])  # a decode step: its one token would be at 2**31
+    assert cache.length("a") == 3
+
+
+def test_device_arrays_and_events(device_target):
+    """Device k/v/q/out/lse: nothing waits on the host; the results complete by events."""
+    spec = clattn.AttentionSpec(4, 2, 16, page_size=4, dtype="float32")
+    cache = make_cache(spec, device_target, layers=2, num_pages=8)
+    cl = runtime.cl()
+    queue = cache._rt.queue
+    rng = np.random.default_rng(3)
+    cache.add("a")
+    cache.add("b")
+    for step in range(3):
+        cache.begin(["a", "b"], [2, 1] if step == 0 else [1, 1])
+        T = cache.num_tokens
+        for layer in range(2):
+            k, v, q = (cl.array.to_device(queue, rng.standard_normal(s).astype(np.float32))
+                       for s in ((T, 2, 16), (T, 2, 16), (T, 4, 16)))
+            out = cl.array.empty(queue, (T, 4, 16), np.float32)
+            lse = cl.array.empty(queue, (T, 4), np.float32)
+            evt = cache.append(layer, k, v)
+            # a step of one token per sequence writes in the attend launch (fused)
+            assert (evt is None) == (step > 0)
+            res = cache.attend(layer, q, out=out, lse=lse)
+            assert res.out is out and res.event is not None
+        cache.end()
+    res.event.wait()
+    assert np.isfinite(out.get()).all()
+
+
 # ---------------------------------------------------------------------------- errors
 def _snapshot(cache):
     t = cache.table
