@@ -8,6 +8,7 @@ import pytest
 
 import clattn
 from clattn import runtime
+from clattn.decode_fast import OneCallPath
 from cases import compare, decode_args, make_case
 from naive import naive_decode
 
@@ -65,6 +66,39 @@ def test_short_path_equals_checked_path_and_oracle(device, kind):
     for o, s in results:
         compare(o, s, *ref, spec.dtype)
         assert np.array_equal(o, checked_out.get()) and np.array_equal(s, checked_lse.get())
+
+
+@pytest.mark.parametrize("split", [False, 16])
+def test_short_path_with_learned_sinks(device, split, monkeypatch):
+    """Device sink logits on the short path: the oracle's sinks, the checked path's bits,
+    and a later call without sinks sink-free again (the kept kernel's flag re-set)."""
+    spec = clattn.AttentionSpec(8, 2, 64, page_size=16, dtype="float32")
+    case = make_case(spec, [300, 0, 33], seed=4)
+    args, _ = decode_args(case)
+    dec = _decoder(spec, device)
+    queue = dec.setup.runtime.queue
+    plan = dec.plan(args[2], args[4], split=split)
+    sinks = np.random.default_rng(1).normal(0, 2, spec.num_qo_heads).astype(np.float32)
+    dev_args = [_dev(queue, a) for a in args]
+    short = []
+    real = OneCallPath.run
+
+    def spy(self, *a, **k):
+        short.append(real(self, *a, **k))
+        return short[-1]
+
+    monkeypatch.setattr(OneCallPath, "run", spy)
+    for with_sinks in (True, False, True):
+        kw = dict(sink_logits=_dev(queue, sinks)) if with_sinks else {}
+        out, lse = _outputs(queue, case, spec.np_dtype)
+        dec.run(*dev_args, plan=plan, out=out, lse=lse, **kw)
+        assert short.pop() is not None  # taken by the short path
+        checked_out, checked_lse = _outputs(queue, case, spec.np_dtype)
+        dec.run(*dev_args, plan=plan, out=checked_out, lse=checked_lse, queue=queue, **kw)
+        ref = naive_decode(*args, sink_logits=sinks if with_sinks else None)
+        compare(out.get(), lse.get(), *ref, spec.dtype)
+        assert np.array_equal(out.get(), checked_out.get())
+        assert np.array_equal(lse.get(), checked_lse.get())
 
 
 def test_new_tables_under_a_kept_plan(device):
