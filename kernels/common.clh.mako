@@ -53,20 +53,18 @@ inline float clattn_part_inv(const float l, const int rows)
     return (rows && l == 0.0f) ? NAN : clattn_state_inv(l);
 }
 
-/* fold a learned attention sink into a part's final state (m, l): the sink is one more
-   score t (base 2, no value) of the softmax, so the state becomes the merge of (m, l)
-   with (t, 1, v = 0): m' = max(m, t), l' = l 2^(m - m') + 2^(t - m'). Returns the factor
-   2^(m - m') of the part's acc. t = -inf is no sink: (m, l) unchanged and the factor 1
-   (0 for an empty part, whose acc is 0); t = +inf breaks the state (NaN), as a NaN does
-   (docs/contract.md, "Learned attention sinks") */
-inline float clattn_add_sink(float* m, float* l, float t)
+/* a part's final state (m, l) with a learned attention sink folded in: the sink is one
+   more score t (base 2, no value) of the softmax, so the state becomes the merge of (m, l)
+   with (t, 1, v = 0): m' = max(m, t), l' = l 2^(m - m') + 2^(t - m'); returns (m', l').
+   The part's acc is scaled by 2^(m - m') (clattn_state_weight(m, m')). t = -inf is no
+   sink: (m, l) unchanged and the factor 1 (0 for an empty part, whose acc is 0); t = +inf
+   breaks the state (NaN), as a NaN does (docs/contract.md, "Learned attention sinks").
+   By value, not through pointers: a CPU compiler then keeps m and l in registers */
+inline float2 clattn_with_sink(const float m, const float l, float t)
 {
     t = t == INFINITY ? NAN : t;
-    const float m2 = clattn_max_nan(*m, t);
-    const float alpha = clattn_state_weight(*m, m2);
-    *l = *l * alpha + clattn_state_weight(t, m2);
-    *m = m2;
-    return alpha;
+    const float m2 = clattn_max_nan(m, t);
+    return (float2)(m2, l * clattn_state_weight(m, m2) + clattn_state_weight(t, m2));
 }
 
 /* the base-2 sink of query head h, -inf (none) unless `on` */
@@ -256,4 +254,13 @@ inline ${UV} clattn_f2h(const ${FV} f)
     return convert_${UV}(h | sgn);
 }
 % endif
+</%def>
+
+## fold the learned sink t into the final state (m, l) (variables, updated) and declare
+## alpha, the factor of the state's acc (clattn_with_sink)
+<%def name="add_sink(m, l, t)">\
+const float2 sink_ml = clattn_with_sink(${m}, ${l}, ${t});
+        const float alpha = clattn_state_weight(${m}, sink_ml.x);
+        ${m} = sink_ml.x;
+        ${l} = sink_ml.y;\
 </%def>

@@ -395,7 +395,7 @@ ${rotate_row("f")}
         float l${g} = ${kx.hred("lv%d" % g, "+", W)};
         /* the learned sink joins the final state only (a partition stays sink-free: the
            merge adds it once) */
-        const float alpha = clattn_add_sink(&m${g}, &l${g}, CLATTN_SINK(direct && use_sinks, h));
+        ${c.add_sink("m%d" % g, "l%d" % g, "CLATTN_SINK(direct && use_sinks, h)")}
         const float inv = clattn_part_inv(l${g}, r_hi > r_lo) * alpha;
         const float st = direct ? clattn_part_lse(m${g}, l${g}, r_hi > r_lo)
                                 : clattn_state_lse(m${g}, l${g});

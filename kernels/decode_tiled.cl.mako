@@ -233,7 +233,7 @@ ${d.fused_append("part == nparts_b - 1 && tz == 0", ["tx * %d" % VEC], VEC, fenc
         /* rows that all scored -inf: broken, or for a split-KV partition empty with its
            output marked NaN (decode_rows.cl.mako) */
         /* the learned sink joins the final state only (the merge adds it to a split) */
-        const float alpha = clattn_add_sink(&mt, &lt, CLATTN_SINK(direct && use_sinks, h));
+        ${c.add_sink("mt", "lt", "CLATTN_SINK(direct && use_sinks, h)")}
         const float inv = clattn_part_inv(lt, r_hi > r_lo) * alpha;
         const float st = direct ? clattn_part_lse(mt, lt, r_hi > r_lo) : clattn_state_lse(mt, lt);
         ot *= inv;

@@ -137,7 +137,7 @@ __kernel void clattn_merge_varlen(${VARLEN_SIGNATURE})
             acc${i} += w * ${rload("ip + %d" % (i * VEC), VIN)};
 % endfor
         }
-        const float alpha = clattn_add_sink(&mx, &tot, CLATTN_SINK(use_sinks, h));
+        ${c.add_sink("mx", "tot", "CLATTN_SINK(use_sinks, h)")}
         const float inv = clattn_part_inv(tot, dead) * alpha;
         __global st_t* op = out + ((ulong)n * H + h) * ${D};
 % for i in range(NV):
@@ -192,7 +192,7 @@ void clattn_merge_varlen(${VARLEN_SIGNATURE})
         tot += w;
         acc += w * ${loadin(VEC, "vin + ((ulong)k * H + h) * %d + tx * %d" % (D, VEC))};
     }
-    const float alpha = clattn_add_sink(&mx, &tot, CLATTN_SINK(use_sinks, h));
+    ${c.add_sink("mx", "tot", "CLATTN_SINK(use_sinks, h)")}
     ${c.storev(VEC, "acc * (clattn_part_inv(tot, dead) * alpha)", "out + ((ulong)n * H + h) * %d + tx * %d" % (D, VEC))}
     if (tx == 0) lse[(ulong)n * H + h] = clattn_part_lse(mx, tot, dead);
 }

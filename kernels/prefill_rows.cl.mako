@@ -237,7 +237,7 @@ __kernel void clattn_prefill(${SIGNATURE})
         const ulong at = (ulong)(qs + i) * ${HQO} + kvh * ${G} + r % ${G};
         float l = ((float*)lr)[r], mf = ((float*)mr)[r];
         const int seen = KEEPS_ANY(i, ((int*)lim)[r]);   /* rows attended: all scoring -inf breaks it */
-        const float alpha = clattn_add_sink(&mf, &l, CLATTN_SINK(use_sinks, kvh * ${G} + r % ${G}));
+        ${c.add_sink("mf", "l", "CLATTN_SINK(use_sinks, kvh * %d + r %% %d)" % (G, G))}
         const float inv = clattn_part_inv(l, seen) * alpha;
         __global st_t* op = out + at * ${D};
         for (int e = 0; e < ${NV}; ++e) {

@@ -183,7 +183,7 @@ void clattn_prefill(${SIGNATURE})
         if (i >= nq) break;
         const ulong at = (ulong)(qs + i) * ${HQO} + kvh * ${G} + row % ${G};
         const int seen = KEEPS_ANY(i, lim[a]);   /* rows attended: all scoring -inf breaks it */
-        const float alpha = clattn_add_sink(&m[a], &l[a], CLATTN_SINK(use_sinks, kvh * ${G} + row % ${G}));
+        ${c.add_sink("m[a]", "l[a]", "CLATTN_SINK(use_sinks, kvh * %d + row %% %d)" % (G, G))}
         const float inv = clattn_part_inv(l[a], seen) * alpha;
         __global st_t* op = out + at * ${D};
         for (int cc = 0; cc < ${RD}; ++cc) {
