@@ -31,7 +31,7 @@ from . import cpu_backend, host_memory, runtime, signatures, validate
 from .cache_tables import CacheFullError, PageTable, PrefillRuns, StepTables, prefill_runs
 from .decode import BatchDecode
 from .device import warn_notes
-from .mask import step_mask
+from .mask import check_step_masks, step_mask
 from .numbers import is_int
 from .prefill import make_prefill_plan
 from .quant import QUANTIZED, check_quantizable, quantize, region_views
@@ -302,12 +302,16 @@ class PagedKVCache:
         chunk_i]`` matrix (or None: all True) over its attended rows, the new tokens
         included, ANDed with the causal rule (docs/prefill.md, "Custom masks"); the step
         must then run on the prefill kernel alone (every sequence brings two or more
-        tokens, no window has begun to slide). :func:`clattn.tree_mask` makes one.
+        tokens, no window has begun to slide) and the cache rotates nothing (``rope=None``:
+        a draft token's position is its depth in the tree, which the app gives).
+        :func:`clattn.tree_mask` makes one.
         """
         with self._lock:
             if self._step is not None:
                 raise StepError(f"begin: a step over {list(self._step.tables.seq_ids)} is in "
                                 f"progress; call end() or cancel() first")
+            if masks is not None:
+                check_step_masks(masks, seq_ids, lengths, self.rope)
             tables = self.table.reserve(seq_ids, lengths, rope=self.rope)
             try:
                 if self.prefill and tables.T > len(tables.lengths):
@@ -544,12 +548,13 @@ class _StepInProgress:
                 return AttentionResult(*self._decode_host(layer, q, t, out, lse, sink_logits))
             return self._attend_host(layer, q, t.prefill, out, lse, sink_logits)
         dev = cache._device
-        sinks = dev.sinks(layer, sink_logits)
         if dev.ready(q, self.q_shape) and out is not None and lse is not None and \
                 dev.ready(out, self.q_shape) and dev.ready(lse, self.q_shape[:2], LSE_DTYPE):
-            return dev.attend(cache.pools[layer], q, out, lse, sinks=sinks, layer=layer)
+            return dev.attend(cache.pools[layer], q, out, lse,
+                              sinks=dev.sinks(layer, sink_logits), layer=layer)
         self._check("q", q, self.q_shape)
         self._check_out(out, lse)
+        sinks = dev.sinks(layer, sink_logits)
         call = Call(cache._rt)
         dq = call.input("q", q)
         dout = call.output("out", out, self.q_shape, cache.spec.np_dtype)
@@ -846,7 +851,8 @@ class _DeviceKernels:
         """True for a device array of the cache's context with the given shape and dtype
         (checked field by field; anything else takes the checked path)."""
         return (not is_host(a) and hasattr(a, "base_data") and a.shape == shape and
-                a.dtype == (dtype or self.dtype) and a.flags.c_contiguous and a.context == self.ctx)
+                a.dtype == (dtype or self.dtype) and a.flags.c_contiguous and
+                a.context == self.ctx and a.offset % a.dtype.itemsize == 0)
 
     def sinks(self, layer: int, sink_logits: Any) -> Any:
         """``sink_logits`` (checked) on the device: a device array as it is; a numpy array
@@ -865,19 +871,28 @@ class _DeviceKernels:
             hit = self.sink_tables[layer] = (sink_logits.copy(), dev)
         return hit[1]
 
-    def _device_input(self, name: str, a: Any) -> tuple[Any, list]:
-        """``(buffer or array, events)`` of k or v: a device array as is, a numpy array
-        copied into the cache's staging buffer (no new buffer per call)."""
+    def _device_input(self, name: str, a: Any, held: bool = False) -> tuple[Any, list]:
+        """``(buffer or array, events)`` of k or v: a numpy array copied into the cache's
+        staging buffer (no new buffer per call); a device array as is, or (``held``: the
+        append is held for the layer's attend) copied into the staging buffer now, so
+        that the caller may reuse it once ``append`` returns."""
+        cl = runtime.cl()
         if not is_host(a):
             if a.context != self.ctx:
                 raise ValueError(f"append: {name} lives in another OpenCL context than the "
                                  f"cache's device")
-            return a, list(a.events)
-        cl = runtime.cl()
-        a = np.ascontiguousarray(a)
+            if not held:
+                return a, list(a.events)
+        else:
+            a = np.ascontiguousarray(a)
         st = self.stage[name]
         if st[1] < a.nbytes:
-            st[0], st[1] = cl.Buffer(self.ctx, cl.mem_flags.READ_ONLY, a.nbytes), a.nbytes
+            st[0], st[1] = cl.Buffer(self.ctx, cl.mem_flags.READ_WRITE, a.nbytes), a.nbytes
+        if not is_host(a):  # a device-to-device copy, after the array's own writes
+            evt = cl.enqueue_copy(self.queue, st[0], a.base_data, byte_count=a.nbytes,
+                                  src_offset=a.offset,
+                                  wait_for=(st[2] + list(a.events)) or None)
+            return (st[0], 0), [evt]
         evt = cl.enqueue_copy(self.queue, st[0], a, is_blocking=False, wait_for=st[2] or None)
         self.cache.bytes_uploaded += a.nbytes
         return (st[0], 0), [evt]
@@ -911,7 +926,8 @@ class _DeviceKernels:
             check_quantizable(v, spec.v_format, "v")
         self.flush()  # the staging buffers hold one layer's k, v at a time
         pool = self.cache.pools[layer]
-        (dk, ek), (dv, ev) = self._device_input("k", k), self._device_input("v", v)
+        (dk, ek), (dv, ev) = (self._device_input(n, a, held=self.fuse)
+                              for n, a in (("k", k), ("v", v)))
         if self.fuse:
             return self._defer(layer, pool, dk, dv, ek + ev)
         waits = ek + ev if self.in_order else self.waits + pool.events + ek + ev
@@ -988,14 +1004,15 @@ class _DeviceKernels:
             waits = waits + list(sinks.events)
         fused = None
         if self.pending is not None and self.pending[0] == layer:
-            fused, self.pending = self.pending, None
-            waits = waits + fused[3]
+            fused = self.pending  # held until its launch is enqueued (a launch that
+            waits = waits + fused[3]  # raises leaves it for flush())
         if not self.in_order:
             waits = self.waits + pool.events + waits
         sink_args = dict(sink_logits=sinks, use_sinks=int(sinks is not None))
         if fused is not None:
             evts = self._decode(pool, q, out, lse, waits, sink_args,
                                 dict(k=fused[1], v=fused[2]))
+            self.pending = None
             self._written(pool, evts[0])
         elif self.runs is None:
             evts = self._decode(pool, q, out, lse, waits, sink_args)

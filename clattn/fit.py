@@ -164,7 +164,7 @@ class DecodeGeometry:
 
 
 def _vec_for(d: int, want: int, cap: int = 16) -> int:
-    v = min(want, cap)
+    v = 1 << (max(1, min(want, cap)).bit_length() - 1)  # a power of two: OpenCL's widths
     while v > 1 and d % v:
         v //= 2
     return v

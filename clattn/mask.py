@@ -107,6 +107,29 @@ def unpack_mask(custom_mask: np.ndarray, mask_indptr: np.ndarray, b: int, n: int
         .astype(bool)
 
 
+def check_step_masks(masks: Any, seq_ids: Sequence, lengths: Sequence[int] | None,
+                     rope: str | None) -> None:
+    """What :meth:`clattn.PagedKVCache.begin` checks of ``masks`` before it reserves a page:
+    a cache that rotates nothing (a draft token's position is its depth in the tree, not
+    its row), one entry per sequence, each None or a 2-D numpy bool array with one row per
+    new token. :func:`step_mask` checks the columns once the step's rows are known."""
+    if rope is not None:
+        raise ValueError(f"masks: the cache rotates keys (rope={rope!r}) at the positions of "
+                         f"their rows, but a draft tree's token sits at its depth; make the "
+                         f"cache with rope=None and rotate q and k at the tree's positions")
+    if not isinstance(masks, Sequence) or len(masks) != len(seq_ids):
+        n = len(masks) if isinstance(masks, Sequence) else type(masks).__name__
+        raise ValueError(f"masks: {n} given for a step of {len(seq_ids)} sequences; one "
+                         f"[n_b, chunk_b] bool matrix (or None) per sequence")
+    for b, m in enumerate(masks):
+        n = 1 if lengths is None else lengths[b]
+        if m is not None and (not isinstance(m, np.ndarray) or m.dtype != np.bool_ or
+                              m.ndim != 2 or m.shape[0] != n):
+            raise ValueError(f"masks[{b}]: expected a numpy bool array of {n} rows (the "
+                             f"sequence's new tokens) x its attended rows, got "
+                             f"{getattr(m, 'dtype', type(m).__name__)} {getattr(m, 'shape', '')}")
+
+
 def step_mask(runs: Any, n_seqs: int, masks: Sequence[np.ndarray | None]) -> tuple:
     """``(custom_mask, mask_indptr)`` of a cache step whose ``n_seqs`` sequences each
     attend as one prefill run (``runs``: the step's :class:`~clattn.cache_tables.PrefillRuns`,

@@ -126,3 +126,55 @@ def test_byte_pools_stay_separate(device):
     cache.attend(0, np.ones((1, 4, 32), np.float16))
     cache.end()
     assert cache.stats().launches - before == 2  # append, decode (host k, v: checked here)
+
+
+def _device_step(cache, rng, dk, dv, values):
+    """A one-token step of sequence "a" whose layers append the same device k/v arrays,
+    overwritten with ``values[layer]`` right after each append (legal once append has
+    returned); the pools afterwards."""
+    cla = __import__("pyopencl").array
+    queue = cache.pools[0].queue
+    q = cla.to_device(queue, rng.standard_normal((1, 4, 16)).astype(np.float32))
+    cache.begin(["a"])
+    for layer in range(LAYERS):
+        dk.set(np.full(dk.shape, values[layer], np.float32))
+        dv.set(np.full(dv.shape, -values[layer], np.float32))
+        cache.append(layer, dk, dv)
+    for layer in range(LAYERS):
+        cache.attend(layer, q)
+    cache.end()
+    return pools(cache)
+
+
+def test_held_append_owns_device_kv_and_survives_a_failed_attend(device):
+    """A held append copies device k/v when append is called (the caller may then reuse
+    them); an attend that fails leaves the held append to end(), which writes it."""
+    cla = __import__("pyopencl").array
+    spec = clattn.AttentionSpec(4, 2, 16, page_size=4, dtype="float32")
+    caches = {}
+    for fuse in (True, False):
+        cache = caches[fuse] = make_cache(spec, type("T", (), dict(device=device, profile=None)),
+                                          fuse, False, None)
+        cache.add("a")
+        queue = cache.pools[0].queue
+        dk, dv = (cla.zeros(queue, (1, 2, 16), np.float32) for _ in range(2))
+        rng = np.random.default_rng(0)
+        after = _device_step(cache, rng, dk, dv, [7.0, 9.0])
+        assert after[0][0, 0, 0, 0, 0] == 7.0 and after[1][0, 0, 0, 0, 0] == 9.0
+        # a q view the kernels cannot take (2 bytes into its buffer) fails the attend
+        cache.begin(["a"])
+        big = cla.zeros(queue, 4 * 16 + 1, np.float32)
+        bad = cla.empty(queue, (1, 4, 16), np.float32, data=big.base_data, offset=2)
+        q = cla.zeros(queue, (1, 4, 16), np.float32)
+        for layer in range(LAYERS):
+            cache.append(layer, np.full((1, 2, 16), 3.0 + layer, np.float32),
+                         np.zeros((1, 2, 16), np.float32))
+            with pytest.raises(ValueError):
+                cache.attend(layer, bad)  # held append kept for the next append or end()
+            if layer == 0:
+                cache.attend(layer, q)
+        cache.end()
+        assert cache.table.seqs["a"].length == 2
+    assert equal(pools(caches[True]), pools(caches[False]))
+    assert pools(caches[True])[0][0, 0, 0, 1, 0] == 3.0
+    assert pools(caches[True])[1][0, 0, 0, 1, 0] == 4.0

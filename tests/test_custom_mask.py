@@ -249,6 +249,29 @@ def _oracle_rows(q, k, v, keep):
                         np.array([1]), keep=[keep])
 
 
+def test_cache_masks_refused_before_reserving(target):
+    """A cache that rotates keys (a draft token sits at its depth, not its row) and a
+    wrong number of matrices or rows are refused naming ``masks`` before a page is taken:
+    on a full cache too, where reserving would raise CacheFullError first."""
+    spec = clattn.AttentionSpec(4, 2, 16, page_size=4, dtype=F32,
+                                rope_scaling={"rope_type": "linear", "factor": 2.0})
+    for rope in ("append", "attend"):
+        cache = make_cache(spec, target, layers=1, num_pages=4, rope=rope)
+        cache.add("a")
+        with pytest.raises(ValueError, match=f"masks: the cache rotates keys \\(rope='{rope}'\\)"):
+            cache.begin(["a"], [3], masks=[None])
+        assert cache.stats().pages_reserved == 0
+    cache = make_cache(spec, target, layers=1, num_pages=1)
+    cache.add("a")
+    cache.begin(["a"], [4])
+    cache.append(0, *(np.zeros((4, 2, 16), np.float32) for _ in "kv"))
+    cache.end()                                    # the one page is full
+    with pytest.raises(ValueError, match=r"masks\[0\]: expected a numpy bool array of 2 rows"):
+        cache.begin(["a"], [2], masks=[np.ones((3, 6), bool)])
+    with pytest.raises(ValueError, match="masks: 2 given for a step of 1 sequences"):
+        cache.begin(["a"], [2], masks=[None, None])
+
+
 def test_cache_masked_step(target):
     """PagedKVCache.begin(..., masks=): a tree step and a plain one in one masked prefill,
     every token against naive_decode over its kept rows; cancel() rolls the tree back;

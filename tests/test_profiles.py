@@ -310,6 +310,7 @@ def test_clattn_profile_forces_by_name_and_path(monkeypatch, tmp_path):
     ({"name": "p", "match": {"architecture": {"family": "mali", "model": "G52"}}},
      ["bad.json", "architecture"]),
     ({"name": "p", "params": {"native_fp16": "yes"}}, ["bad.json", "native_fp16", "bool"]),
+    ({"name": "p", "params": {"fuse_append": "false"}}, ["bad.json", "fuse_append"]),
     ({"name": "p", "params": {"prefill_qb": "8"}}, ["bad.json", "'prefill_qb'", "int or null"]),
     ({"name": "p", "params": {"prefill_kb": 0}},
      ["bad.json", "profile 'p'", "prefill_kb=0", "positive integer or null"]),

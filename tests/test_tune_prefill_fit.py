@@ -158,6 +158,11 @@ def test_rows_prefill_vectors_follow_the_native_width_decode_keeps_vec():
     assert prefill_geometry(spec, cpu, Limits(native_float=16, rows_max_vec=8)).vec == 8
     assert prefill_geometry(spec, cpu, Limits(native_float=4)).vec == 8
     assert prefill_geometry(clattn.AttentionSpec(8, 1, 72), cpu, wide).vec == 8
+    # a native width that is no power of two (OpenCL does not forbid 12, 6, 3): the
+    # largest power of two below it that divides head_dim (96), never the odd width
+    odd = clattn.AttentionSpec(8, 1, 96)
+    for native, want in ((12, 8), (6, 4), (3, 2)):
+        assert prefill_geometry(odd, cpu.with_(vec=1), Limits(native_float=native)).vec == want
     # a wish is honoured, or cut with its reason
     assert prefill_geometry(spec, cpu.with_(prefill_vec=4), wide).vec == 4
     g = prefill_geometry(spec, cpu.with_(prefill_vec=16), Limits(rows_max_vec=8))

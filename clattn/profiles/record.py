@@ -114,6 +114,8 @@ class Profile:
             problems.append(f"reduction={self.reduction!r} (allowed: {', '.join(REDUCTIONS)})")
         if self.vec not in (1, 2, 4, 8, 16):
             problems.append(f"vec={self.vec!r} (allowed: 1, 2, 4, 8, 16)")
+        if not isinstance(self.fuse_append, bool):
+            problems.append(f"fuse_append={self.fuse_append!r} (true or false)")
         if self.prefill_vec not in (None, 1, 2, 4, 8, 16):
             problems.append(f"prefill_vec={self.prefill_vec!r} (allowed: null, 1, 2, 4, 8, 16)")
         for k in ("thread_limit", "tile_rows", "wgs_per_cu", "min_partition_rows",
