@@ -300,7 +300,8 @@ MUTANTS = [
         ["tests/test_cache_quant.py", "-k", "device_arrays"],
         "the append writes a block the check pass refused"),
     Mutant("q-values-scale-dropped", DECODE, [
-        ("const float p = s${g}[j] * vsc[j];", "const float p = s${g}[j];")],
+        ("vsc[j] = j < n ? clattn_h2f_1(vrow_s[j][${bb}]) : 0.0f;",
+         "vsc[j] = j < n ? 1.0f : 0.0f;")],
         ["tests/test_quant.py", "-k", "decode"],
         "the rows kernel's quantized values lose their block scale"),
     Mutant("broken-state-labelled-empty", COMMON, [
@@ -319,7 +320,7 @@ MUTANTS = [
         ["tests/test_reliability.py", "-k", "rope_positions"],
         "RoPE angles lose the high 16 bits of the position", "kernel"),
     Mutant("step-reuses-stale-q", "clattn/launch.py", [
-        ("if v is not None and refs.get(name) is v:",
+        ("if refs.get(name, _UNSET) is v:",
          "if v is not None and refs.get(name) is not None:")],
         ["tests/test_decode_step.py", "-k", "equals_run"],
         "a prepared step keeps the first layer's q and pages", "python"),
@@ -468,6 +469,20 @@ MUTANTS = [
         ["tests/test_longrope_switch.py", "-k", k("cpu", "Phi-3.5-mini", "10")],
         "at the longrope switch the cache is kept instead of recomputed: the past keys "
         "keep their short-factor rotation"),
+    Mutant("sink-in-every-partition", "kernels/decode_rows.cl.mako", [
+        ('"CLATTN_SINK(direct && use_sinks, h)"', '"CLATTN_SINK(use_sinks, h)"')],
+        ["tests/test_sinks.py", "-k", "unsplit_and_split"],
+        "a split sequence's partitions each add the learned sink (the merge adds it again)",
+        "kernel"),
+    Mutant("held-append-reads-caller-kv-late", "clattn/cache.py", [
+        ("self._device_input(n, a, held=self.fuse)", "self._device_input(n, a, held=False)")],
+        ["tests/test_cache_fused.py", "-k", "held"],
+        "a held (fused) append reads the caller's device k/v at the attend, not at append",
+        "python"),
+    Mutant("custom-mask-ignored-on-device", "clattn/prefill.py", [
+        ("use_mask=int(custom_mask is not None),", "use_mask=0,")],
+        ["tests/test_custom_mask.py", "-k", "random_masks"],
+        "the prefill kernels are told there is no mask", "python"),
 ]
 
 
