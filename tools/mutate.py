@@ -261,8 +261,8 @@ MUTANTS = [
         "the planner rounds partition counts down (the kernel's last partition hides it)"),
     # ---- quantized pages, non-finite states, prepared steps ---------------------------
     Mutant("q4-nibbles-swapped", EXPRS, [
-        ('codes = "(%s & (%s)15)" % (b, u) if lane % 32 < 16 else "(%s >> (%s)4)" % (b, u)',
-         'codes = "(%s & (%s)15)" % (b, u) if lane % 32 >= 16 else "(%s >> (%s)4)" % (b, u)')],
+        ('nib = "(%s & 15u)" % b if lane % 32 < 16 else "(%s >> 4)" % b',
+         'nib = "(%s & 15u)" % b if lane % 32 >= 16 else "(%s >> 4)" % b')],
         ["tests/test_quant.py", "-k", "decode and q4_0"],
         "q4 lanes read from the wrong nibble", "kernel"),
     Mutant("q8-scale-ignored", EXPRS, [
