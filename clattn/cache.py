@@ -39,7 +39,7 @@ from .result import AttentionResult
 from .rope import parse_rope_scaling, rope_tables, rotate
 from .spec import INT32_MAX, LSE_DTYPE, AttentionSpec
 from .staging import Call
-from .validate import check_array, is_host
+from .validate import check_array, is_host, launchable
 
 __all__ = ["PagedKVCache", "CacheFullError", "CacheStats", "LayerIndexError", "StepError",
            "StepShapeError"]
@@ -850,9 +850,7 @@ class _DeviceKernels:
     def ready(self, a: Any, shape: tuple, dtype: Any = None) -> bool:
         """True for a device array of the cache's context with the given shape and dtype
         (checked field by field; anything else takes the checked path)."""
-        return (not is_host(a) and hasattr(a, "base_data") and a.shape == shape and
-                a.dtype == (dtype or self.dtype) and a.flags.c_contiguous and
-                a.context == self.ctx and a.offset % a.dtype.itemsize == 0)
+        return launchable(a, self.ctx, shape, dtype or self.dtype)
 
     def sinks(self, layer: int, sink_logits: Any) -> Any:
         """``sink_logits`` (checked) on the device: a device array as it is; a numpy array

@@ -28,7 +28,7 @@ from .plan import Plan
 from .result import AttentionResult
 from .spec import INDEX_DTYPE, INT32_MAX, LSE_DTYPE
 from .staging import events_list
-from .validate import check_rope_scalars, check_sm_scale
+from .validate import check_rope_scalars, check_sm_scale, launchable
 
 SCALARS_KEPT = 8  # distinct scalar sets kept (a caller varying rope_scale stays bounded)
 
@@ -62,9 +62,8 @@ class OneCallPath:
         self._lock = threading.Lock()
 
     def _ok(self, a: Any, shape: tuple, dtype: Any) -> bool:
-        """``a`` is a C-contiguous device array of this context, ``shape`` and ``dtype``."""
-        return (hasattr(a, "base_data") and a.shape == shape and a.dtype == dtype and
-                a.flags.c_contiguous and a.context == self.ctx)
+        """``a`` is a device array of this context the kernels take as it is."""
+        return launchable(a, self.ctx, shape, dtype)
 
     def _scalar_args(self, rotary_mode: Any, rope_scale: Any, rope_theta: Any,
                      sm_scale: Any) -> dict | None:

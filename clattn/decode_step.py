@@ -15,7 +15,7 @@ from .plan import Plan
 from .result import AttentionResult
 from .spec import LSE_DTYPE
 from .staging import Call, events_list
-from .validate import DecodeArgs, check_operands, check_sink_logits, is_host
+from .validate import DecodeArgs, check_operands, check_sink_logits, is_host, launchable
 
 
 class DecodeStep:
@@ -68,10 +68,7 @@ class DecodeStep:
                              (pages, self._shapes[1], self._pool_dtype),
                              (out, self._shapes[0], self._dtype),
                              (lse, self._shapes[2], LSE_DTYPE)):
-            if a is None:
-                continue
-            if is_host(a) or not hasattr(a, "base_data") or a.shape != shape or \
-                    a.dtype != dt or not a.flags.c_contiguous or a.context != ctx:
+            if a is not None and not launchable(a, ctx, shape, dt):
                 return False
         return True
 

@@ -135,10 +135,7 @@ def step_mask(runs: Any, n_seqs: int, masks: Sequence[np.ndarray | None]) -> tup
     attend as one prefill run (``runs``: the step's :class:`~clattn.cache_tables.PrefillRuns`,
     or None); ``masks[b]`` is sequence ``b``'s ``[n_b, chunk_b]`` bool matrix or None (every
     row kept). Refuses, naming ``masks``, a step that does not run whole on the prefill
-    kernel and a matrix of another shape."""
-    if len(masks) != n_seqs:
-        raise ValueError(f"masks: {len(masks)} given for a step of {n_seqs} sequences; one "
-                         f"[n_b, chunk_b] bool matrix (or None) per sequence")
+    kernel and a matrix of another shape (their number :func:`check_step_masks` checked)."""
     if runs is None or runs.decode is not None or len(runs.n) != n_seqs:
         raise ValueError("masks: a masked step attends on the prefill kernel alone: every "
                          "sequence must bring two or more tokens and none may have a window "

@@ -22,6 +22,16 @@ def is_host(a: Any) -> bool:
     return isinstance(a, np.ndarray)
 
 
+def launchable(a: Any, ctx: Any, shape: tuple, dtype: Any) -> bool:
+    """True for a device array the kernels take as it is: of context ``ctx``, exactly
+    ``shape`` and ``dtype``, C-contiguous, its view offset a whole number of elements.
+    The short host paths ask this field by field, building no message; anything else
+    takes the checked path, which says what is wrong."""
+    return (not is_host(a) and hasattr(a, "base_data") and a.shape == shape and
+            a.dtype == dtype and a.flags.c_contiguous and a.context == ctx and
+            a.offset % a.dtype.itemsize == 0)
+
+
 def _shape(a: Any) -> tuple:
     return tuple(int(s) for s in a.shape)
 
