@@ -673,6 +673,9 @@ class _DeviceKernels:
         # launch of the decode kernel with the append fused in (signatures.DECODE_APPEND)
         self.fused = self._bind_fused(turns, long_from, att)
         self.fuse = False  # the step in progress defers its appends
+        # (decode, merge, fused) bound on the builds with the learned-sink epilogue: made by
+        # the first attend with sinks, from the kernels above (:meth:`_kernels`)
+        self.with_sinks: tuple | None = None
         self.pending: tuple | None = None  # (layer, k, v, events) of the deferred append
         self.check_k = opencl.append_kernel(signatures.APPEND_CHECK).bind(**args) \
             if self.quantized else None
@@ -706,6 +709,20 @@ class _DeviceKernels:
                              num_pages=cache.num_pages, nnz=0, n_ws=0, split=0, part_rows=0,
                              sink_logits=None, use_sinks=0,
                              append_rope=int(cache.rope == "append"), **scalars)
+
+    def _kernels(self, sinks: bool) -> tuple:
+        """``(decode, merge, fused)`` bound objects of the builds with (``sinks``) or
+        without the learned-sink epilogue; ``fused`` None where that build has no fused
+        form."""
+        if not sinks:
+            return self.decode, self.merge, self.fused
+        if self.with_sinks is None:
+            decode, merge = self.opencl.decode_kernels(sinks=True)
+            fused = self.opencl.fused_decode_kernel(sinks=True) if self.fused is not None \
+                else None
+            self.with_sinks = (self.decode.rebound(decode), self.merge.rebound(merge),
+                               None if fused is None else self.fused.rebound(fused))
+        return self.with_sinks
 
     def upload_events(self) -> tuple:
         """The table uploads held in the ring."""
@@ -747,13 +764,16 @@ class _DeviceKernels:
         plan = self._plan(t, d)
         H, D = spec.num_qo_heads, spec.head_dim
         ws_o = ws_s = None
+        builds = [self._kernels(False)] + ([self.with_sinks] if self.with_sinks else [])
         if plan.split:
             ws_o, ws_s = self.opencl.workspace(plan.n_ws)
-            self.merge.set(vin=(ws_o, 0), sv=(ws_s, 0), indptr=self.plan_buf,
-                           n_states=plan.n_ws, N=t.T)
+            for _, merge, _ in builds:
+                merge.set(vin=(ws_o, 0), sv=(ws_s, 0), indptr=self.plan_buf,
+                          n_states=plan.n_ws, N=t.T)
             self.merge_sizes = self.merge_geometry.sizes(t.T * H, D)
         attend_rope = self.cache.rope == "attend"
-        kernels = (self.decode, self.fused) if self.fuse else (self.decode,)
+        kernels = [k for decode, _, fused in builds
+                   for k in ((decode, fused) if self.fuse else (decode,)) if k is not None]
         for kernel in kernels:  # a fused step attends a layer whose append ran on the decode
             kernel.set(page_indptr=tab[pre + "page_indptr"],
                        page_indices=tab[pre + "page_indices"], nnz=len(d.page_indices),
@@ -766,7 +786,9 @@ class _DeviceKernels:
                        part_rows=plan.part_rows if plan.split else 0,
                        part_indptr=self.plan_buf if plan.split else None)
         if self.fuse:
-            self.fused.set(slots=tab["slots"], k_pos=tab["k_pos"])
+            for _, _, fused in builds:
+                if fused is not None:
+                    fused.set(slots=tab["slots"], k_pos=tab["k_pos"])
         self.split = plan.split
         self.decode_sizes = (self.geometry.global_size(t.T, spec.num_kv_heads,
                                                        plan.num_parts if plan.split else 1),
@@ -1002,8 +1024,11 @@ class _DeviceKernels:
             waits = waits + list(sinks.events)
         fused = None
         if self.pending is not None and self.pending[0] == layer:
-            fused = self.pending  # held until its launch is enqueued (a launch that
-            waits = waits + fused[3]  # raises leaves it for flush())
+            if self._kernels(sinks is not None)[2] is None:
+                self.flush()  # that build has no fused form: the append launched first
+            else:
+                fused = self.pending  # held until its launch is enqueued (a launch that
+                waits = waits + fused[3]  # raises leaves it for flush())
         if not self.in_order:
             waits = self.waits + pool.events + waits
         sink_args = dict(sink_logits=sinks, use_sinks=int(sinks is not None))
@@ -1037,12 +1062,13 @@ class _DeviceKernels:
         """The decode kernel (and the merge of a split plan); returns the events.
         ``sink_args``: the learned-sink arguments (the merge adds the sinks to a split);
         ``append``: the deferred append's ``k`` and ``v``, written by the fused kernel."""
-        kernel = self.decode if append is None else self.fused
+        decode, merge, fused = self._kernels(sink_args["sink_logits"] is not None)
+        kernel = decode if append is None else fused
         args = dict(q=q, pages=pool, out=out, lse=lse, **sink_args, **(append or {}))
         if self.split:
             evts = self.opencl.decode_then_merge(
                 self.queue, waits, (kernel.launch, *self.decode_sizes, args),
-                (self.merge.launch, *self.merge_sizes, dict(out=out, lse=lse, **sink_args)),
+                (merge.launch, *self.merge_sizes, dict(out=out, lse=lse, **sink_args)),
                 queue_orders=self.in_order)
         else:  # no workspace to order: the decode kernel alone, on the per-layer path
             evts = (kernel.launch(self.queue, *self.decode_sizes, waits, **args),)

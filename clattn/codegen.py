@@ -60,12 +60,16 @@ def _attention_params(spec: AttentionSpec, geom: DecodeGeometry | PrefillGeometr
         **_pool_params(spec))
 
 
-def render_decode(spec: AttentionSpec, geom: DecodeGeometry, fused: bool = False) -> str:
+def render_decode(spec: AttentionSpec, geom: DecodeGeometry, fused: bool = False,
+                  sinks: bool = False) -> str:
     """OpenCL C source of the decode kernel for ``spec`` with geometry ``geom``.
 
     The template is ``decode_<strategy>.cl.mako``; its parameter list comes from the
     argument table :data:`clattn.signatures.DECODE`, or with ``fused`` (the append of a
     one-token step fused in: float pools only) :data:`clattn.signatures.DECODE_APPEND`.
+    ``sinks`` compiles the learned-sink epilogue in (the build for calls passing
+    ``sink_logits``; the arguments are the same either way, and a build without it
+    ignores them).
     """
     if fused and spec.byte_pool:
         raise ValueError("render_decode: the fused append takes float pools only (a byte "
@@ -80,7 +84,7 @@ def render_decode(spec: AttentionSpec, geom: DecodeGeometry, fused: bool = False
         PREFETCH=geom.prefetch, VEC_ROPE=geom.vec_rope, V_CHUNKS=geom.v_chunks,
         BDX=geom.bdx, BDY=geom.bdy, BDZ=geom.bdz, GDZ=geom.gdz, USE_LOCAL=geom.use_local,
         REDUCE=geom.reduction, SGS=geom.subgroup_size, SG_ATTR=geom.subgroup_attr,
-        FUSED=fused, SIGNATURE=table.signature(), FIXUP=table.fixup())
+        FUSED=fused, SINKS=sinks, SIGNATURE=table.signature(), FIXUP=table.fixup())
 
 
 def _pool_params(spec: AttentionSpec) -> dict:
@@ -94,13 +98,15 @@ def _pool_params(spec: AttentionSpec) -> dict:
                 V_ROWB=row_bytes(spec.v_format, spec.head_dim))
 
 
-def render_merge(head_dim: int, dtype: str, vin: str, geom: MergeGeometry) -> str:
-    """OpenCL C source of the merge kernels (``vin``: dtype of the states merged)."""
+def render_merge(head_dim: int, dtype: str, vin: str, geom: MergeGeometry,
+                 sinks: bool = False) -> str:
+    """OpenCL C source of the merge kernels (``vin``: dtype of the states merged;
+    ``sinks``: the learned-sink epilogue compiled in, as :func:`render_decode`)."""
     pair, varlen = signatures.MERGE_PAIR, signatures.MERGE_VARLEN
     return _lookup().get_template("merge.cl.mako").render(
         D=head_dim, DTYPE=_cl_dtype(dtype), VIN=_cl_dtype(vin), NATIVE_HALF=geom.native_fp16,
         DENORMS=geom.denorms, STORAGE_HALF=geom.storage_half, PRAGMAS=(),
-        STRATEGY=geom.strategy, VEC=geom.vec, MH=geom.mh,
+        STRATEGY=geom.strategy, VEC=geom.vec, MH=geom.mh, SINKS=sinks,
         PAIR_SIGNATURE=pair.signature(), PAIR_FIXUP=pair.fixup(),
         VARLEN_SIGNATURE=varlen.signature(), VARLEN_FIXUP=varlen.fixup())
 

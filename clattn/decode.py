@@ -267,7 +267,7 @@ class BatchDecode:
                      part_indptr=pindptr, split=int(plan.split),
                      part_rows=plan.part_rows if plan.split else 0,
                      **opencl.scalars(rotary_mode, rope_theta, rope_scale, sm_scale))
-        decode, merge = opencl.decode_kernels()
+        decode, merge = opencl.decode_kernels(sinks=sink_logits is not None)
         events: tuple = ()
         if B > 0:
             geom = opencl.decode_geometry

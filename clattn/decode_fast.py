@@ -11,8 +11,9 @@ checked path, which raises the contract's errors. What is kept between calls:
 * the scalars (``rotary_mode``, ``rope_scale``, ``rope_theta``, ``sm_scale``) checked once
   per distinct value and type, with their kernel arguments;
 * per plan, the launch sizes and the plan's table on the device;
-* one bound decode and merge kernel object, on which a launch sets only the arguments
-  that changed since the last (:class:`clattn.launch.BoundKernel`).
+* one bound decode and merge kernel object per build (with and without the learned-sink
+  epilogue), on which a launch sets only the arguments that changed since the last
+  (:class:`clattn.launch.BoundKernel`).
 
 Device tables' values are not read on this path, as on the checked path (the kernels
 clamp every index they read from them).
@@ -57,8 +58,7 @@ class OneCallPath:
         self._pool_row = spec.pool_shape(1)[1:]
         self._scalars: dict = {}
         self._plan: tuple | None = None  # (plan, decode sizes, merge sizes, plan table)
-        self._decode: Any = None
-        self._merge: Any = None
+        self._bound_kernels: dict = {}  # sinks compiled in -> [decode, merge] bound objects
         self._lock = threading.Lock()
 
     def _ok(self, a: Any, shape: tuple, dtype: Any) -> bool:
@@ -147,16 +147,21 @@ class OneCallPath:
         hit = self._plan = (plan, (gsz, geom.local_size()), msz, table)
         return hit
 
-    def _bound(self, named: dict, merge: dict | None) -> tuple:
-        """The bound decode (and merge) kernel objects, made by the first call."""
+    def _bound(self, named: dict, merge: dict | None, sinks: bool) -> list:
+        """``[decode, merge]``: the bound kernel objects of the build with (``sinks``) or
+        without the learned-sink epilogue, made by the first call that needs each (the
+        merge None until a split call)."""
         with self._lock:
-            if self._decode is None:
-                decode, merge_k = self.opencl.decode_kernels()
-                self._decode = decode.bind(**named)
-                self._merge_launcher = merge_k
-            if merge is not None and self._merge is None:
-                self._merge = self._merge_launcher.bind(**merge)
-            return self._decode, self._merge
+            hit = self._bound_kernels.get(sinks)
+            if hit is None:
+                hit = self._bound_kernels[sinks] = [None, None]
+            if hit[0] is None or (merge is not None and hit[1] is None):
+                decode, merge_k = self.opencl.decode_kernels(sinks=sinks)
+                if hit[0] is None:
+                    hit[0] = decode.bind(**named)
+                if merge is not None and hit[1] is None:
+                    hit[1] = merge_k.bind(**merge)
+            return hit
 
     def run(self, q: Any, pages: Any, page_indptr: Any, page_indices: Any, last_page_len: Any,
             length_info: Any, window_offset: Any, sink_size: Any, q_pos: Any,
@@ -198,7 +203,7 @@ class OneCallPath:
                      part_rows=plan.part_rows if split else 0, **scalars)
         merging = dict(vin=(ws_o, 0), sv=(ws_s, 0), indptr=table, fixed_k=-1, skip_single=1,
                        n_states=plan.n_ws, out=out, lse=lse, N=B, H=H, **sinks) if split else None
-        decode, merge = self._bound(named, merging)
+        decode, merge = self._bound(named, merging, sink_logits is not None)
         events = self.opencl.decode_then_merge(
             self.queue, waits, (decode.launch, *sizes, named),
             (merge.launch, *merge_sizes, merging) if split else None)

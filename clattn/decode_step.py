@@ -59,6 +59,20 @@ class DecodeStep:
                                      fixed_k=-1, skip_single=1, n_states=plan.n_ws,
                                      out=None, lse=None, N=args.B, H=H, sink_logits=None,
                                      use_sinks=0)
+        # the bound kernels of the build with the learned-sink epilogue: made by the first
+        # run with sink_logits, from these (:meth:`_kernels`)
+        self._with_sinks: tuple | None = None
+
+    def _kernels(self, sinks: bool) -> tuple:
+        """``(decode, merge)`` bound objects of the build with (``sinks``) or without the
+        learned-sink epilogue (call under the step's lock)."""
+        if not sinks:
+            return self._decode, self._merge
+        if self._with_sinks is None:
+            decode, merge = self._opencl.decode_kernels(sinks=True)
+            self._with_sinks = (self._decode.rebound(decode),
+                                None if self._merge is None else self._merge.rebound(merge))
+        return self._with_sinks
 
     def _fast_ok(self, q: Any, pages: Any, out: Any, lse: Any) -> bool:
         """True when every operand is a device array of this context with the right
@@ -102,12 +116,13 @@ class DecodeStep:
         events: tuple = ()
         if self.batch > 0:
             operands = dict(q=dq, pages=dpages, out=dout, lse=dlse, **sinks)
-            merging = None if self._merge is None else \
-                (self._merge.launch, *self._merge_sizes, dict(out=dout, lse=dlse, **sinks))
             with self._lock:
+                decode, merge = self._kernels(sink_logits is not None)
+                merging = None if merge is None else \
+                    (merge.launch, *self._merge_sizes, dict(out=dout, lse=dlse, **sinks))
                 events = self._opencl.decode_then_merge(
                     call.queue, call.wait_list(*self._table_events),
-                    (self._decode.launch, *self._sizes, operands), merging)
+                    (decode.launch, *self._sizes, operands), merging)
                 self._table_events = []  # once a launch waited for them (it may raise)
         o, s = call.finish([dout, dlse], events, host=is_host(q))
         return AttentionResult(o, s, events[-1] if events else None, tuple(events))
@@ -125,12 +140,13 @@ class DecodeStep:
                 waits.extend(a.events)
         sinks = dict(sink_logits=sink_logits, use_sinks=int(sink_logits is not None))
         operands = dict(q=q, pages=pages, out=out, lse=lse, **sinks)
-        merging = None if self._merge is None else \
-            (self._merge.launch, *self._merge_sizes, dict(out=out, lse=lse, **sinks))
         with self._lock:
+            decode, merge = self._kernels(sink_logits is not None)
+            merging = None if merge is None else \
+                (merge.launch, *self._merge_sizes, dict(out=out, lse=lse, **sinks))
             waits.extend(self._table_events)
             events = self._opencl.decode_then_merge(
-                self._rt.queue, waits, (self._decode.launch, *self._sizes, operands), merging)
+                self._rt.queue, waits, (decode.launch, *self._sizes, operands), merging)
             self._table_events = []  # once a launch waited for them (it may raise)
         # the launch waited for every earlier event of out and lse: its last event now
         # stands for all of them (pyopencl's add_event would block on old ones instead)

@@ -226,6 +226,15 @@ class BoundKernel:
                      for k, v in named.items() if self.table.by_name[k].__class__ is Buffer}
         self.lock = threading.Lock()
 
+    def rebound(self, launcher: Launcher) -> "BoundKernel":
+        """A bound kernel of ``launcher`` (a build of the same argument table) holding
+        every argument this one holds now."""
+        if launcher.table is not self.table:
+            raise ValueError(f"rebound: {launcher.table.kernel}'s arguments are not "
+                             f"{self.table.kernel}'s")
+        with self.lock:
+            return BoundKernel(launcher, self._refs)
+
     def set(self, **named: Any) -> None:
         """Set some arguments by name (buffers as in :meth:`ArgTable.values`); an argument
         equal to what it holds already (the same array object, the same buffer and offset,

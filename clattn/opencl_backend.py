@@ -64,9 +64,9 @@ class OpenCLBackend:
         self.prefill_geometry: PrefillGeometry | None = None
         self.append_geometry: MergeGeometry | None = None
         self._lock = threading.Lock()
-        self._decode: tuple[Launcher, Launcher] | None = None
+        self._decode: dict[bool, tuple[Launcher, Launcher]] = {}  # by sinks compiled in
         self._prefill: Launcher | None = None
-        self._fused: Launcher | bool | None = None  # False: the driver refused its geometry
+        self._fused: dict[bool, Launcher | bool] = {}  # False: the driver refused its geometry
         self._turns: dict = {}
         self._plan_tables: dict = {}
         self._units: tuple | None = None
@@ -100,44 +100,62 @@ class OpenCLBackend:
         return self.append_geometry
 
     # -- kernels -------------------------------------------------------------------
-    def decode_kernels(self) -> tuple[Launcher, Launcher]:
-        """``(decode, merge)``, built once. A decode kernel the driver allows fewer
-        work-items per group than its geometry asks is fitted again to that limit and
-        rebuilt, with one warning (:attr:`decode_geometry` then holds the new fit)."""
+    def decode_kernels(self, sinks: bool = False) -> tuple[Launcher, Launcher]:
+        """``(decode, merge)``, built once each way: ``sinks`` True is the build with the
+        learned-sink epilogue compiled in, for calls passing ``sink_logits`` (without
+        sinks the kernels carry no sink code: Intel's CPU compiler loses its best f32
+        decode to its mere presence). A decode kernel the driver allows fewer work-items
+        per group than its geometry asks is fitted again to that limit and rebuilt, with
+        one warning (:attr:`decode_geometry` then holds the new fit). The build with sinks
+        takes the geometry the build without them was fitted to (made first), so every
+        holder of sizes from :attr:`decode_geometry` launches either build; a driver that
+        allows it fewer work-items raises RuntimeError."""
+        if sinks:
+            self.decode_kernels()
         with self._lock:
-            if self._decode is None:
+            hit = self._decode.get(sinks)
+            if hit is None:
                 rt, spec, setup = self.runtime, self.spec, self.setup
-                decode, self.decode_geometry = build_fitted(
-                    setup, self.decode_geometry,
-                    lambda g: rt.launcher(("decode", spec.key(), g), signatures.DECODE,
-                                          lambda: render_decode(spec, g)),
-                    lambda limits: decode_geometry(spec, setup.profile, limits), "decode")
-                mg = self.merge_geometry
-                merge = rt.launcher(("merge", spec.head_dim, spec.dtype, "float32", mg),
-                                    signatures.MERGE_VARLEN,
-                                    lambda: render_merge(spec.head_dim, spec.dtype, "float32", mg))
-                self._decode = (decode, merge)
-            return self._decode
 
-    def fused_decode_kernel(self) -> Launcher | None:
+                def build(g: DecodeGeometry) -> Launcher:
+                    return rt.launcher(("decode", spec.key(), g, sinks), signatures.DECODE,
+                                       lambda: render_decode(spec, g, sinks=sinks))
+                if sinks:
+                    decode = build(self.decode_geometry)
+                    _check_threads(decode, self.decode_geometry, rt.device, "decode (sinks)")
+                else:
+                    decode, self.decode_geometry = build_fitted(
+                        setup, self.decode_geometry, build,
+                        lambda limits: decode_geometry(spec, setup.profile, limits), "decode")
+                mg = self.merge_geometry
+                merge = rt.launcher(("merge", spec.head_dim, spec.dtype, "float32", mg, sinks),
+                                    signatures.MERGE_VARLEN,
+                                    lambda: render_merge(spec.head_dim, spec.dtype, "float32",
+                                                         mg, sinks=sinks))
+                hit = self._decode[sinks] = (decode, merge)
+            return hit
+
+    def fused_decode_kernel(self, sinks: bool = False) -> Launcher | None:
         """The decode kernel with the append fused in (:data:`clattn.signatures.DECODE_APPEND`)
-        at the decode geometry, built once after :meth:`decode_kernels`; None where it
-        does not apply: a byte pool (its append is checked first, in a launch of its own),
-        a tiled geometry of several work-groups per KV head, or a build the driver allows
-        fewer work-items per group than the geometry needs."""
+        at the decode geometry, built once each way (``sinks`` as :meth:`decode_kernels`)
+        after :meth:`decode_kernels`; None where it does not apply: a byte pool (its
+        append is checked first, in a launch of its own), a tiled geometry of several
+        work-groups per KV head, or a build the driver allows fewer work-items per group
+        than the geometry needs."""
         self.decode_kernels()  # fits the geometry the fused kernel shares
         geom, spec = self.decode_geometry, self.spec
         if spec.byte_pool or (geom.strategy == "tiled" and geom.gdz > 1):
             return None
         with self._lock:
-            if self._fused is None:
-                launcher = self.runtime.launcher(("decode_append", spec.key(), geom),
-                                                 signatures.DECODE_APPEND,
-                                                 lambda: render_decode(spec, geom, fused=True))
+            hit = self._fused.get(sinks)
+            if hit is None:
+                launcher = self.runtime.launcher(
+                    ("decode_append", spec.key(), geom, sinks), signatures.DECODE_APPEND,
+                    lambda: render_decode(spec, geom, fused=True, sinks=sinks))
                 allowed = launcher.work_group_size(self.runtime.device)
-                self._fused = (launcher if allowed is None or allowed >= geom.threads
-                               else False)
-            return self._fused or None
+                hit = self._fused[sinks] = (launcher if allowed is None or
+                                            allowed >= geom.threads else False)
+            return hit or None
 
     def prefill_kernel(self) -> Launcher:
         """The prefill kernel, built once; refitted and rebuilt as :meth:`decode_kernels`
@@ -270,3 +288,12 @@ class OpenCLBackend:
             done = launch(queue, gsz, lsz, [first], **args)
             self._ws_last = (done, queue)
         return first, done
+
+
+def _check_threads(launcher: Launcher, geometry: Any, device: Any, what: str) -> None:
+    """Raise RuntimeError when the driver allows ``launcher`` fewer work-items per group
+    than ``geometry`` launches."""
+    allowed = launcher.work_group_size(device)
+    if allowed is not None and allowed < geometry.threads:
+        raise RuntimeError(f"the {what} kernel needs {geometry.threads} work-items per group; "
+                           f"{device.name!r} allows {allowed} for it")

@@ -257,10 +257,15 @@ inline ${UV} clattn_f2h(const ${FV} f)
 </%def>
 
 ## fold the learned sink t into the final state (m, l) (variables, updated) and declare
-## alpha, the factor of the state's acc (clattn_with_sink)
-<%def name="add_sink(m, l, t)">\
+## alpha, the factor of the state's acc (clattn_with_sink); `on` False: a build without
+## learned sinks, alpha 1 (what t = -inf gives, bit for bit) and no sink code at all
+<%def name="add_sink(m, l, t, on=True)">\
+% if on:
 const float2 sink_ml = clattn_with_sink(${m}, ${l}, ${t});
         const float alpha = clattn_state_weight(${m}, sink_ml.x);
         ${m} = sink_ml.x;
         ${l} = sink_ml.y;\
+% else:
+const float alpha = 1.0f;\
+% endif
 </%def>

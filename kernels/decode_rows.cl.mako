@@ -21,6 +21,8 @@ Template parameters (clattn.codegen.render_decode, from clattn.fit.DecodeGeometr
   STORAGE_HALF         f16 converted through clang's __fp16 (common.clh.mako)
   FUSED                the append of a one-token step fused in (decode_common's
                        fused_append; clattn.signatures.DECODE_APPEND)
+  SINKS                the learned-sink epilogue compiled in (built only for calls that
+                       pass sink_logits: without it a CPU compiler keeps its best code)
   SIGNATURE, FIXUP     parameter list and pointer fix-up from clattn.signatures.DECODE
 Every index read from the page table is clamped: no input makes the kernel read or
 write out of bounds.
@@ -395,7 +397,7 @@ ${rotate_row("f")}
         float l${g} = ${kx.hred("lv%d" % g, "+", W)};
         /* the learned sink joins the final state only (a partition stays sink-free: the
            merge adds it once) */
-        ${c.add_sink("m%d" % g, "l%d" % g, "CLATTN_SINK(direct && use_sinks, h)")}
+        ${c.add_sink("m%d" % g, "l%d" % g, "CLATTN_SINK(direct && use_sinks, h)", SINKS)}
         const float inv = clattn_part_inv(l${g}, r_hi > r_lo) * alpha;
         const float st = direct ? clattn_part_lse(m${g}, l${g}, r_hi > r_lo)
                                 : clattn_state_lse(m${g}, l${g});

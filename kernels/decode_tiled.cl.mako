@@ -21,6 +21,8 @@ Template parameters (clattn.codegen.render_decode, from clattn.fit.DecodeGeometr
   SG_ATTR              the attribute that requests SGS (vendor extension), or ""
   FUSED                the append of a one-token step fused in (decode_common's
                        fused_append, one head slice per KV head: GDZ == 1)
+  SINKS                the learned-sink epilogue compiled in (built only for calls that
+                       pass sink_logits: without it a CPU compiler keeps its best code)
   SIGNATURE, FIXUP     parameter list and pointer fix-up from clattn.signatures.DECODE
 Every index read from the page table is clamped: no input makes the kernel read or
 write out of bounds.
@@ -233,7 +235,7 @@ ${d.fused_append("part == nparts_b - 1 && tz == 0", ["tx * %d" % VEC], VEC, fenc
         /* rows that all scored -inf: broken, or for a split-KV partition empty with its
            output marked NaN (decode_rows.cl.mako) */
         /* the learned sink joins the final state only (the merge adds it to a split) */
-        ${c.add_sink("mt", "lt", "CLATTN_SINK(direct && use_sinks, h)")}
+        ${c.add_sink("mt", "lt", "CLATTN_SINK(direct && use_sinks, h)", SINKS)}
         const float inv = clattn_part_inv(lt, r_hi > r_lo) * alpha;
         const float st = direct ? clattn_part_lse(mt, lt, r_hi > r_lo) : clattn_state_lse(mt, lt);
         ot *= inv;

@@ -3,7 +3,8 @@ clattn attention-state merges (docs/contract.md, "Merging").
 
 Template parameters: D, DTYPE (storage of v/out), VIN ("half"|"float": storage of the
 states being merged), NATIVE_HALF, DENORMS, STRATEGY ("rows" | "tiled"), VEC, MH (heads
-per work-group, tiled), PAIR_SIGNATURE/PAIR_FIXUP and VARLEN_SIGNATURE/VARLEN_FIXUP (from
+per work-group, tiled), SINKS (the learned-sink epilogue compiled in: builds for calls
+that pass sink_logits only), PAIR_SIGNATURE/PAIR_FIXUP and VARLEN_SIGNATURE/VARLEN_FIXUP (from
 the argument tables clattn.signatures.MERGE_PAIR and MERGE_VARLEN).
 
 clattn_merge_pair   in place: v, s <- merge(v, s, v_other, s_other); v, s : [N, H(, D)]
@@ -137,7 +138,7 @@ __kernel void clattn_merge_varlen(${VARLEN_SIGNATURE})
             acc${i} += w * ${rload("ip + %d" % (i * VEC), VIN)};
 % endfor
         }
-        ${c.add_sink("mx", "tot", "CLATTN_SINK(use_sinks, h)")}
+        ${c.add_sink("mx", "tot", "CLATTN_SINK(use_sinks, h)", SINKS)}
         const float inv = clattn_part_inv(tot, dead) * alpha;
         __global st_t* op = out + ((ulong)n * H + h) * ${D};
 % for i in range(NV):
@@ -192,7 +193,7 @@ void clattn_merge_varlen(${VARLEN_SIGNATURE})
         tot += w;
         acc += w * ${loadin(VEC, "vin + ((ulong)k * H + h) * %d + tx * %d" % (D, VEC))};
     }
-    ${c.add_sink("mx", "tot", "CLATTN_SINK(use_sinks, h)")}
+    ${c.add_sink("mx", "tot", "CLATTN_SINK(use_sinks, h)", SINKS)}
     ${c.storev(VEC, "acc * (clattn_part_inv(tot, dead) * alpha)", "out + ((ulong)n * H + h) * %d + tx * %d" % (D, VEC))}
     if (tx == 0) lse[(ulong)n * H + h] = clattn_part_lse(mx, tot, dead);
 }

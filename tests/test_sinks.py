@@ -6,7 +6,8 @@ attention does (the sink concatenated to the scores, softmax, its column dropped
 kernels fold it into the final state as a merge with the state (v = 0, lse = sink *
 log2 e). The scenarios are the ones test_kernels.py and test_prefill.py build already
 (``WIN``: group 4, window, Llama-3 RoPE, f16 and f32; the prefill scenarios yarn f16 and
-linear f32), so the sinks add no kernel build: they are a run-time argument. Targets: the CPU backend, each device's
+linear f32); the sinks add one build of the decode and merge kernels (the epilogue
+compiled in) and none of the prefill (a run-time flag). Targets: the CPU backend, each device's
 ``rows`` kernels and each device running the GPU ``tiled`` kernels (conftest ``target``).
 The bounds are cases.TOLERANCE's: the sink is one more term of the sum (its f32 base-2
 form is within an f32 rounding of the float64 one, covered by the lse bound's |lse| term).
@@ -256,3 +257,103 @@ def test_device_nan_and_inf_sinks_break_their_heads(device_target, get_decoder):
         keep = [0, 1, 4, 5, 6, 7]
         compare(res.out[:, keep], res.lse[:, keep], ref[0][:, keep], ref[1][:, keep],
                 sc.spec.dtype, what=f"split={split}: ")
+
+
+# ---------------------------------------------------------------------------- builds
+def test_builds_without_sinks_carry_no_sink_code():
+    """The decode and merge kernels fold the sink in only in their build with sinks."""
+    from clattn.codegen import render_decode, render_merge
+    from clattn.fit import Limits, decode_geometry, merge_geometry
+    from clattn.profiles import get_profile
+    spec = WIN[F32].spec
+    fold = "sink_ml = clattn_with_sink("
+    for name in ("pocl-cpu", "generic"):
+        prof = get_profile(name)
+        geom = decode_geometry(spec, prof, Limits())
+        assert fold not in render_decode(spec, geom)
+        assert fold in render_decode(spec, geom, sinks=True)
+        mg = merge_geometry(spec.head_dim, spec.dtype, prof, Limits())
+        assert fold not in render_merge(spec.head_dim, spec.dtype, "float32", mg)
+        assert fold in render_merge(spec.head_dim, spec.dtype, "float32", mg, sinks=True)
+
+
+#: split every step into partitions of one page
+SPLIT_EVERY_STEP = {"min_partition_rows": 4, "split_min_rows": 0, "wgs_per_cu": 4096}
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["unsplit", "split"])
+def test_cache_layers_with_and_without_sinks(device_target, split):
+    """A model whose layer 0 has learned sinks and layer 1 none: each layer runs its own
+    build (epilogue compiled in or not) on the step's one set of tables, fused appends and
+    split plans included. Layer 0 equals a cache with those sinks on every layer, layer 1
+    a cache with none, bit for bit (both are checked against the oracle elsewhere)."""
+    from clattn.profiles import get_profile
+    spec = clattn.AttentionSpec(4, 2, 16, page_size=4, dtype=F32)
+    extra = dict(SPLIT_EVERY_STEP) if split else {}
+    profile = extra if device_target.profile is None else \
+        get_profile(device_target.profile).with_(**extra)
+    s = sinks_for(4, 40)
+    runs = {}
+    for name, per_layer in (("mixed", [s, None]), ("all", [s, s]), ("none", [None, None])):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # profile fitting notes
+            cache = clattn.PagedKVCache(spec, 2, device=device_target.device, profile=profile,
+                                        backend="opencl", num_pages=24, prefill=False)
+        rng = np.random.default_rng(3)
+        seen = runs[name] = []
+        cache.add("a")
+        cache.add("b")
+        for lengths in ([6, 3], None, None, None, None):
+            T = sum(lengths) if lengths else 2
+            cache.begin(["a", "b"], lengths)
+            for layer in range(2):
+                k, v = (rng.standard_normal((T, 2, 16)).astype(np.float32) for _ in range(2))
+                q = rng.standard_normal((T, 4, 16)).astype(np.float32)
+                cache.append(layer, k, v)
+                res = cache.attend(layer, q, sink_logits=per_layer[layer])
+                seen.append((layer, res.out.copy(), res.lse.copy()))
+            cache.end()
+    for (layer, out, lse), a, n in zip(runs["mixed"], runs["all"], runs["none"]):
+        want = a if layer == 0 else n
+        np.testing.assert_array_equal(out, want[1])
+        np.testing.assert_array_equal(lse, want[2])
+    assert not np.array_equal(runs["all"][-1][2], runs["none"][-1][2])  # the sinks count
+
+
+def test_step_and_one_call_switch_builds(device_target, get_decoder):
+    """A prepared step and BatchDecode.run's short path, called with sinks and then
+    without (and again with), give the results of calls that never had sinks, bit for
+    bit, split or not."""
+    sc = WIN[F32]
+    dec = get_decoder(sc.spec, device_target)
+    case = _window_case(sc.spec, seed=27)
+    cla = pytest.importorskip("pyopencl.array")
+    q = dec.setup.runtime.queue
+    sinks = cla.to_device(q, sinks_for(sc.spec.num_qo_heads, 8))
+    kw = dict(window_offset=case["window_offset"], sink_size=case["sink_size"],
+              q_pos=case["q_pos"], k_pos_offset=case["k_pos_offset"], rotary_mode=1)
+    dq, dp = cla.to_device(q, case["q"]), cla.to_device(q, case["pages"])
+    tables = {n: cla.to_device(q, case[n]) for n in ("page_indptr", "page_indices",
+                                                     "last_page_len")}
+    dkw = {n: cla.to_device(q, v) if isinstance(v, np.ndarray) else v for n, v in kw.items()}
+    for split in (False, 16):
+        plan = dec.plan(case["page_indptr"], case["last_page_len"],
+                        window_offset=case["window_offset"], sink_size=case["sink_size"],
+                        split=split)
+        plain = run_case(dec, sc, case, rotary_mode=1, lib=dict(split=split))
+        withs = run_case(dec, sc, case, rotary_mode=1, lib=dict(split=split, sink_logits=sinks))
+        step = dec.prepare(case["page_indptr"], case["page_indices"], case["last_page_len"],
+                           num_pages=case["pages"].shape[0], plan=plan, **kw, **sc.call)
+        outs = [(cla.empty(q, case["q"].shape, np.float32),
+                 cla.empty(q, case["q"].shape[:2], np.float32)) for _ in range(6)]
+        for i, sk in enumerate((sinks, None, sinks)):
+            o, s = outs[i]
+            step.run(dq, dp, out=o, lse=s, sink_logits=sk)
+            o2, s2 = outs[3 + i]
+            dec.run(dq, dp, tables["page_indptr"], tables["page_indices"],
+                    tables["last_page_len"], out=o2, lse=s2, plan=plan, sink_logits=sk,
+                    **dkw, **sc.call)
+            want = withs if sk is not None else plain
+            for got_o, got_s in ((o, s), (o2, s2)):
+                np.testing.assert_array_equal(got_o.get(), want.out, err_msg=f"split={split} {i}")
+                np.testing.assert_array_equal(got_s.get(), want.lse, err_msg=f"split={split} {i}")

@@ -474,6 +474,16 @@ MUTANTS = [
         ["tests/test_sinks.py", "-k", "unsplit_and_split"],
         "a split sequence's partitions each add the learned sink (the merge adds it again)",
         "kernel"),
+    Mutant("cache-sinks-on-the-build-without", "clattn/cache.py", [
+        ('self._kernels(sink_args["sink_logits"] is not None)', "self._kernels(False)")],
+        ["tests/test_sinks.py", "-k", "paged_cache_sinks"],
+        "the cache launches a layer's learned sinks on the decode build without the sink "
+        "epilogue (the sinks are dropped)"),
+    Mutant("one-call-sinks-on-the-build-without", "clattn/decode_fast.py", [
+        ("self._bound(named, merging, sink_logits is not None)",
+         "self._bound(named, merging, False)")],
+        ["tests/test_sinks.py", "-k", "switch_builds"],
+        "BatchDecode.run's short path launches sinks on the build without the epilogue"),
     Mutant("held-append-reads-caller-kv-late", "clattn/cache.py", [
         ("self._device_input(n, a, held=self.fuse)", "self._device_input(n, a, held=False)")],
         ["tests/test_cache_fused.py", "-k", "held"],

@@ -94,6 +94,9 @@ def variants():
             if key not in seen:
                 seen.add(key)
                 yield kind, key, (lambda s=spec, g=geom, r=render: r(s, g))
+                if kind == "decode":  # the build with the learned-sink epilogue
+                    yield kind, key + " sinks", (lambda s=spec, g=geom:
+                                                 codegen.render_decode(s, g, sinks=True))
         try:
             mg = merge_geometry(spec.head_dim, spec.dtype, prof, lim)
         except ValueError:
@@ -104,6 +107,9 @@ def variants():
                 seen.add(key)
                 yield "merge", key, (lambda s=spec, v=vin, g=mg:
                                      codegen.render_merge(s.head_dim, s.dtype, v, g))
+                if vin == "float32":  # split-KV's merge with the learned sinks
+                    yield "merge", key + " sinks", (lambda s=spec, g=mg: codegen.render_merge(
+                        s.head_dim, s.dtype, "float32", g, sinks=True))
     for lanes, storage_half, denorms in itertools.product((1, 2, 4, 8, 16), (False, True),
                                                           (False, True)):
         yield ("half_probe", f"half_probe {lanes} {storage_half} {denorms}",
