@@ -711,9 +711,9 @@ class _DeviceKernels:
                              append_rope=int(cache.rope == "append"), **scalars)
 
     def _kernels(self, sinks: bool) -> tuple:
-        """``(decode, merge, fused)`` bound objects of the builds with (``sinks``) or
-        without the learned-sink epilogue; ``fused`` None where that build has no fused
-        form."""
+        """``(decode, merge, fused)`` bound objects for a layer with learned sinks
+        (``sinks``) or without (:meth:`~clattn.opencl_backend.OpenCLBackend.decode_kernels`);
+        ``fused`` None for both or for neither."""
         if not sinks:
             return self.decode, self.merge, self.fused
         if self.with_sinks is None:
@@ -1024,11 +1024,8 @@ class _DeviceKernels:
             waits = waits + list(sinks.events)
         fused = None
         if self.pending is not None and self.pending[0] == layer:
-            if self._kernels(sinks is not None)[2] is None:
-                self.flush()  # that build has no fused form: the append launched first
-            else:
-                fused = self.pending  # held until its launch is enqueued (a launch that
-                waits = waits + fused[3]  # raises leaves it for flush())
+            fused = self.pending  # held until its launch is enqueued (a launch that
+            waits = waits + fused[3]  # raises leaves it for flush())
         if not self.in_order:
             waits = self.waits + pool.events + waits
         sink_args = dict(sink_logits=sinks, use_sinks=int(sinks is not None))

@@ -12,7 +12,7 @@ from .decode_step import DecodeStep, sink_args, upload_tables
 from .device import DeviceSetup, open_backend, warn_notes
 from .fit import DecodeGeometry, MergeGeometry
 from .numbers import is_int
-from .opencl_backend import OpenCLBackend
+from .opencl_backend import OpenCLBackend, sink_epilogue
 from .plan import Plan, make_plan
 from .profiles.record import Profile
 from .result import AttentionResult
@@ -81,11 +81,13 @@ class BatchDecode:
         """The geometry of the kernel that merges split partitions."""
         return self.opencl.merge_geometry
 
-    def source(self) -> str:
-        """The OpenCL C this object runs (rendered for its device's profile)."""
+    def source(self, sinks: bool = False) -> str:
+        """The OpenCL C of the decode kernel this object runs (rendered for its device's
+        profile): for calls with learned sinks (``sinks``) or without."""
         if not self.setup:
             raise RuntimeError("the CPU backend runs numpy code, not OpenCL")
-        return render_decode(self.spec, self.geometry)
+        geom = self.geometry
+        return render_decode(self.spec, geom, sinks=sink_epilogue(geom, sinks))
 
     def empty_pages(self, num_pages: int) -> Any:
         """An uninitialised page pool for this decoder, ``spec.pool_shape(num_pages)``.
@@ -110,10 +112,14 @@ class BatchDecode:
             return np.empty(shape, self.spec.pool_dtype)
         return host_memory.empty(self.setup.runtime.queue, shape, self.spec.pool_dtype)
 
-    def build(self) -> "BatchDecode":
-        """Compile now (otherwise the first run compiles); returns self."""
+    def build(self, sinks: bool = False) -> "BatchDecode":
+        """Compile now (otherwise the first run compiles); returns self. ``sinks``: also
+        the kernels for calls passing ``sink_logits`` (a model with learned sinks), which
+        are otherwise built by the first such call."""
         if self.opencl:
             self.opencl.decode_kernels()
+            if sinks:
+                self.opencl.decode_kernels(sinks=True)
         return self
 
     # -- planning ------------------------------------------------------------------

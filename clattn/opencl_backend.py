@@ -101,15 +101,15 @@ class OpenCLBackend:
 
     # -- kernels -------------------------------------------------------------------
     def decode_kernels(self, sinks: bool = False) -> tuple[Launcher, Launcher]:
-        """``(decode, merge)``, built once each way: ``sinks`` True is the build with the
-        learned-sink epilogue compiled in, for calls passing ``sink_logits`` (without
-        sinks the kernels carry no sink code: Intel's CPU compiler loses its best f32
-        decode to its mere presence). A decode kernel the driver allows fewer work-items
-        per group than its geometry asks is fitted again to that limit and rebuilt, with
-        one warning (:attr:`decode_geometry` then holds the new fit). The build with sinks
-        takes the geometry the build without them was fitted to (made first), so every
-        holder of sizes from :attr:`decode_geometry` launches either build; a driver that
-        allows it fewer work-items raises RuntimeError."""
+        """``(decode, merge)`` for calls with learned sinks (``sinks``) or without, built
+        once each. The kernels run by calls without sinks carry no sink code where that
+        costs nothing: the merge always, and the ``rows`` decode (Intel's CPU compiler
+        loses its best f32 decode to the epilogue's mere presence); a ``tiled`` decode has
+        one build, with the epilogue, for both (its work-items per group may depend on
+        it, and every holder launches at :attr:`decode_geometry`; a rows work-group is
+        one work-item). A decode kernel the driver allows fewer work-items per group than
+        its geometry asks is fitted again to that limit and rebuilt, with one warning
+        (:attr:`decode_geometry` then holds the new fit)."""
         if sinks:
             self.decode_kernels()
         with self._lock:
@@ -118,11 +118,11 @@ class OpenCLBackend:
                 rt, spec, setup = self.runtime, self.spec, self.setup
 
                 def build(g: DecodeGeometry) -> Launcher:
-                    return rt.launcher(("decode", spec.key(), g, sinks), signatures.DECODE,
-                                       lambda: render_decode(spec, g, sinks=sinks))
-                if sinks:
+                    epilogue = sink_epilogue(g, sinks)
+                    return rt.launcher(("decode", spec.key(), g, epilogue), signatures.DECODE,
+                                       lambda: render_decode(spec, g, sinks=epilogue))
+                if sinks:  # the geometry the build without sinks was fitted to
                     decode = build(self.decode_geometry)
-                    _check_threads(decode, self.decode_geometry, rt.device, "decode (sinks)")
                 else:
                     decode, self.decode_geometry = build_fitted(
                         setup, self.decode_geometry, build,
@@ -137,24 +137,26 @@ class OpenCLBackend:
 
     def fused_decode_kernel(self, sinks: bool = False) -> Launcher | None:
         """The decode kernel with the append fused in (:data:`clattn.signatures.DECODE_APPEND`)
-        at the decode geometry, built once each way (``sinks`` as :meth:`decode_kernels`)
-        after :meth:`decode_kernels`; None where it does not apply: a byte pool (its
-        append is checked first, in a launch of its own), a tiled geometry of several
-        work-groups per KV head, or a build the driver allows fewer work-items per group
-        than the geometry needs."""
+        at the decode geometry, for calls with learned sinks or without (builds as
+        :meth:`decode_kernels`': so one exists for both or for neither), built once after
+        :meth:`decode_kernels`; None where it does not apply: a byte pool (its append is
+        checked first, in a launch of its own), a tiled geometry of several work-groups
+        per KV head, or a build the driver allows fewer work-items per group than the
+        geometry needs."""
         self.decode_kernels()  # fits the geometry the fused kernel shares
         geom, spec = self.decode_geometry, self.spec
         if spec.byte_pool or (geom.strategy == "tiled" and geom.gdz > 1):
             return None
+        epilogue = sink_epilogue(geom, sinks)
         with self._lock:
-            hit = self._fused.get(sinks)
+            hit = self._fused.get(epilogue)
             if hit is None:
                 launcher = self.runtime.launcher(
-                    ("decode_append", spec.key(), geom, sinks), signatures.DECODE_APPEND,
-                    lambda: render_decode(spec, geom, fused=True, sinks=sinks))
+                    ("decode_append", spec.key(), geom, epilogue), signatures.DECODE_APPEND,
+                    lambda: render_decode(spec, geom, fused=True, sinks=epilogue))
                 allowed = launcher.work_group_size(self.runtime.device)
-                hit = self._fused[sinks] = (launcher if allowed is None or
-                                            allowed >= geom.threads else False)
+                hit = self._fused[epilogue] = (launcher if allowed is None or
+                                               allowed >= geom.threads else False)
             return hit or None
 
     def prefill_kernel(self) -> Launcher:
@@ -290,10 +292,8 @@ class OpenCLBackend:
         return first, done
 
 
-def _check_threads(launcher: Launcher, geometry: Any, device: Any, what: str) -> None:
-    """Raise RuntimeError when the driver allows ``launcher`` fewer work-items per group
-    than ``geometry`` launches."""
-    allowed = launcher.work_group_size(device)
-    if allowed is not None and allowed < geometry.threads:
-        raise RuntimeError(f"the {what} kernel needs {geometry.threads} work-items per group; "
-                           f"{device.name!r} allows {allowed} for it")
+def sink_epilogue(geometry: DecodeGeometry, sinks: bool) -> bool:
+    """Whether the decode build for calls with (``sinks``) or without learned sinks has the
+    sink epilogue compiled in: with sinks always; without, only a tiled build's (one build
+    for both, see :meth:`OpenCLBackend.decode_kernels`); ``geometry``: the decode's."""
+    return sinks or geometry.strategy == "tiled"

@@ -281,43 +281,54 @@ def test_builds_without_sinks_carry_no_sink_code():
 SPLIT_EVERY_STEP = {"min_partition_rows": 4, "split_min_rows": 0, "wgs_per_cu": 4096}
 
 
+def _mixed_on(step, layer):
+    """Layer 0 has sinks from step 2 on (a one-token step: its sink kernels are made while
+    its append is held for the fused launch), layer 1 every other step."""
+    return step >= 2 if layer == 0 else step % 2 == 1
+
+
+@pytest.mark.parametrize("prefill", [False, True], ids=["decode", "prefill"])
 @pytest.mark.parametrize("split", [False, True], ids=["unsplit", "split"])
-def test_cache_layers_with_and_without_sinks(device_target, split):
-    """A model whose layer 0 has learned sinks and layer 1 none: each layer runs its own
-    build (epilogue compiled in or not) on the step's one set of tables, fused appends and
-    split plans included. Layer 0 equals a cache with those sinks on every layer, layer 1
-    a cache with none, bit for bit (both are checked against the oracle elsewhere)."""
+def test_cache_layers_with_and_without_sinks(device_target, split, prefill):
+    """Layers and steps with learned sinks and without, interleaved: each attend runs the
+    build for its case on the step's one set of tables (fused appends, split plans, and
+    with ``prefill`` steps whose decode rows share a launch sequence with prefill runs).
+    Every result equals, bit for bit, a cache with those sinks on every layer and step or
+    one with none (both checked against the oracle elsewhere)."""
     from clattn.profiles import get_profile
     spec = clattn.AttentionSpec(4, 2, 16, page_size=4, dtype=F32)
     extra = dict(SPLIT_EVERY_STEP) if split else {}
     profile = extra if device_target.profile is None else \
         get_profile(device_target.profile).with_(**extra)
     s = sinks_for(4, 40)
+    steps = ([9, 1], None, [7, 1], None, [1, 8], None, None) if prefill else \
+        ([6, 3], None, None, [2, 1], None, None, None)
     runs = {}
-    for name, per_layer in (("mixed", [s, None]), ("all", [s, s]), ("none", [None, None])):
+    for name, on in (("mixed", _mixed_on), ("all", lambda i, layer: True),
+                     ("none", lambda i, layer: False)):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)  # profile fitting notes
             cache = clattn.PagedKVCache(spec, 2, device=device_target.device, profile=profile,
-                                        backend="opencl", num_pages=24, prefill=False)
+                                        backend="opencl", num_pages=48, prefill=prefill)
         rng = np.random.default_rng(3)
         seen = runs[name] = []
         cache.add("a")
         cache.add("b")
-        for lengths in ([6, 3], None, None, None, None):
+        for i, lengths in enumerate(steps):
             T = sum(lengths) if lengths else 2
             cache.begin(["a", "b"], lengths)
             for layer in range(2):
                 k, v = (rng.standard_normal((T, 2, 16)).astype(np.float32) for _ in range(2))
                 q = rng.standard_normal((T, 4, 16)).astype(np.float32)
                 cache.append(layer, k, v)
-                res = cache.attend(layer, q, sink_logits=per_layer[layer])
-                seen.append((layer, res.out.copy(), res.lse.copy()))
+                res = cache.attend(layer, q, sink_logits=s if on(i, layer) else None)
+                seen.append((i, layer, res.out.copy(), res.lse.copy()))
             cache.end()
-    for (layer, out, lse), a, n in zip(runs["mixed"], runs["all"], runs["none"]):
-        want = a if layer == 0 else n
-        np.testing.assert_array_equal(out, want[1])
-        np.testing.assert_array_equal(lse, want[2])
-    assert not np.array_equal(runs["all"][-1][2], runs["none"][-1][2])  # the sinks count
+    for (i, layer, out, lse), a, n in zip(runs["mixed"], runs["all"], runs["none"]):
+        want = a if _mixed_on(i, layer) else n
+        np.testing.assert_array_equal(out, want[2], err_msg=f"step {i} layer {layer}")
+        np.testing.assert_array_equal(lse, want[3], err_msg=f"step {i} layer {layer}")
+    assert not np.array_equal(runs["all"][-1][3], runs["none"][-1][3])  # the sinks count
 
 
 def test_step_and_one_call_switch_builds(device_target, get_decoder):
@@ -326,6 +337,9 @@ def test_step_and_one_call_switch_builds(device_target, get_decoder):
     bit, split or not."""
     sc = WIN[F32]
     dec = get_decoder(sc.spec, device_target)
+    plain_k, with_k = dec.opencl.decode_kernels(), dec.opencl.decode_kernels(sinks=True)
+    assert with_k[1] is not plain_k[1]  # the merge: a build each
+    assert (with_k[0] is plain_k[0]) == (dec.geometry.strategy == "tiled")  # tiled: one build
     case = _window_case(sc.spec, seed=27)
     cla = pytest.importorskip("pyopencl.array")
     q = dec.setup.runtime.queue
