@@ -626,7 +626,9 @@ class _DeviceKernels:
     into a ring of two table buffers, each reused once the launches of the step that
     last used it are done. The split plan is kept while the batch is the same and no
     chunk has grown by a page (a plan made for shorter chunks stays correct: the last
-    partition runs to the chunk's end).
+    partition runs to the chunk's end). Where the profile's ``fold_merge`` is on, the
+    decode kernels bound are the builds with the split merge folded in: a split step then
+    launches no merge (their unsplit launches are the plain builds' bit for bit).
     """
 
     def __init__(self, cache: PagedKVCache) -> None:
@@ -642,11 +644,13 @@ class _DeviceKernels:
                              cl.command_queue_properties.OUT_OF_ORDER_EXEC_MODE_ENABLE)
         self.dtype = spec.np_dtype
         opencl = self.opencl = dec.opencl
-        decode, merge = opencl.decode_kernels()  # builds (and may refit the geometry) first
+        self.fold = opencl.setup.profile.fold_merge
+        opencl.decode_kernels()  # builds (and may refit the geometry) first
+        decode, merge = opencl.decode_kernels(fold=self.fold)
         self.geometry, self.merge_geometry = opencl.decode_geometry, opencl.merge_geometry
         self.scalars = opencl.scalars(int(cache.rope == "attend"), cache.rope_theta,
                                       cache.rope_scale, cache.sm_scale)
-        self.decode = decode.bind(**dict.fromkeys(_TABLES + ("ws_o", "ws_s", "part_indptr")),
+        self.decode = decode.bind(**dict.fromkeys(_TABLES + _SPLIT),
                                   num_pages=cache.num_pages, nnz=0, n_ws=0, split=0,
                                   part_rows=0, sink_logits=None, use_sinks=0, **self.scalars)
         self.sink_tables: dict = {}  # layer -> (numpy sink_logits, its device copy)
@@ -697,15 +701,14 @@ class _DeviceKernels:
         has none). Its RoPE table and scalars are the append's with ``rope="append"``
         (the decode then rotates nothing), else the decode's."""
         cache = self.cache
-        launcher = self.opencl.fused_decode_kernel() if \
+        launcher = self.opencl.fused_decode_kernel(fold=self.fold) if \
             self.opencl.setup.profile.fuse_append else None
         if launcher is None:
             return None
         scalars = dict(self.scalars)
         if cache.rope == "append":
             scalars.update(rope_turns=turns, long_from=long_from, rope_att=att)
-        return launcher.bind(**dict.fromkeys(_TABLES + ("ws_o", "ws_s", "part_indptr", "k",
-                                                        "v", "slots", "k_pos")),
+        return launcher.bind(**dict.fromkeys(_TABLES + _SPLIT + ("k", "v", "slots", "k_pos")),
                              num_pages=cache.num_pages, nnz=0, n_ws=0, split=0, part_rows=0,
                              sink_logits=None, use_sinks=0,
                              append_rope=int(cache.rope == "append"), **scalars)
@@ -717,9 +720,9 @@ class _DeviceKernels:
         if not sinks:
             return self.decode, self.merge, self.fused
         if self.with_sinks is None:
-            decode, merge = self.opencl.decode_kernels(sinks=True)
-            fused = self.opencl.fused_decode_kernel(sinks=True) if self.fused is not None \
-                else None
+            decode, merge = self.opencl.decode_kernels(sinks=True, fold=self.fold)
+            fused = self.opencl.fused_decode_kernel(sinks=True, fold=self.fold) \
+                if self.fused is not None else None
             self.with_sinks = (self.decode.rebound(decode), self.merge.rebound(merge),
                                None if fused is None else self.fused.rebound(fused))
         return self.with_sinks
@@ -763,10 +766,11 @@ class _DeviceKernels:
         d = t if not pre else t.prefill.decode
         plan = self._plan(t, d)
         H, D = spec.num_qo_heads, spec.head_dim
-        ws_o = ws_s = None
+        ws_o = ws_s = counters = None
         builds = [self._kernels(False)] + ([self.with_sinks] if self.with_sinks else [])
         if plan.split:
             ws_o, ws_s = self.opencl.workspace(plan.n_ws)
+            counters = self.opencl.counters(t.T) if self.fold else None
             for _, merge, _ in builds:
                 merge.set(vin=(ws_o, 0), sv=(ws_s, 0), indptr=self.plan_buf,
                           n_states=plan.n_ws, N=t.T)
@@ -784,7 +788,7 @@ class _DeviceKernels:
                        k_pos_offset=tab["k_pos_offset"] if attend_rope else None,
                        ws_o=ws_o, ws_s=ws_s, n_ws=plan.n_ws, split=int(plan.split),
                        part_rows=plan.part_rows if plan.split else 0,
-                       part_indptr=self.plan_buf if plan.split else None)
+                       part_indptr=self.plan_buf if plan.split else None, counters=counters)
         if self.fuse:
             for _, _, fused in builds:
                 if fused is not None:
@@ -1065,11 +1069,12 @@ class _DeviceKernels:
         decode, merge, fused = self._kernels(sink_args["sink_logits"] is not None)
         kernel = decode if append is None else fused
         args = dict(q=q, pages=pool, out=out, lse=lse, **sink_args, **(append or {}))
-        if self.split:
+        if self.split:  # the merge of a fold build is in its decode launch
             evts = self.opencl.decode_then_merge(
                 self.queue, waits, (kernel.launch, *self.decode_sizes, args),
+                None if self.fold else
                 (merge.launch, *self.merge_sizes, dict(out=out, lse=lse, **sink_args)),
-                queue_orders=self.in_order)
+                queue_orders=self.in_order, folded=self.fold)
         else:  # no workspace to order: the decode kernel alone, on the per-layer path
             evts = (kernel.launch(self.queue, *self.decode_sizes, waits, **args),)
         return evts
@@ -1078,6 +1083,8 @@ class _DeviceKernels:
 #: the table arguments the decode and prefill kernels share, unset until a step sets them
 _TABLES = ("q", "pages", "out", "lse", "page_indptr", "page_indices", "last_page_len",
            "window_offset", "sink_size", "q_pos", "k_pos_offset")
+#: the decode kernel's split buffers, set by a split step
+_SPLIT = ("ws_o", "ws_s", "part_indptr", "counters")
 
 
 def _stored(x: np.ndarray, fmt: str, name: str) -> tuple[np.ndarray, np.ndarray | None]:

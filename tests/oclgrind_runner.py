@@ -204,8 +204,11 @@ def adversarial_variant(profile, dtype="float32", rope=True):
 # ------------------------------------------------------------------------------ the variants
 SMALL_WIN = dict(num_qo_heads=4, num_kv_heads=2, head_dim=16, page_size=4, sliding_window=True,
                  rope_scaling=LLAMA3, max_position_embeddings=131072)
-#: the generic GPU profile with 32 threads per work-group (the simulator is slow)
-SMALL_TILED = {"strategy": "tiled", "thread_limit": 32}
+#: the generic GPU profile with 32 threads per work-group (the simulator is slow); the
+#: split merge folded into the decode launch (its default)
+SMALL_TILED = {"strategy": "tiled", "thread_limit": 32, "fold_merge": True}
+#: the CPU profile with the split merge folded into the decode launch (off by default)
+ROWS_FOLD = {"strategy": "rows", "vec": 8, "tile_rows": 16, "fold_merge": True}
 VARIANTS = {
     # CPU-style: one work-item per (sequence, KV head, partition)
     "rows-f32-split": lambda: decode_variant(
@@ -223,6 +226,21 @@ VARIANTS = {
     "tiled-f16-split-learned-sinks": lambda: decode_variant(
         SMALL_TILED, dict(num_qo_heads=4, num_kv_heads=2, head_dim=16, page_size=4,
                           dtype="float16"), [9, 0, 5], splits=(False, 4), sink_logits=True),
+    # the split merge folded into the decode launch: the last partition of a sequence to
+    # finish merges (a counter per sequence and KV head, or head slice)
+    "rows-fold-f32-split-learned-sinks": lambda: decode_variant(
+        ROWS_FOLD, dict(num_qo_heads=4, num_kv_heads=2, head_dim=16, page_size=4,
+                        dtype="float32"), [0, 1, 13, 9], splits=(False, 4, 4),
+        sink_logits=True),
+    "rows-fold-f16-window-rope": lambda: decode_variant(
+        ROWS_FOLD, dict(num_qo_heads=4, num_kv_heads=1, head_dim=32, page_size=8,
+                        dtype="float16", sliding_window=True, rope_scaling=LLAMA3,
+                        max_position_embeddings=131072),
+        [17, 0, 40], window=[9, 0, 16], sinks=[2, 0, 16], rope=True, splits=(8, 16)),
+    "tiled-separate-f16-split-learned-sinks": lambda: decode_variant(
+        dict(SMALL_TILED, fold_merge=False), dict(num_qo_heads=4, num_kv_heads=2,
+                                                  head_dim=16, page_size=4, dtype="float16"),
+        [9, 0, 5], splits=(False, 4), sink_logits=True),
     "rows-vec1-f16": lambda: decode_variant(
         {"strategy": "rows", "vec": 1}, dict(num_qo_heads=2, num_kv_heads=1, head_dim=16,
                                              page_size=4, dtype="float16"),
@@ -263,16 +281,20 @@ VARIANTS = {
     "merge-tiled-f16": lambda: merge_variant("generic", "float16", D=32),
     # garbage device tables: clamped, never out of bounds
     "adversarial-rows": lambda: adversarial_variant("generic-cpu"),
+    "adversarial-rows-fold": lambda: adversarial_variant(ROWS_FOLD),
     "adversarial-tiled-local": lambda: adversarial_variant(SMALL_TILED, "float16"),
     "adversarial-tiled-f32": lambda: adversarial_variant(SMALL_TILED),
     # the same without RoPE, so that Oclgrind's uninitialised-value checker can run on them
     "adversarial-rows-norope": lambda: adversarial_variant("generic-cpu", rope=False),
+    "adversarial-rows-fold-norope": lambda: adversarial_variant(ROWS_FOLD, rope=False),
     "adversarial-tiled-local-norope": lambda: adversarial_variant(SMALL_TILED, rope=False),
 }
 
 #: variants without RoPE: Oclgrind's uninitialised-value plugin aborts on sincos() with a
 #: private pointer ("Work item needed to access private memory!"), so only these run with it
 NO_ROPE = ("rows-f32-split", "rows-f32-split-learned-sinks", "tiled-f16-split-learned-sinks",
+           "rows-fold-f32-split-learned-sinks", "tiled-separate-f16-split-learned-sinks",
+           "adversarial-rows-fold-norope",
            "rows-vec1-f16", "tiled-local-f32-g1-tile2",
            "tiled-subgroup-fallback-f16", "merge-rows-f32", "merge-rows-f16", "merge-tiled-f32",
            "merge-tiled-f16", "adversarial-rows-norope", "adversarial-tiled-local-norope")
