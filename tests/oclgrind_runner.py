@@ -51,7 +51,9 @@ def _decoder(spec, profile):
     import clattn
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")   # fitting notes (no fp16 / no sub-groups) are expected
-        return clattn.BatchDecode(spec, _device(), backend="opencl", profile=profile)
+        dec = clattn.BatchDecode(spec, _device(), backend="opencl", profile=profile)
+    print(f"fold_merge: {dec.profile.fold_merge}", flush=True)  # test_oclgrind.FOLD_MARK
+    return dec
 
 
 def _check(dec, sc, case, *, what, **call):
@@ -314,6 +316,16 @@ __kernel void race(__global float* b)
 { __local float t[4]; const int l = get_local_id(0);
   t[l] = (float)l;                                               /* no barrier before ... */
   b[get_global_id(0)] = t[(l + 1) % 4]; }                        /* ... reading a neighbour's */
+__kernel void last_block(__global float* slots, volatile __global int* count,
+                         __global float* sum)
+{ const int g = get_group_id(0);
+  slots[g] = (float)(g + 1);                                     /* each group's store */
+  mem_fence(CLK_GLOBAL_MEM_FENCE);
+  if (atomic_inc(count) == (int)get_num_groups(0) - 1) {         /* the last to count in */
+    mem_fence(CLK_GLOBAL_MEM_FENCE);
+    float t = 0.0f;
+    for (int i = 0; i < (int)get_num_groups(0); ++i) t += slots[i];
+    sum[0] = t; } }
 __kernel void uninit(__global float* b)
 { float x[4]; const int i = get_global_id(0);
   if (x[i % 4] > 0.0f) b[i] = 1.0f; }                           /* branch on garbage */
@@ -330,6 +342,10 @@ def selftest(kind: str) -> None:
     b = cl.array.zeros(rt.queue, 4, np.float32)
     if kind == "oob":
         prg.oob(rt.queue, (4,), (4,), a.data, b.data)
+    elif kind == "last-block":
+        count = cl.array.zeros(rt.queue, 1, np.int32)
+        prg.last_block(rt.queue, (4,), (1,), b.data, count.data, a.data)
+        assert a.get()[0] == 10.0 and count.get()[0] == 4, (a.get(), count.get())
     elif kind == "race":
         prg.race(rt.queue, (4,), (4,), b.data)
     else:
@@ -338,7 +354,8 @@ def selftest(kind: str) -> None:
 
 
 SELFTESTS = {"selftest-oob": lambda: selftest("oob"), "selftest-race": lambda: selftest("race"),
-             "selftest-uninit": lambda: selftest("uninit")}
+             "selftest-uninit": lambda: selftest("uninit"),
+             "selftest-last-block": lambda: selftest("last-block")}
 
 
 def main(argv: list[str]) -> int:
