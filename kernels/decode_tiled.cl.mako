@@ -95,9 +95,6 @@ ${d.fused_append("part == nparts_b - 1 && tz == 0", ["tx * %d" % VEC], VEC, fenc
 % endif
 
     __local float scratch[${SCRATCH}];
-% if FOLD:
-    __local int fold_last[1];   /* the fold: this group is its slice's last */
-% endif
 % if LOCAL_RED:
     __local float* red = scratch;                       /* [BDZ][PAIRS][BDX] partials */
     __local float* rsum = scratch + ${ROWS * GI * BDX};  /* [BDZ][PAIRS] their sums */
@@ -268,8 +265,10 @@ ${d.fused_append("part == nparts_b - 1 && tz == 0", ["tx * %d" % VEC], VEC, fenc
        reads count - 1) resets the counter for the next launch and merges the states of
        every partition of the slice's heads, read after a second fence (every group
        reaches the barriers: under `if (!direct)` they crashed PoCL 3.1's launches with
-       heap corruption) */
-    barrier(CLK_GLOBAL_MEM_FENCE);
+       heap corruption); the flag "this group is the last" lies in the scratch, read by
+       every work-item of the merge above before the first barrier */
+    __local int* fold_last = (__local int*)scratch;
+    barrier(CLK_LOCAL_MEM_FENCE | CLK_GLOBAL_MEM_FENCE);
     if (tx == 0 && tz == 0) {
         int last = 0;
         if (!direct) {
