@@ -72,7 +72,7 @@ inline int clattn_fold_parts(const int first, const int nparts_b, const int laun
     const long hi = min((long)first + min(nparts_b, launched), (long)n_ws);
     return hi > lo ? (int)(hi - lo) : 0;
 }
-${m.split_dead("float", NATIVE_HALF)}
+${m.split_dead("float", NATIVE_HALF, fresh=True)}
 % endif
 % if FUSED:
 ${a.helpers()}

@@ -263,10 +263,11 @@ ${d.fused_append("part == nparts_b - 1 && tz == 0", ["tx * %d" % VEC], VEC, fenc
     /* the fold: the group's states are stored; one work-item, fenced, counts a split
        sequence's group in on its head slice's counter; the last group to count in (it
        reads count - 1) resets the counter for the next launch and merges the states of
-       every partition of the slice's heads, read after a second fence (every group
-       reaches the barriers: under `if (!direct)` they crashed PoCL 3.1's launches with
-       heap corruption); the flag "this group is the last" lies in the scratch, read by
-       every work-item of the merge above before the first barrier */
+       every partition of the slice's heads, read after a second fence through volatile
+       loads (merge_state.clh.mako's `fresh`). Every group reaches the barriers (under
+       `if (!direct)` they crashed PoCL 3.1's launches with heap corruption); the flag
+       "this group is the last" lies in the scratch, which the slices' merge above reads
+       before the first barrier */
     __local int* fold_last = (__local int*)scratch;
     barrier(CLK_LOCAL_MEM_FENCE | CLK_GLOBAL_MEM_FENCE);
     if (tx == 0 && tz == 0) {
@@ -286,7 +287,7 @@ ${d.fused_append("part == nparts_b - 1 && tz == 0", ["tx * %d" % VEC], VEC, fenc
         const int hi = clamp(part_indptr[b + 1], lo, n_ws);
         for (int g = tz; g < ${GI} && g0 + g < ${G} && hi - lo >= 2; g += ${BDZ}) {
             const int h = kvh * ${G} + g0 + g;
-${m.varlen_tiled("ws_o", "ws_s", "out", "lse", "b", "h", HQO, "lo", "hi", "1", "tx", VEC, "float", SINKS)}
+${m.varlen_tiled("ws_o", "ws_s", "out", "lse", "b", "h", HQO, "lo", "hi", "1", "tx", VEC, "float", SINKS, fresh=True)}
         }
     }
 % endif
