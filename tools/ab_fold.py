@@ -86,6 +86,9 @@ def cache_row(device: str, spec: clattn.AttentionSpec, B: int, ctx: int, layers:
     """Medians of host and wall ms per one-token step, folded and separate."""
     rng = np.random.default_rng(1)
     hqo, hkv, d, dt = spec.num_qo_heads, spec.num_kv_heads, spec.head_dim, spec.np_dtype
+    fill = (rng.standard_normal((B * ctx, hkv, d)) * 0.5).astype(dt)
+    host = {k: (rng.standard_normal(s) * 0.5).astype(dt)
+            for k, s in (("q", (B, hqo, d)), ("k", (B, hkv, d)), ("v", (B, hkv, d)))}
     runs = {}
     for fold in (True, False):
         with warnings.catch_warnings():
@@ -95,15 +98,14 @@ def cache_row(device: str, spec: clattn.AttentionSpec, B: int, ctx: int, layers:
                                         num_pages=B * (-(-(ctx + 2) // PAGE)), prefill=False)
         queue = cache.pools[0].queue
         ids = [f"s{b}" for b in range(B)]
-        fill = cla.to_device(queue, (rng.standard_normal((B * ctx, hkv, d)) * 0.5).astype(dt))
+        dfill = cla.to_device(queue, fill)
         for i in ids:
             cache.add(i)
         cache.begin(ids, [ctx] * B)
         for layer in range(layers):
-            cache.append(layer, fill, fill)
+            cache.append(layer, dfill, dfill)
         cache.end()
-        x = {k: cla.to_device(queue, (rng.standard_normal(s) * 0.5).astype(dt))
-             for k, s in (("q", (B, hqo, d)), ("k", (B, hkv, d)), ("v", (B, hkv, d)))}
+        x = {k: cla.to_device(queue, a) for k, a in host.items()}
         outs = [(cla.empty(queue, (B, hqo, d), dt), cla.empty(queue, (B, hqo), np.float32))
                 for _ in range(layers)]
         runs[fold] = dict(cache=cache, queue=queue, ids=ids, x=x, outs=outs, host=[],
