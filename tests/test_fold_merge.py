@@ -166,3 +166,24 @@ def test_folded_short_path_and_prepared_step(device_target, get_decoder):
         assert_same(a[:2], b[:2], f"call {i}: ")
         assert (a[2], b[2]) == (1, 2), f"call {i}: launches {a[2]} folded, {b[2]} separate"
     assert counters_zero(fold, len(SPLIT_LENGTHS))
+
+
+def test_folded_head_slices(device_target, get_decoder):
+    """Group 16: the tiled kernel splits a KV head's query heads over two work-groups
+    (gdz 2), each counting on a counter of its own head slice. Mixed batch, split plans
+    and a learned sink. (Rows keep a KV head's heads in one work-item: the tests above.)"""
+    if device_target.profile is None:
+        pytest.skip("rows: one work-item per KV head; a group of 16 costs a long build")
+    sc = spec_scenario("g16", 16, 1, 64, page_size=16, dtype=F32)
+    fold, sep = decoders(get_decoder, sc.spec, device_target)
+    assert fold.geometry.gdz == 2, fold.geometry
+    case = make_case(sc.spec, SPLIT_LENGTHS, seed=35)
+    sinks = sinks_for(16, 5)
+    for split, extra in ((16, {}), (64, {}), (None, {"sink_logits": sinks})):
+        plan = sep.plan(case["page_indptr"], case["last_page_len"], split=split)
+        a, b = run(fold, case, sc, plan, **extra), run(sep, case, sc, plan, **extra)
+        assert_same(a, b, f"split={split}: ")
+        assert len(a.events) == 1
+    assert counters_zero(fold, len(SPLIT_LENGTHS))
+    check(fold, sc, case, lib=dict(plan=plan, sink_logits=sinks), what="folded: ",
+          ref=oracle(sc, case, sink_logits=sinks))
