@@ -626,9 +626,10 @@ class _DeviceKernels:
     into a ring of two table buffers, each reused once the launches of the step that
     last used it are done. The split plan is kept while the batch is the same and no
     chunk has grown by a page (a plan made for shorter chunks stays correct: the last
-    partition runs to the chunk's end). Where the profile's ``fold_merge`` is on, the
-    decode kernels bound are the builds with the split merge folded in: a split step then
-    launches no merge (their unsplit launches are the plain builds' bit for bit).
+    partition runs to the chunk's end). Where the profile's ``fold_merge`` is on, a split
+    step launches the decode builds with the split merge folded in and no merge; unsplit
+    steps keep the plain builds (a CPU compiler's code for them can lose speed to the
+    mere presence of the fold's, as to the sink epilogue's).
     """
 
     def __init__(self, cache: PagedKVCache) -> None:
@@ -645,8 +646,7 @@ class _DeviceKernels:
         self.dtype = spec.np_dtype
         opencl = self.opencl = dec.opencl
         self.fold = opencl.setup.profile.fold_merge
-        opencl.decode_kernels()  # builds (and may refit the geometry) first
-        decode, merge = opencl.decode_kernels(fold=self.fold)
+        decode, merge = opencl.decode_kernels()  # builds (and may refit the geometry) first
         self.geometry, self.merge_geometry = opencl.decode_geometry, opencl.merge_geometry
         self.scalars = opencl.scalars(int(cache.rope == "attend"), cache.rope_theta,
                                       cache.rope_scale, cache.sm_scale)
@@ -677,9 +677,10 @@ class _DeviceKernels:
         # launch of the decode kernel with the append fused in (signatures.DECODE_APPEND)
         self.fused = self._bind_fused(turns, long_from, att)
         self.fuse = False  # the step in progress defers its appends
-        # (decode, merge, fused) bound on the builds with the learned-sink epilogue: made by
-        # the first attend with sinks, from the kernels above (:meth:`_kernels`)
-        self.with_sinks: tuple | None = None
+        # (decode, merge, fused) bound on each build, by (sinks compiled in, merge folded
+        # in): the plain build's above, the others made from them by the first attend that
+        # needs them (:meth:`_kernels`)
+        self.bound = {(False, False): (self.decode, self.merge, self.fused)}
         self.pending: tuple | None = None  # (layer, k, v, events) of the deferred append
         self.check_k = opencl.append_kernel(signatures.APPEND_CHECK).bind(**args) \
             if self.quantized else None
@@ -694,6 +695,7 @@ class _DeviceKernels:
         self.stage = {"k": [None, 0, []], "v": [None, 0, []]}  # host k/v staging buffers
         self.plan_key: Any = None
         self.plan = self.plan_buf = None
+        self.split = False  # the step's decode plan splits
 
     def _bind_fused(self, turns: Any, long_from: int, att: float) -> Any:
         """The decode kernel with the append fused in, bound (None where the profile's
@@ -701,7 +703,7 @@ class _DeviceKernels:
         has none). Its RoPE table and scalars are the append's with ``rope="append"``
         (the decode then rotates nothing), else the decode's."""
         cache = self.cache
-        launcher = self.opencl.fused_decode_kernel(fold=self.fold) if \
+        launcher = self.opencl.fused_decode_kernel() if \
             self.opencl.setup.profile.fuse_append else None
         if launcher is None:
             return None
@@ -713,19 +715,20 @@ class _DeviceKernels:
                              sink_logits=None, use_sinks=0,
                              append_rope=int(cache.rope == "append"), **scalars)
 
-    def _kernels(self, sinks: bool) -> tuple:
-        """``(decode, merge, fused)`` bound objects of the builds with (``sinks``) or
-        without the learned-sink epilogue; ``fused`` None where that build has no fused
-        form."""
-        if not sinks:
-            return self.decode, self.merge, self.fused
-        if self.with_sinks is None:
-            decode, merge = self.opencl.decode_kernels(sinks=True, fold=self.fold)
-            fused = self.opencl.fused_decode_kernel(sinks=True, fold=self.fold) \
+    def _kernels(self, sinks: bool, fold: bool = False) -> tuple:
+        """``(decode, merge, fused)`` bound objects of the build with (``sinks``) or
+        without the learned-sink epilogue, with (``fold``) or without the split merge
+        folded in; ``fused`` None where that build has no fused form. Made from the plain
+        build's objects, with every argument they hold, by the first call that needs them."""
+        hit = self.bound.get((sinks, fold))
+        if hit is None:
+            decode, merge = self.opencl.decode_kernels(sinks=sinks, fold=fold)
+            fused = self.opencl.fused_decode_kernel(sinks=sinks, fold=fold) \
                 if self.fused is not None else None
-            self.with_sinks = (self.decode.rebound(decode), self.merge.rebound(merge),
-                               None if fused is None else self.fused.rebound(fused))
-        return self.with_sinks
+            hit = self.bound[sinks, fold] = (
+                self.decode.rebound(decode), self.merge.rebound(merge),
+                None if fused is None else self.fused.rebound(fused))
+        return hit
 
     def upload_events(self) -> tuple:
         """The table uploads held in the ring."""
@@ -767,7 +770,7 @@ class _DeviceKernels:
         plan = self._plan(t, d)
         H, D = spec.num_qo_heads, spec.head_dim
         ws_o = ws_s = counters = None
-        builds = [self._kernels(False)] + ([self.with_sinks] if self.with_sinks else [])
+        builds = list(self.bound.values())
         if plan.split:
             ws_o, ws_s = self.opencl.workspace(plan.n_ws)
             counters = self.opencl.counters(t.T) if self.fold else None
@@ -1028,7 +1031,7 @@ class _DeviceKernels:
             waits = waits + list(sinks.events)
         fused = None
         if self.pending is not None and self.pending[0] == layer:
-            if self._kernels(sinks is not None)[2] is None:
+            if self._kernels(sinks is not None, self.split and self.fold)[2] is None:
                 self.flush()  # that build has no fused form: the append launched first
             else:
                 fused = self.pending  # held until its launch is enqueued (a launch that
@@ -1066,7 +1069,8 @@ class _DeviceKernels:
         """The decode kernel (and the merge of a split plan); returns the events.
         ``sink_args``: the learned-sink arguments (the merge adds the sinks to a split);
         ``append``: the deferred append's ``k`` and ``v``, written by the fused kernel."""
-        decode, merge, fused = self._kernels(sink_args["sink_logits"] is not None)
+        decode, merge, fused = self._kernels(sink_args["sink_logits"] is not None,
+                                             self.split and self.fold)
         kernel = decode if append is None else fused
         args = dict(q=q, pages=pool, out=out, lse=lse, **sink_args, **(append or {}))
         if self.split:  # the merge of a fold build is in its decode launch

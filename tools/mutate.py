@@ -477,7 +477,7 @@ MUTANTS = [
         "a split sequence's partitions each add the learned sink (the merge adds it again)",
         "kernel"),
     Mutant("cache-sinks-on-the-build-without", "clattn/cache.py", [
-        ('self._kernels(sink_args["sink_logits"] is not None)', "self._kernels(False)")],
+        ('self._kernels(sink_args["sink_logits"] is not None,', "self._kernels(False,")],
         ["tests/test_sinks.py", "-k", "paged_cache_sinks"],
         "the cache launches a layer's learned sinks on the decode build without the sink "
         "epilogue (the sinks are dropped)"),
