@@ -626,7 +626,10 @@ class _DeviceKernels:
     into a ring of two table buffers, each reused once the launches of the step that
     last used it are done. The split plan is kept while the batch is the same and no
     chunk has grown by a page (a plan made for shorter chunks stays correct: the last
-    partition runs to the chunk's end).
+    partition runs to the chunk's end). Where the profile's ``fold_merge`` is on, a split
+    step launches the decode builds with the split merge folded in and no merge; unsplit
+    steps keep the plain builds (a CPU compiler's code for them can lose speed to the
+    mere presence of the fold's, as to the sink epilogue's).
     """
 
     def __init__(self, cache: PagedKVCache) -> None:
@@ -642,11 +645,12 @@ class _DeviceKernels:
                              cl.command_queue_properties.OUT_OF_ORDER_EXEC_MODE_ENABLE)
         self.dtype = spec.np_dtype
         opencl = self.opencl = dec.opencl
+        self.fold = False  # the step in progress folds its split merge (OpenCLBackend.folds)
         decode, merge = opencl.decode_kernels()  # builds (and may refit the geometry) first
         self.geometry, self.merge_geometry = opencl.decode_geometry, opencl.merge_geometry
         self.scalars = opencl.scalars(int(cache.rope == "attend"), cache.rope_theta,
                                       cache.rope_scale, cache.sm_scale)
-        self.decode = decode.bind(**dict.fromkeys(_TABLES + ("ws_o", "ws_s", "part_indptr")),
+        self.decode = decode.bind(**dict.fromkeys(_TABLES + _SPLIT),
                                   num_pages=cache.num_pages, nnz=0, n_ws=0, split=0,
                                   part_rows=0, sink_logits=None, use_sinks=0, **self.scalars)
         self.sink_tables: dict = {}  # layer -> (numpy sink_logits, its device copy)
@@ -673,9 +677,10 @@ class _DeviceKernels:
         # launch of the decode kernel with the append fused in (signatures.DECODE_APPEND)
         self.fused = self._bind_fused(turns, long_from, att)
         self.fuse = False  # the step in progress defers its appends
-        # (decode, merge, fused) bound on the builds with the learned-sink epilogue: made by
-        # the first attend with sinks, from the kernels above (:meth:`_kernels`)
-        self.with_sinks: tuple | None = None
+        # (decode, merge, fused) bound on each build, by (sinks compiled in, merge folded
+        # in): the plain build's above, the others made from them by the first attend that
+        # needs them (:meth:`_kernels`)
+        self.bound = {(False, False): (self.decode, self.merge, self.fused)}
         self.pending: tuple | None = None  # (layer, k, v, events) of the deferred append
         self.check_k = opencl.append_kernel(signatures.APPEND_CHECK).bind(**args) \
             if self.quantized else None
@@ -690,6 +695,7 @@ class _DeviceKernels:
         self.stage = {"k": [None, 0, []], "v": [None, 0, []]}  # host k/v staging buffers
         self.plan_key: Any = None
         self.plan = self.plan_buf = None
+        self.split = False  # the step's decode plan splits
 
     def _bind_fused(self, turns: Any, long_from: int, att: float) -> Any:
         """The decode kernel with the append fused in, bound (None where the profile's
@@ -704,25 +710,25 @@ class _DeviceKernels:
         scalars = dict(self.scalars)
         if cache.rope == "append":
             scalars.update(rope_turns=turns, long_from=long_from, rope_att=att)
-        return launcher.bind(**dict.fromkeys(_TABLES + ("ws_o", "ws_s", "part_indptr", "k",
-                                                        "v", "slots", "k_pos")),
+        return launcher.bind(**dict.fromkeys(_TABLES + _SPLIT + ("k", "v", "slots", "k_pos")),
                              num_pages=cache.num_pages, nnz=0, n_ws=0, split=0, part_rows=0,
                              sink_logits=None, use_sinks=0,
                              append_rope=int(cache.rope == "append"), **scalars)
 
-    def _kernels(self, sinks: bool) -> tuple:
-        """``(decode, merge, fused)`` bound objects for a layer with learned sinks
-        (``sinks``) or without (:meth:`~clattn.opencl_backend.OpenCLBackend.decode_kernels`);
-        ``fused`` None for both or for neither."""
-        if not sinks:
-            return self.decode, self.merge, self.fused
-        if self.with_sinks is None:
-            decode, merge = self.opencl.decode_kernels(sinks=True)
-            fused = self.opencl.fused_decode_kernel(sinks=True) if self.fused is not None \
-                else None
-            self.with_sinks = (self.decode.rebound(decode), self.merge.rebound(merge),
-                               None if fused is None else self.fused.rebound(fused))
-        return self.with_sinks
+    def _kernels(self, sinks: bool, fold: bool = False) -> tuple:
+        """``(decode, merge, fused)`` bound objects of the build with (``sinks``) or
+        without the learned-sink epilogue, with (``fold``) or without the split merge
+        folded in; ``fused`` None where that build has no fused form. Made from the plain
+        build's objects, with every argument they hold, by the first call that needs them."""
+        hit = self.bound.get((sinks, fold))
+        if hit is None:
+            decode, merge = self.opencl.decode_kernels(sinks=sinks, fold=fold)
+            fused = self.opencl.fused_decode_kernel(sinks=sinks, fold=fold) \
+                if self.fused is not None else None
+            hit = self.bound[sinks, fold] = (
+                self.decode.rebound(decode), self.merge.rebound(merge),
+                None if fused is None else self.fused.rebound(fused))
+        return hit
 
     def upload_events(self) -> tuple:
         """The table uploads held in the ring."""
@@ -763,8 +769,10 @@ class _DeviceKernels:
         d = t if not pre else t.prefill.decode
         plan = self._plan(t, d)
         H, D = spec.num_qo_heads, spec.head_dim
-        ws_o = ws_s = None
-        builds = [self._kernels(False)] + ([self.with_sinks] if self.with_sinks else [])
+        ws_o = ws_s = counters = None
+        builds = list(self.bound.values())
+        self.fold = self.opencl.folds(plan)
+        counters = self.opencl.counters(t.T) if self.fold else None
         if plan.split:
             ws_o, ws_s = self.opencl.workspace(plan.n_ws)
             for _, merge, _ in builds:
@@ -784,7 +792,7 @@ class _DeviceKernels:
                        k_pos_offset=tab["k_pos_offset"] if attend_rope else None,
                        ws_o=ws_o, ws_s=ws_s, n_ws=plan.n_ws, split=int(plan.split),
                        part_rows=plan.part_rows if plan.split else 0,
-                       part_indptr=self.plan_buf if plan.split else None)
+                       part_indptr=self.plan_buf if plan.split else None, counters=counters)
         if self.fuse:
             for _, _, fused in builds:
                 if fused is not None:
@@ -1024,8 +1032,11 @@ class _DeviceKernels:
             waits = waits + list(sinks.events)
         fused = None
         if self.pending is not None and self.pending[0] == layer:
-            fused = self.pending  # held until its launch is enqueued (a launch that
-            waits = waits + fused[3]  # raises leaves it for flush())
+            if self._kernels(sinks is not None, self.fold)[2] is None:
+                self.flush()  # that build has no fused form: the append launched first
+            else:
+                fused = self.pending  # held until its launch is enqueued (a launch that
+                waits = waits + fused[3]  # raises leaves it for flush())
         if not self.in_order:
             waits = self.waits + pool.events + waits
         sink_args = dict(sink_logits=sinks, use_sinks=int(sinks is not None))
@@ -1059,14 +1070,16 @@ class _DeviceKernels:
         """The decode kernel (and the merge of a split plan); returns the events.
         ``sink_args``: the learned-sink arguments (the merge adds the sinks to a split);
         ``append``: the deferred append's ``k`` and ``v``, written by the fused kernel."""
-        decode, merge, fused = self._kernels(sink_args["sink_logits"] is not None)
+        decode, merge, fused = self._kernels(sink_args["sink_logits"] is not None,
+                                             self.fold)
         kernel = decode if append is None else fused
         args = dict(q=q, pages=pool, out=out, lse=lse, **sink_args, **(append or {}))
-        if self.split:
+        if self.split:  # the merge of a fold build is in its decode launch
             evts = self.opencl.decode_then_merge(
                 self.queue, waits, (kernel.launch, *self.decode_sizes, args),
+                None if self.fold else
                 (merge.launch, *self.merge_sizes, dict(out=out, lse=lse, **sink_args)),
-                queue_orders=self.in_order)
+                queue_orders=self.in_order, folded=self.fold)
         else:  # no workspace to order: the decode kernel alone, on the per-layer path
             evts = (kernel.launch(self.queue, *self.decode_sizes, waits, **args),)
         return evts
@@ -1075,6 +1088,8 @@ class _DeviceKernels:
 #: the table arguments the decode and prefill kernels share, unset until a step sets them
 _TABLES = ("q", "pages", "out", "lse", "page_indptr", "page_indices", "last_page_len",
            "window_offset", "sink_size", "q_pos", "k_pos_offset")
+#: the decode kernel's split buffers, set by a split step
+_SPLIT = ("ws_o", "ws_s", "part_indptr", "counters")
 
 
 def _stored(x: np.ndarray, fmt: str, name: str) -> tuple[np.ndarray, np.ndarray | None]:

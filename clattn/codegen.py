@@ -61,7 +61,7 @@ def _attention_params(spec: AttentionSpec, geom: DecodeGeometry | PrefillGeometr
 
 
 def render_decode(spec: AttentionSpec, geom: DecodeGeometry, fused: bool = False,
-                  sinks: bool = False) -> str:
+                  sinks: bool = False, fold: bool = False) -> str:
     """OpenCL C source of the decode kernel for ``spec`` with geometry ``geom``.
 
     The template is ``decode_<strategy>.cl.mako``; its parameter list comes from the
@@ -69,7 +69,10 @@ def render_decode(spec: AttentionSpec, geom: DecodeGeometry, fused: bool = False
     one-token step fused in: float pools only) :data:`clattn.signatures.DECODE_APPEND`.
     ``sinks`` compiles the learned-sink epilogue in (the build for calls passing
     ``sink_logits``; the arguments are the same either way, and a build without it
-    ignores them).
+    ignores them). ``fold`` folds the split merge in: the last partition of a split
+    sequence to finish merges its states into ``out``/``lse`` as ``clattn_merge_varlen``
+    does (the same arithmetic, kernels/merge_state.clh.mako), counting on ``counters``;
+    a split launch of this build is then the only launch.
     """
     if fused and spec.byte_pool:
         raise ValueError("render_decode: the fused append takes float pools only (a byte "
@@ -84,7 +87,7 @@ def render_decode(spec: AttentionSpec, geom: DecodeGeometry, fused: bool = False
         PREFETCH=geom.prefetch, VEC_ROPE=geom.vec_rope, V_CHUNKS=geom.v_chunks,
         BDX=geom.bdx, BDY=geom.bdy, BDZ=geom.bdz, GDZ=geom.gdz, USE_LOCAL=geom.use_local,
         REDUCE=geom.reduction, SGS=geom.subgroup_size, SG_ATTR=geom.subgroup_attr,
-        FUSED=fused, SINKS=sinks, SIGNATURE=table.signature(), FIXUP=table.fixup())
+        FUSED=fused, SINKS=sinks, FOLD=fold, SIGNATURE=table.signature(), FIXUP=table.fixup())
 
 
 def _pool_params(spec: AttentionSpec) -> dict:
@@ -132,7 +135,7 @@ def render_prefill(spec: AttentionSpec, geom: PrefillGeometry) -> str:
     table = signatures.PREFILL
     return _lookup().get_template(f"prefill_{geom.strategy}.cl.mako").render(
         **_attention_params(spec, geom), PRAGMAS=(), VEC=geom.vec, QB=geom.qb, KB=geom.kb,
-        RM=geom.rm, TC=geom.tc, TR=geom.tr, FUSED=False, SIGNATURE=table.signature(),
+        RM=geom.rm, TC=geom.tc, TR=geom.tr, FUSED=False, FOLD=False, SIGNATURE=table.signature(),
         FIXUP=table.fixup())
 
 

@@ -269,21 +269,25 @@ class BatchDecode:
         opencl = self.opencl
         ws_o, ws_s = opencl.workspace(plan.n_ws) if plan.split else (None, None)
         pindptr = call.input("plan", opencl.plan_table(plan, call.queue)) if plan.split else None
+        fold = opencl.folds(plan)
         named.update(out=dout, lse=dlse, ws_o=ws_o, ws_s=ws_s, n_ws=plan.n_ws,
                      part_indptr=pindptr, split=int(plan.split),
                      part_rows=plan.part_rows if plan.split else 0,
                      **opencl.scalars(rotary_mode, rope_theta, rope_scale, sm_scale))
-        decode, merge = opencl.decode_kernels(sinks=sink_logits is not None)
+        decode, merge = opencl.decode_kernels(sinks=sink_logits is not None, fold=fold)
+        # after the build: a refit changes the geometry the counters are sized by
+        named["counters"] = opencl.counters(B) if fold else None
         events: tuple = ()
         if B > 0:
             geom = opencl.decode_geometry
             gsz = geom.global_size(B, spec.num_kv_heads, plan.num_parts if plan.split else 1)
             merging = (merge, *opencl.merge_geometry.sizes(B * H, D), dict(
                 vin=(ws_o, 0), sv=(ws_s, 0), indptr=pindptr, fixed_k=-1, skip_single=1,
-                n_states=plan.n_ws, out=dout, lse=dlse, N=B, H=H, **sinks)) if plan.split \
-                else None
+                n_states=plan.n_ws, out=dout, lse=dlse, N=B, H=H, **sinks)) \
+                if plan.split and not fold else None
             events = opencl.decode_then_merge(call.queue, call.wait_list(),
-                                              (decode, gsz, geom.local_size(), named), merging)
+                                              (decode, gsz, geom.local_size(), named), merging,
+                                              folded=fold)
         o, s = call.finish([dout, dlse], events, host=is_host(q))
         return AttentionResult(o, s, events[-1] if events else None, tuple(events))
 

@@ -23,7 +23,9 @@ class DecodeStep:
 
     Made by :meth:`clattn.BatchDecode.prepare`. A step may be run from several threads
     (launches are serialised on it); split steps order their launches on the decoder's
-    workspace (:meth:`clattn.opencl_backend.OpenCLBackend.decode_then_merge`).
+    workspace (:meth:`clattn.opencl_backend.OpenCLBackend.decode_then_merge`), in one
+    launch per layer where the profile folds the merge in
+    (:meth:`~clattn.opencl_backend.OpenCLBackend.folds`).
     """
 
     def __init__(self, dec: Any, args: DecodeArgs, plan: Plan, tables: dict,
@@ -41,7 +43,8 @@ class DecodeStep:
         self._pool_dtype = spec.pool_dtype
         self._table_events = list(events)  # uploads of the tables: waited for once
         self._lock = threading.Lock()
-        decode, merge = opencl.decode_kernels()
+        fold = self._fold = opencl.folds(plan)
+        decode, merge = opencl.decode_kernels(fold=fold)
         H, D = spec.num_qo_heads, spec.head_dim
         ws = opencl.workspace(plan.n_ws) if plan.split else (None, None)
         geom = opencl.decode_geometry
@@ -51,9 +54,10 @@ class DecodeStep:
         unset = dict(q=None, pages=None, out=None, lse=None, sink_logits=None, use_sinks=0)
         self._decode = decode.bind(**unset, **tables, ws_o=ws[0], ws_s=ws[1],
                                    n_ws=plan.n_ws, split=int(plan.split),
-                                   part_rows=plan.part_rows if plan.split else 0)
+                                   part_rows=plan.part_rows if plan.split else 0,
+                                   counters=opencl.counters(args.B) if fold else None)
         self._merge = None
-        if plan.split:
+        if plan.split and not fold:
             self._merge_sizes = opencl.merge_geometry.sizes(args.B * H, D)
             self._merge = merge.bind(vin=(ws[0], 0), sv=(ws[1], 0), indptr=tables["part_indptr"],
                                      fixed_k=-1, skip_single=1, n_states=plan.n_ws,
@@ -69,7 +73,7 @@ class DecodeStep:
         if not sinks:
             return self._decode, self._merge
         if self._with_sinks is None:
-            decode, merge = self._opencl.decode_kernels(sinks=True)
+            decode, merge = self._opencl.decode_kernels(sinks=True, fold=self._fold)
             self._with_sinks = (self._decode.rebound(decode),
                                 None if self._merge is None else self._merge.rebound(merge))
         return self._with_sinks
@@ -122,7 +126,7 @@ class DecodeStep:
                     (merge.launch, *self._merge_sizes, dict(out=dout, lse=dlse, **sinks))
                 events = self._opencl.decode_then_merge(
                     call.queue, call.wait_list(*self._table_events),
-                    (decode.launch, *self._sizes, operands), merging)
+                    (decode.launch, *self._sizes, operands), merging, folded=self._fold)
                 self._table_events = []  # once a launch waited for them (it may raise)
         o, s = call.finish([dout, dlse], events, host=is_host(q))
         return AttentionResult(o, s, events[-1] if events else None, tuple(events))
@@ -146,7 +150,8 @@ class DecodeStep:
                 (merge.launch, *self._merge_sizes, dict(out=out, lse=lse, **sinks))
             waits.extend(self._table_events)
             events = self._opencl.decode_then_merge(
-                self._rt.queue, waits, (decode.launch, *self._sizes, operands), merging)
+                self._rt.queue, waits, (decode.launch, *self._sizes, operands), merging,
+                folded=self._fold)
             self._table_events = []  # once a launch waited for them (it may raise)
         # the launch waited for every earlier event of out and lse: its last event now
         # stands for all of them (pyopencl's add_event would block on old ones instead)

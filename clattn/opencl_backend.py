@@ -6,8 +6,9 @@
 * the fitted geometries of the decode, merge, prefill and append kernels;
 * every built kernel, each through :meth:`clattn.runtime.Runtime.launcher`;
 * the RoPE frequency tables and the scalar arguments the decode and prefill kernels take;
-* the split-KV workspace, grown when a plan needs more than any before it, with the event
-  of its last user that orders every split launch on it;
+* the split-KV workspace, grown when a plan needs more than any before it, and the
+  counters of the decode builds with the merge folded in, grown with the largest batch,
+  with the event of their last user that orders every split launch on them;
 * the plans' tables on the device;
 * the decode-then-merge launch sequence (:meth:`OpenCLBackend.decode_then_merge`).
 
@@ -18,6 +19,8 @@ from __future__ import annotations
 
 import threading
 from typing import Any
+
+import numpy as np
 
 from . import runtime, signatures
 from .codegen import render_append, render_decode, render_merge, render_prefill
@@ -64,13 +67,16 @@ class OpenCLBackend:
         self.prefill_geometry: PrefillGeometry | None = None
         self.append_geometry: MergeGeometry | None = None
         self._lock = threading.Lock()
-        self._decode: dict[bool, tuple[Launcher, Launcher]] = {}  # by sinks compiled in
+        # by (sinks compiled in, merge folded in)
+        self._decode: dict[tuple[bool, bool], tuple[Launcher, Launcher]] = {}
         self._prefill: Launcher | None = None
-        self._fused: dict[bool, Launcher | bool] = {}  # False: the driver refused its geometry
+        self._fused: dict[tuple[bool, bool], Launcher | bool] = {}  # False: the driver refused it
         self._turns: dict = {}
         self._plan_tables: dict = {}
         self._units: tuple | None = None
         self._ws: tuple | None = None
+        self._counters: tuple | None = None  # (ints, buffer) of the folded builds
+        self._fold_ok: bool | None = None  # the driver allows the fold build (folds())
         self._ws_last: tuple | None = None  # (event, queue) of the last split launch
 
     # -- geometries ----------------------------------------------------------------
@@ -100,28 +106,33 @@ class OpenCLBackend:
         return self.append_geometry
 
     # -- kernels -------------------------------------------------------------------
-    def decode_kernels(self, sinks: bool = False) -> tuple[Launcher, Launcher]:
-        """``(decode, merge)`` for calls with learned sinks (``sinks``) or without, built
-        once each. The kernels run by calls without sinks carry no sink code where that
-        costs nothing: the merge always, and the ``rows`` decode (Intel's CPU compiler
-        loses its best f32 decode to the epilogue's mere presence); a ``tiled`` decode has
-        one build, with the epilogue, for both (its work-items per group may depend on
-        it, and every holder launches at :attr:`decode_geometry`; a rows work-group is
-        one work-item). A decode kernel the driver allows fewer work-items per group than
-        its geometry asks is fitted again to that limit and rebuilt, with one warning
-        (:attr:`decode_geometry` then holds the new fit)."""
-        if sinks:
+    def decode_kernels(self, sinks: bool = False, fold: bool = False) -> tuple[Launcher, Launcher]:
+        """``(decode, merge)`` for calls with learned sinks (``sinks``) or without, the
+        decode with the split merge folded in (``fold``: a split launch of it needs no
+        merge launch, :meth:`folds`, :meth:`counters`) or not; built once each. The
+        kernels run by calls without sinks carry no sink code where that costs nothing:
+        the merge always, and the ``rows`` decode (Intel's CPU compiler loses its best f32
+        decode to the epilogue's mere presence); a ``tiled`` decode has one build, with
+        the epilogue, for both (:func:`sink_epilogue`). The plain decode is made first: a
+        decode kernel the driver allows fewer work-items per group than its geometry asks
+        is fitted again to that limit and rebuilt, with one warning
+        (:attr:`decode_geometry` then holds the new fit); the other builds take that
+        geometry, so every holder of sizes from :attr:`decode_geometry` launches any of
+        them (a rows work-group is one work-item; a tiled fold build the driver refuses
+        is never launched: :meth:`folds`)."""
+        if sinks or fold:
             self.decode_kernels()
         with self._lock:
-            hit = self._decode.get(sinks)
+            hit = self._decode.get((sinks, fold))
             if hit is None:
                 rt, spec, setup = self.runtime, self.spec, self.setup
 
                 def build(g: DecodeGeometry) -> Launcher:
                     epilogue = sink_epilogue(g, sinks)
-                    return rt.launcher(("decode", spec.key(), g, epilogue), signatures.DECODE,
-                                       lambda: render_decode(spec, g, sinks=epilogue))
-                if sinks:  # the geometry the build without sinks was fitted to
+                    return rt.launcher(("decode", spec.key(), g, epilogue, fold),
+                                       signatures.DECODE,
+                                       lambda: render_decode(spec, g, sinks=epilogue, fold=fold))
+                if sinks or fold:  # the geometry the plain build was fitted to
                     decode = build(self.decode_geometry)
                 else:
                     decode, self.decode_geometry = build_fitted(
@@ -132,13 +143,13 @@ class OpenCLBackend:
                                     signatures.MERGE_VARLEN,
                                     lambda: render_merge(spec.head_dim, spec.dtype, "float32",
                                                          mg, sinks=sinks))
-                hit = self._decode[sinks] = (decode, merge)
+                hit = self._decode[sinks, fold] = (decode, merge)
             return hit
 
-    def fused_decode_kernel(self, sinks: bool = False) -> Launcher | None:
+    def fused_decode_kernel(self, sinks: bool = False, fold: bool = False) -> Launcher | None:
         """The decode kernel with the append fused in (:data:`clattn.signatures.DECODE_APPEND`)
-        at the decode geometry, for calls with learned sinks or without (builds as
-        :meth:`decode_kernels`': so one exists for both or for neither), built once after
+        at the decode geometry, for calls with learned sinks or without and with the split
+        merge folded in or not (builds as :meth:`decode_kernels`), built once after
         :meth:`decode_kernels`; None where it does not apply: a byte pool (its append is
         checked first, in a launch of its own), a tiled geometry of several work-groups
         per KV head, or a build the driver allows fewer work-items per group than the
@@ -149,14 +160,14 @@ class OpenCLBackend:
             return None
         epilogue = sink_epilogue(geom, sinks)
         with self._lock:
-            hit = self._fused.get(epilogue)
+            hit = self._fused.get((epilogue, fold))
             if hit is None:
                 launcher = self.runtime.launcher(
-                    ("decode_append", spec.key(), geom, epilogue), signatures.DECODE_APPEND,
-                    lambda: render_decode(spec, geom, fused=True, sinks=epilogue))
+                    ("decode_append", spec.key(), geom, epilogue, fold), signatures.DECODE_APPEND,
+                    lambda: render_decode(spec, geom, fused=True, sinks=epilogue, fold=fold))
                 allowed = launcher.work_group_size(self.runtime.device)
-                hit = self._fused[epilogue] = (launcher if allowed is None or
-                                               allowed >= geom.threads else False)
+                hit = self._fused[epilogue, fold] = (launcher if allowed is None or
+                                                     allowed >= geom.threads else False)
             return hit or None
 
     def prefill_kernel(self) -> Launcher:
@@ -266,30 +277,72 @@ class OpenCLBackend:
                     raise
             return self._ws[1], self._ws[2]
 
+    def folds(self, plan: Plan) -> bool:
+        """True when ``plan`` is split and the profile's ``fold_merge`` is on: the call
+        launches the decode build with the merge folded in (``fold=True``) alone, with
+        :meth:`counters`, through :meth:`decode_then_merge` with ``folded``; and the
+        driver allows that build the geometry's work-items per group (else the call keeps
+        the merge's own launch; one check covers every fold build: a rows work-group is
+        one work-item, and a tiled decode's builds differ only in the fold)."""
+        if not (plan.split and self.setup.profile.fold_merge):
+            return False
+        if self._fold_ok is None:  # a driver may allow the fold build fewer work-items
+            decode, _ = self.decode_kernels(fold=True)
+            allowed = decode.work_group_size(self.runtime.device)
+            self._fold_ok = allowed is None or allowed >= self.decode_geometry.threads
+        return self._fold_ok
+
+    def counters(self, batch: int) -> Any:
+        """The folded decode builds' counters for a launch of ``batch`` sequences: one int
+        per (sequence, KV head, head slice), zero between launches (each launch's last
+        partition of a sequence resets its own), made zero and grown with the largest
+        batch. Ordered with the workspace by :meth:`decode_then_merge`."""
+        geom = self.decode_geometry
+        slices = geom.gdz if geom.strategy == "tiled" else 1
+        n = max(batch, 1) * self.spec.num_kv_heads * slices
+        with self._lock:
+            if self._counters is None or self._counters[0] < n:
+                cl = runtime.cl()
+                zeros = np.zeros(n, np.int32)
+                try:
+                    buf = cl.Buffer(self.runtime.context,
+                                    cl.mem_flags.READ_WRITE | cl.mem_flags.COPY_HOST_PTR,
+                                    hostbuf=zeros)
+                except cl.Error as exc:
+                    note_allocation(exc, "the folded merge's counters", zeros.nbytes,
+                                    self.runtime)
+                    raise
+                self._counters = (n, buf)
+            return self._counters[1]
+
     def decode_then_merge(self, queue: Any, waits: list, decode: tuple,
-                          merge: tuple | None = None, queue_orders: bool = False) -> tuple:
+                          merge: tuple | None = None, queue_orders: bool = False,
+                          folded: bool = False) -> tuple:
         """Enqueue the decode kernel and, for a split plan, the merge of its partitions
         from the workspace into ``out``/``lse``.
 
         ``decode`` and ``merge`` are ``(launch, global_size, local_size, args)``: ``launch``
         a :class:`~clattn.launch.Launcher` or a bound kernel's ``launch``, called
-        ``launch(queue, global_size, local_size, wait_for, **args)``. A split decode (one
-        with ``merge``) waits for the workspace's last user, except when ``queue_orders``
-        says ``queue`` is in order and that user ran on it. Returns the events, in launch
-        order.
+        ``launch(queue, global_size, local_size, wait_for, **args)``. ``folded``: a split
+        decode of a build with the merge folded in (no ``merge``: it merges itself). A
+        split decode (one with ``merge``, or ``folded``) waits for the last user of the
+        workspace and counters, except when ``queue_orders`` says ``queue`` is in order
+        and that user ran on it. Returns the events, in launch order.
         """
         launch, gsz, lsz, args = decode
-        if merge is None:
+        if merge is None and not folded:
             return (launch(queue, gsz, lsz, waits, **args),)
         with self._lock:
             last = self._ws_last
             if last is not None and not (queue_orders and last[1] is queue):
                 waits = waits + [last[0]]
             first = launch(queue, gsz, lsz, waits, **args)
-            launch, gsz, lsz, args = merge
-            done = launch(queue, gsz, lsz, [first], **args)
-            self._ws_last = (done, queue)
-        return first, done
+            events = (first,)
+            if merge is not None:
+                launch, gsz, lsz, args = merge
+                events += (launch(queue, gsz, lsz, [first], **args),)
+            self._ws_last = (events[-1], queue)
+        return events
 
 
 def sink_epilogue(geometry: DecodeGeometry, sinks: bool) -> bool:

@@ -9,7 +9,11 @@ from __future__ import annotations
 
 from .launch import ArgTable, Buffer, Scalar
 
-#: decode (both strategies): one query token per sequence over the paged cache
+#: decode (both strategies): one query token per sequence over the paged cache; a build with
+#: the split merge folded in (clattn.codegen.render_decode's ``fold``) counts a split
+#: sequence's finished partitions on ``counters`` (ints, zero between launches, one per
+#: (sequence, KV head, head slice) of the launch: clattn.opencl_backend.OpenCLBackend.counters);
+#: other builds never read it
 DECODE = ArgTable("clattn_decode", [
     Buffer("q", "st_t"),
     Buffer("pages", "kv_t", offset="ulong"), Scalar("num_pages", "int"),
@@ -20,6 +24,7 @@ DECODE = ArgTable("clattn_decode", [
     Buffer("ws_o", "float", const=False, offset=None),
     Buffer("ws_s", "float", const=False, offset=None), Scalar("n_ws", "int"),
     Buffer("part_indptr", "int", offset=None), Scalar("split", "int"), Scalar("part_rows", "int"),
+    Buffer("counters", "int", const=False, offset=None),
     Scalar("rotary_mode", "int"), Scalar("sm_scale", "float"),
     Buffer("rope_turns", "float2", offset=None), Scalar("long_from", "int"),
     Scalar("rope_att", "float"),

@@ -2,6 +2,7 @@
 Pieces shared by the two decode templates (decode_rows.cl.mako, decode_tiled.cl.mako):
 the per-sequence set-up (attended chunk, partition rows) and the K/V row address.
 Parameters: PS, HKV, D, SLIDING, SOFTCAP, FUSED (the append fused in: fused_append),
+FOLD (the split merge folded in: fold_parts, merge_state.clh.mako's merges),
 FIXUP (the pointer fix-up rendered from the
 decode argument table, clattn.signatures.DECODE), and the page storage: KFMT, VFMT
 ("half", "float", "q8_0", "q4_0"), BYTE_POOL (the pool is bytes: K or V not stored
@@ -9,6 +10,7 @@ as DTYPE), PAGE_BYTES, K_REGION, V_REGION (bytes of a page and of one (kind, hea
 region), K_ROWB, V_ROWB (data bytes per row); clattn.quant has the layout.
 </%doc>
 <%namespace name="a" file="append_row.clh.mako"/>
+<%namespace name="m" file="merge_state.clh.mako"/>
 <%def name="setup()">
 /* the attended chunk of sequence b and the rows [r_lo, r_hi) of partition p */
 #define SEQ_SETUP \
@@ -57,6 +59,21 @@ inline int clattn_slot_of(const int row, const int sink, const int wo)
 }
 
 typedef ${"uchar" if BYTE_POOL else "st_t"} kv_t;   /* element of the pool */
+% if FOLD:
+
+/* FOLD: the partitions of a split sequence that write a workspace state and then count
+   in on its counter: p in [0, min(nparts_b, launched)) with first + p in [0, n_ws)
+   (valid_part), whatever the tables hold, so the last of them is known and resets the
+   counter to 0; the one that reads count - 1 from it is that last */
+inline int clattn_fold_parts(const int first, const int nparts_b, const int launched,
+                             const int n_ws)
+{
+    const long lo = max((long)first, 0L);
+    const long hi = min((long)first + min(nparts_b, launched), (long)n_ws);
+    return hi > lo ? (int)(hi - lo) : 0;
+}
+${m.split_dead("float", NATIVE_HALF, fresh=True)}
+% endif
 % if FUSED:
 ${a.helpers()}
 % endif

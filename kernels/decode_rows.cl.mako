@@ -23,12 +23,17 @@ Template parameters (clattn.codegen.render_decode, from clattn.fit.DecodeGeometr
                        fused_append; clattn.signatures.DECODE_APPEND)
   SINKS                the learned-sink epilogue compiled in (built only for calls that
                        pass sink_logits: without it a CPU compiler keeps its best code)
+  FOLD                 the split merge folded in: of a split sequence's partitions, the
+                       last to finish merges its states (merge_state.clh.mako's rows
+                       merge, clattn_merge_varlen's arithmetic) into out/lse, counting
+                       on counters[b * HKV + kvh]
   SIGNATURE, FIXUP     parameter list and pointer fix-up from clattn.signatures.DECODE
 Every index read from the page table is clamped: no input makes the kernel read or
-write out of bounds.
+write out of bounds (counters: the host sizes it for the launch's batch, B x HKV).
 </%doc>
 <%namespace name="c" file="common.clh.mako"/>
 <%namespace name="d" file="decode_common.clh.mako"/>
+<%namespace name="m" file="merge_state.clh.mako"/>
 <%! from clattn import kernel_exprs as kx %>\
 ${c.prelude(poly=True)}
 ${d.setup()}
@@ -416,4 +421,29 @@ ${rotate_row("f")}
         }
     }
 % endfor
+% if FOLD:
+    if (!direct) {
+        /* the fold: this partition's states are stored; fenced, it counts in on the
+           sequence's counter, and the last partition to count in (it reads count - 1)
+           resets the counter for the next launch and merges the states of every
+           partition, read after a second fence (an atomic orders them after the
+           others' stores) */
+        mem_fence(CLK_GLOBAL_MEM_FENCE);
+        volatile __global int* ctr = counters + (ulong)b * ${HKV} + kvh;
+        if (atomic_inc(ctr) == clattn_fold_parts(part_indptr[b], nparts_b, (int)get_global_size(2), n_ws) - 1) {
+            atomic_xchg(ctr, 0);
+            mem_fence(CLK_GLOBAL_MEM_FENCE);
+            const int lo = clamp(part_indptr[b], 0, n_ws);
+            const int hi = clamp(part_indptr[b + 1], lo, n_ws);
+            if (hi - lo >= 2) {   /* clattn_merge_varlen's skip_single */
+%   for g in range(G):
+                {
+                    const int h = kvh * ${G} + ${g};
+${m.varlen_rows("ws_o", "ws_s", "out", "lse", "b", "h", HQO, "lo", "hi", "1", VEC, "float", SINKS)}
+                }
+%   endfor
+            }
+        }
+    }
+% endif
 }

@@ -23,12 +23,18 @@ Template parameters (clattn.codegen.render_decode, from clattn.fit.DecodeGeometr
                        fused_append, one head slice per KV head: GDZ == 1)
   SINKS                the learned-sink epilogue compiled in (built only for calls that
                        pass sink_logits: without it a CPU compiler keeps its best code)
+  FOLD                 the split merge folded in: of a split sequence's work-groups of a
+                       head slice, the last to finish merges the slice's states
+                       (merge_state.clh.mako's tiled merge, clattn_merge_varlen's
+                       arithmetic, BDX lanes per head) into out/lse, counting on
+                       counters[b * HKV * GDZ + group id 1]
   SIGNATURE, FIXUP     parameter list and pointer fix-up from clattn.signatures.DECODE
 Every index read from the page table is clamped: no input makes the kernel read or
-write out of bounds.
+write out of bounds (counters: the host sizes it for the launch's batch, B x HKV x GDZ).
 </%doc>
 <%namespace name="c" file="common.clh.mako"/>
 <%namespace name="d" file="decode_common.clh.mako"/>
+<%namespace name="m" file="merge_state.clh.mako"/>
 <%! from clattn import kernel_exprs as kx %>\
 ${c.prelude()}
 ${d.setup()}
@@ -253,4 +259,36 @@ ${d.fused_append("part == nparts_b - 1 && tz == 0", ["tx * %d" % VEC], VEC, fenc
             if (tx == 0) ws_s[(ulong)ws_at * ${HQO} + h] = st;
         }
     }
+% if FOLD:
+    /* the fold: the group's states are stored; one work-item, fenced, counts a split
+       sequence's group in on its head slice's counter; the last group to count in (it
+       reads count - 1) resets the counter for the next launch and merges the states of
+       every partition of the slice's heads, read after a second fence through volatile
+       loads (merge_state.clh.mako's `fresh`). Every group reaches the barriers (under
+       `if (!direct)` they crashed PoCL 3.1's launches with heap corruption); the flag
+       "this group is the last" lies in the scratch, which the slices' merge above reads
+       before the first barrier */
+    __local int* fold_last = (__local int*)scratch;
+    barrier(CLK_LOCAL_MEM_FENCE | CLK_GLOBAL_MEM_FENCE);
+    if (tx == 0 && tz == 0) {
+        int last = 0;
+        if (!direct) {
+            mem_fence(CLK_GLOBAL_MEM_FENCE);
+            volatile __global int* ctr = counters + (ulong)b * ${HKV * GDZ} + get_group_id(1);
+            last = atomic_inc(ctr) == clattn_fold_parts(part_indptr[b], nparts_b, (int)get_num_groups(2), n_ws) - 1;
+            if (last) atomic_xchg(ctr, 0);
+        }
+        fold_last[0] = last;
+    }
+    barrier(CLK_LOCAL_MEM_FENCE | CLK_GLOBAL_MEM_FENCE);
+    if (fold_last[0]) {
+        mem_fence(CLK_GLOBAL_MEM_FENCE);
+        const int lo = clamp(part_indptr[b], 0, n_ws);
+        const int hi = clamp(part_indptr[b + 1], lo, n_ws);
+        for (int g = tz; g < ${GI} && g0 + g < ${G} && hi - lo >= 2; g += ${BDZ}) {
+            const int h = kvh * ${G} + g0 + g;
+${m.varlen_tiled("ws_o", "ws_s", "out", "lse", "b", "h", HQO, "lo", "hi", "1", "tx", VEC, "float", SINKS, fresh=True)}
+        }
+    }
+% endif
 }

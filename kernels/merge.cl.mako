@@ -19,16 +19,13 @@ tiled: D/VEC work-items per (n, h); in the pairwise merge every work-item of a h
        rewrote s with no barrier: a race).
 </%doc>
 <%namespace name="c" file="common.clh.mako"/>
+<%namespace name="m" file="merge_state.clh.mako"/>
 <%! from clattn import kernel_exprs as kx %>\
 ## PW: pairs of states whose weights the rows merge computes together, lane by lane
 <% PW = 8 %>\
 ${c.prelude(poly=STRATEGY == "rows", lanes=(PW,) if STRATEGY == "rows" else ())}
 <% NV = D // VEC %>\
-typedef ${"half" if VIN == "half" else "float"} in_t;
-<%
-def loadin(vec, ptr):
-    return kx.storage_load(vec, ptr, VIN, NATIVE_HALF)
-%>
+typedef ${"half" if VIN == "half" else "float"} in_t;   /* the states merged (MERGE_VARLEN's vin) */
 
 /* a pair merge of float<V> lanes (V = 1: float, the tiled merge's; PW: the rows merge's,
    names suffixed _V): normalised weights (wa, wb) of the two states and the merged lse */
@@ -44,16 +41,7 @@ inline void clattn_pair${S}(const ${T} s, const ${T} so, ${T}* wa, ${T}* wb, ${T
     *lse = clattn_state_lse${S}(mx, t);
 }
 
-/* split-KV (skip_single), every partition of a sequence empty: true when one of them saw
-   rows that all scored -inf (it marks its output NaN, decode_rows.cl.mako), which breaks
-   the sequence; false when none saw rows */
-inline int clattn_split_dead(const __global in_t* vin, const int lo, const int hi, const int H,
-                             const int h)
-{
-    for (int k = lo; k < hi; ++k)
-        if (isnan(${loadin(1, "vin + ((ulong)k * H + h) * %d" % D)})) return 1;
-    return 0;
-}
+${m.split_dead(VIN, NATIVE_HALF)}
 
 % if STRATEGY == "rows":
 ${c.raw_loads(VEC)}
@@ -121,30 +109,7 @@ __kernel void clattn_merge_varlen(${VARLEN_SIGNATURE})
         lo = lo < 0 ? 0 : (lo > n_states ? n_states : lo);
         hi = hi < lo ? lo : (hi > n_states ? n_states : hi);
         if (skip_single && hi - lo < 2) continue;
-        float mx = -INFINITY;
-        for (int k = lo; k < hi; ++k) mx = clattn_max_nan(mx, sv[(ulong)k * H + h]);
-        const int dead = skip_single && mx == -INFINITY && clattn_split_dead(vin, lo, hi, H, h);
-% for i in range(NV):
-        ${FV} acc${i} = 0.0f;
-% endfor
-        float tot = 0.0f;
-        for (int k = lo; k < hi; ++k) {
-            const float sk = sv[(ulong)k * H + h];
-            if (sk == -INFINITY) continue;   /* empty: weight 0, v not read */
-            const float w = clattn_state_weight(sk, mx);
-            tot += w;
-            const __global in_t* ip = vin + ((ulong)k * H + h) * ${D};
-% for i in range(NV):
-            acc${i} += w * ${rload("ip + %d" % (i * VEC), VIN)};
-% endfor
-        }
-        ${c.add_sink("mx", "tot", "CLATTN_SINK(use_sinks, h)", SINKS)}
-        const float inv = clattn_part_inv(tot, dead) * alpha;
-        __global st_t* op = out + ((ulong)n * H + h) * ${D};
-% for i in range(NV):
-        ${rstore("acc%d * inv" % i, "op + %d" % (i * VEC))}
-% endfor
-        lse[(ulong)n * H + h] = clattn_part_lse(mx, tot, dead);
+${m.varlen_rows("vin", "sv", "out", "lse", "n", "h", "H", "lo", "hi", "skip_single", VEC, VIN, SINKS)}
     }
 }
 % else:
@@ -181,20 +146,6 @@ void clattn_merge_varlen(${VARLEN_SIGNATURE})
     else { lo = indptr[n]; hi = indptr[n + 1]; }
     lo = clamp(lo, 0, n_states); hi = clamp(hi, lo, n_states);
     if (skip_single && hi - lo < 2) return;
-    float mx = -INFINITY;
-    for (int k = lo; k < hi; ++k) mx = clattn_max_nan(mx, sv[(ulong)k * H + h]);
-    const int dead = skip_single && mx == -INFINITY && clattn_split_dead(vin, lo, hi, H, h);
-    float tot = 0.0f;
-    ${c.fv(VEC)} acc = 0.0f;
-    for (int k = lo; k < hi; ++k) {
-        const float sk = sv[(ulong)k * H + h];
-        if (sk == -INFINITY) continue;   /* empty: weight 0, v not read */
-        const float w = clattn_state_weight(sk, mx);
-        tot += w;
-        acc += w * ${loadin(VEC, "vin + ((ulong)k * H + h) * %d + tx * %d" % (D, VEC))};
-    }
-    ${c.add_sink("mx", "tot", "CLATTN_SINK(use_sinks, h)", SINKS)}
-    ${c.storev(VEC, "acc * (clattn_part_inv(tot, dead) * alpha)", "out + ((ulong)n * H + h) * %d + tx * %d" % (D, VEC))}
-    if (tx == 0) lse[(ulong)n * H + h] = clattn_part_lse(mx, tot, dead);
+${m.varlen_tiled("vin", "sv", "out", "lse", "n", "h", "H", "lo", "hi", "skip_single", "tx", VEC, VIN, SINKS)}
 }
 % endif

@@ -29,6 +29,7 @@ def main(strategy: str, kf: str, vf: str) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         dec = clattn.BatchDecode(spec, dev, profile=PROFILES[strategy])
+    print(f"fold_merge: {dec.profile.fold_merge}", flush=True)  # test_oclgrind.FOLD_MARK
     # rotary_mode 0: the rows kernel scores the codes (one scale per block); 1: dequantized
     for kw["rotary_mode"], split in ((1, False), (1, 4), (0, False)):
         res = dec.run(args[0], pool, *args[2:], split=split, **kw)

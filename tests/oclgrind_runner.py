@@ -51,7 +51,9 @@ def _decoder(spec, profile):
     import clattn
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")   # fitting notes (no fp16 / no sub-groups) are expected
-        return clattn.BatchDecode(spec, _device(), backend="opencl", profile=profile)
+        dec = clattn.BatchDecode(spec, _device(), backend="opencl", profile=profile)
+    print(f"fold_merge: {dec.profile.fold_merge}", flush=True)  # test_oclgrind.FOLD_MARK
+    return dec
 
 
 def _check(dec, sc, case, *, what, **call):
@@ -204,8 +206,11 @@ def adversarial_variant(profile, dtype="float32", rope=True):
 # ------------------------------------------------------------------------------ the variants
 SMALL_WIN = dict(num_qo_heads=4, num_kv_heads=2, head_dim=16, page_size=4, sliding_window=True,
                  rope_scaling=LLAMA3, max_position_embeddings=131072)
-#: the generic GPU profile with 32 threads per work-group (the simulator is slow)
-SMALL_TILED = {"strategy": "tiled", "thread_limit": 32}
+#: the generic GPU profile with 32 threads per work-group (the simulator is slow); the
+#: split merge folded into the decode launch (its default)
+SMALL_TILED = {"strategy": "tiled", "thread_limit": 32, "fold_merge": True}
+#: the CPU profile with the split merge folded into the decode launch (off by default)
+ROWS_FOLD = {"strategy": "rows", "vec": 8, "tile_rows": 16, "fold_merge": True}
 VARIANTS = {
     # CPU-style: one work-item per (sequence, KV head, partition)
     "rows-f32-split": lambda: decode_variant(
@@ -223,6 +228,21 @@ VARIANTS = {
     "tiled-f16-split-learned-sinks": lambda: decode_variant(
         SMALL_TILED, dict(num_qo_heads=4, num_kv_heads=2, head_dim=16, page_size=4,
                           dtype="float16"), [9, 0, 5], splits=(False, 4), sink_logits=True),
+    # the split merge folded into the decode launch: the last partition of a sequence to
+    # finish merges (a counter per sequence and KV head, or head slice)
+    "rows-fold-f32-split-learned-sinks": lambda: decode_variant(
+        ROWS_FOLD, dict(num_qo_heads=4, num_kv_heads=2, head_dim=16, page_size=4,
+                        dtype="float32"), [0, 1, 13, 9], splits=(False, 4, 4),
+        sink_logits=True),
+    "rows-fold-f16-window-rope": lambda: decode_variant(
+        ROWS_FOLD, dict(num_qo_heads=4, num_kv_heads=1, head_dim=32, page_size=8,
+                        dtype="float16", sliding_window=True, rope_scaling=LLAMA3,
+                        max_position_embeddings=131072),
+        [17, 0, 40], window=[9, 0, 16], sinks=[2, 0, 16], rope=True, splits=(8, 16)),
+    "tiled-separate-f16-split-learned-sinks": lambda: decode_variant(
+        dict(SMALL_TILED, fold_merge=False), dict(num_qo_heads=4, num_kv_heads=2,
+                                                  head_dim=16, page_size=4, dtype="float16"),
+        [9, 0, 5], splits=(False, 4), sink_logits=True),
     "rows-vec1-f16": lambda: decode_variant(
         {"strategy": "rows", "vec": 1}, dict(num_qo_heads=2, num_kv_heads=1, head_dim=16,
                                              page_size=4, dtype="float16"),
@@ -263,16 +283,20 @@ VARIANTS = {
     "merge-tiled-f16": lambda: merge_variant("generic", "float16", D=32),
     # garbage device tables: clamped, never out of bounds
     "adversarial-rows": lambda: adversarial_variant("generic-cpu"),
+    "adversarial-rows-fold": lambda: adversarial_variant(ROWS_FOLD),
     "adversarial-tiled-local": lambda: adversarial_variant(SMALL_TILED, "float16"),
     "adversarial-tiled-f32": lambda: adversarial_variant(SMALL_TILED),
     # the same without RoPE, so that Oclgrind's uninitialised-value checker can run on them
     "adversarial-rows-norope": lambda: adversarial_variant("generic-cpu", rope=False),
+    "adversarial-rows-fold-norope": lambda: adversarial_variant(ROWS_FOLD, rope=False),
     "adversarial-tiled-local-norope": lambda: adversarial_variant(SMALL_TILED, rope=False),
 }
 
 #: variants without RoPE: Oclgrind's uninitialised-value plugin aborts on sincos() with a
 #: private pointer ("Work item needed to access private memory!"), so only these run with it
 NO_ROPE = ("rows-f32-split", "rows-f32-split-learned-sinks", "tiled-f16-split-learned-sinks",
+           "rows-fold-f32-split-learned-sinks", "tiled-separate-f16-split-learned-sinks",
+           "adversarial-rows-fold-norope",
            "rows-vec1-f16", "tiled-local-f32-g1-tile2",
            "tiled-subgroup-fallback-f16", "merge-rows-f32", "merge-rows-f16", "merge-tiled-f32",
            "merge-tiled-f16", "adversarial-rows-norope", "adversarial-tiled-local-norope")
@@ -292,6 +316,16 @@ __kernel void race(__global float* b)
 { __local float t[4]; const int l = get_local_id(0);
   t[l] = (float)l;                                               /* no barrier before ... */
   b[get_global_id(0)] = t[(l + 1) % 4]; }                        /* ... reading a neighbour's */
+__kernel void last_block(__global float* slots, volatile __global int* count,
+                         __global float* sum)
+{ const int g = get_group_id(0);
+  slots[g] = (float)(g + 1);                                     /* each group's store */
+  mem_fence(CLK_GLOBAL_MEM_FENCE);
+  if (atomic_inc(count) == (int)get_num_groups(0) - 1) {         /* the last to count in */
+    mem_fence(CLK_GLOBAL_MEM_FENCE);
+    float t = 0.0f;
+    for (int i = 0; i < (int)get_num_groups(0); ++i) t += slots[i];
+    sum[0] = t; } }
 __kernel void uninit(__global float* b)
 { float x[4]; const int i = get_global_id(0);
   if (x[i % 4] > 0.0f) b[i] = 1.0f; }                           /* branch on garbage */
@@ -308,6 +342,10 @@ def selftest(kind: str) -> None:
     b = cl.array.zeros(rt.queue, 4, np.float32)
     if kind == "oob":
         prg.oob(rt.queue, (4,), (4,), a.data, b.data)
+    elif kind == "last-block":
+        count = cl.array.zeros(rt.queue, 1, np.int32)
+        prg.last_block(rt.queue, (4,), (1,), b.data, count.data, a.data)
+        assert a.get()[0] == 10.0 and count.get()[0] == 4, (a.get(), count.get())
     elif kind == "race":
         prg.race(rt.queue, (4,), (4,), b.data)
     else:
@@ -316,7 +354,8 @@ def selftest(kind: str) -> None:
 
 
 SELFTESTS = {"selftest-oob": lambda: selftest("oob"), "selftest-race": lambda: selftest("race"),
-             "selftest-uninit": lambda: selftest("uninit")}
+             "selftest-uninit": lambda: selftest("uninit"),
+             "selftest-last-block": lambda: selftest("last-block")}
 
 
 def main(argv: list[str]) -> int:

@@ -296,8 +296,10 @@ def test_cache_counts_its_launches(device):
                 layer, rng.standard_normal((2 * n, 2, 16)).astype(np.float32)).events)
         cache.end()
         assert cache.stats().launches - before == events
-    # one token each, split: decode and merge per layer, and the append unless fused
-    assert events == 2 * (2 if cache.decoder.profile.fuse_append else 3)
+    # one token each, split: per layer the decode, the merge unless folded into it, and
+    # the append unless fused
+    prof = cache.decoder.profile
+    assert events == 2 * (1 + (not prof.fold_merge) + (not prof.fuse_append))
     twin = clattn.PagedKVCache(spec, 1, backend="cpu", num_pages=4)
     assert twin.stats().launches == 0
 

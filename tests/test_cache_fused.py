@@ -1,7 +1,9 @@
-"""The append fused into the decode launch (one-token steps of float pools): the same
-bits as the separate append and decode launches.
+"""The append fused into the decode launch (one-token steps of float pools), and with it
+the split merge folded in: the same bits as the separate append, decode and merge
+launches, in one launch per layer.
 
-Two caches on the same device and profile, one with ``fuse_append`` off, run the same
+Two caches on the same device and profile, one with ``fuse_append`` (and ``fold_merge``)
+off, run the same
 operations (prompt chunks, one-token steps of several sequences, windows with sinks, a
 fork whose shared last page both sequences write, layers appended out of order or not
 attended); after every attend the outputs and LSEs, and after every step each layer's
@@ -25,8 +27,8 @@ SPLIT_EVERY_STEP = {"min_partition_rows": 4, "split_min_rows": 0, "wgs_per_cu": 
 LAYERS = 2
 
 
-def make_cache(spec, target, fuse, split, rope):
-    extra = dict(SPLIT_EVERY_STEP if split else {}, fuse_append=fuse)
+def make_cache(spec, target, fuse, split, rope, fold=False):
+    extra = dict(SPLIT_EVERY_STEP if split else {}, fuse_append=fuse, fold_merge=fold)
     profile = extra if target.profile is None else get_profile(target.profile).with_(**extra)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # profile fitting notes
@@ -87,29 +89,30 @@ def equal(a, b):
     return np.array_equal(a.out, b.out) and np.array_equal(a.lse, b.lse)
 
 
-@pytest.mark.parametrize("split", [False, True], ids=["unsplit", "split"])
+@pytest.mark.parametrize("split,fold", [(False, False), (True, False), (True, True)],
+                         ids=["unsplit", "split", "split-folded"])
 @pytest.mark.parametrize("rope,dtype,window", [
     (None, "float32", False),
     ("append", "float16", True),
     ("attend", "float16", True),
 ])
-def test_fused_equals_separate(device_target, rope, dtype, window, split):
+def test_fused_equals_separate(device_target, rope, dtype, window, split, fold):
     spec = clattn.AttentionSpec(4, 2, 16, page_size=4, dtype=dtype, sliding_window=window,
                                 rope_scaling=LLAMA3 if rope else None,
                                 max_position_embeddings=4096)
-    fused = make_cache(spec, device_target, True, split, rope)
+    fused = make_cache(spec, device_target, True, split, rope, fold)
     separate = make_cache(spec, device_target, False, split, rope)
     got, n_fused = scenario(fused, 5, window)
     want, n_separate = scenario(separate, 5, window)
     assert len(got) == len(want)
     for i, (a, b) in enumerate(zip(got, want)):
         assert equal(a, b), f"result {i} differs between fused and separate launches"
-    # one-token steps of two or three sequences: one launch per layer fused, two apart
-    # (each plus the merge when split; the fork's step adds one page copy per layer)
-    per_layer = 2 if split else 1
-    assert n_fused[1:6] == [LAYERS * per_layer] * 5, n_fused
-    assert n_separate[1:6] == [LAYERS * (per_layer + 1)] * 5, n_separate
-    assert n_fused[6] == LAYERS * (per_layer + 1), n_fused
+    # one-token steps of two or three sequences: one launch per layer fused (and folded),
+    # two apart (each plus the merge when split and not folded; the fork's step adds one
+    # page copy per layer)
+    assert n_fused[1:6] == [LAYERS * (2 if split and not fold else 1)] * 5, n_fused
+    assert n_separate[1:6] == [LAYERS * (3 if split else 2)] * 5, n_separate
+    assert n_fused[6] == LAYERS * (3 if split and not fold else 2), n_fused
 
 
 def test_byte_pools_stay_separate(device):

@@ -29,7 +29,7 @@ for _p in (str(HERE), str(HERE.parent)):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
-from test_oclgrind import BENIGN_API, REPORTS, _env, _tail  # noqa: E402
+from test_oclgrind import _env, _tail, filtered  # noqa: E402
 
 #: benign too: pyopencl's Kernel(program, name) looks up ``program._source``, which a
 #: Program answers by asking the driver for a kernel named ``_source`` (a prepared decode
@@ -53,6 +53,7 @@ def _cache(spec, profile, layers=1, **kw):
         warnings.simplefilter("ignore")
         cache = clattn.PagedKVCache(spec, layers, device=dev, profile=profile,
                                     backend="opencl", **kw)
+    print(f"fold_merge: {cache.decoder.profile.fold_merge}", flush=True)  # FOLD_MARK
     # Oclgrind 21.10's uninitialised-value plugin does not count clEnqueueFillBuffer (the
     # cache's zeroing of a new pool) as initialising a buffer: zero the pools from the host
     cl = runtime.cl()
@@ -333,8 +334,7 @@ def _run(name: str, uninit: bool) -> None:
     proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), name],
                           env=_env(uninit), cwd=str(HERE.parent), capture_output=True,
                           text=True, timeout=600)
-    err = BENIGN_SOURCE.sub("", BENIGN_API.sub("", proc.stderr))
-    found = sorted({r for r in REPORTS if r in err})
+    err, found = filtered(proc, BENIGN_SOURCE)
     assert not found, f"Oclgrind reported {found} for {name!r} (uninit={uninit}):\n{_tail(err)}"
     assert proc.returncode == 0, (f"{name!r} failed (rc={proc.returncode}):\n"
                                   f"{_tail(proc.stdout, 1500)}\n{_tail(err)}")

@@ -311,6 +311,7 @@ def test_clattn_profile_forces_by_name_and_path(monkeypatch, tmp_path):
      ["bad.json", "architecture"]),
     ({"name": "p", "params": {"native_fp16": "yes"}}, ["bad.json", "native_fp16", "bool"]),
     ({"name": "p", "params": {"fuse_append": "false"}}, ["bad.json", "fuse_append"]),
+    ({"name": "p", "params": {"fold_merge": 1}}, ["bad.json", "'fold_merge'", "bool"]),
     ({"name": "p", "params": {"prefill_qb": "8"}}, ["bad.json", "'prefill_qb'", "int or null"]),
     ({"name": "p", "params": {"prefill_kb": 0}},
      ["bad.json", "profile 'p'", "prefill_kb=0", "positive integer or null"]),

@@ -209,12 +209,11 @@ def test_quantized_decode_clean_under_oclgrind(strategy, kf, vf):
     import sys
     from pathlib import Path
 
-    from test_oclgrind import BENIGN_API, REPORTS, _env
+    from test_oclgrind import _env, filtered
     script = Path(__file__).resolve().parent / "oclgrind_quant.py"
     proc = subprocess.run([sys.executable, str(script), strategy, kf, vf], env=_env(False),
                           capture_output=True, text=True, timeout=300)
-    err = BENIGN_API.sub("", proc.stderr)
-    found = sorted({r for r in REPORTS if r in err})
+    err, found = filtered(proc)
     assert not found, f"Oclgrind reported {found}:\n{err[-3000:]}"
     assert proc.returncode == 0, proc.stdout[-1500:] + err[-3000:]
     assert f"CLATTN-OCLGRIND-OK quant {strategy} {kf} {vf}" in proc.stdout

@@ -44,6 +44,7 @@ ROOT = Path(__file__).resolve().parent.parent
 DECODE = "kernels/decode*.mako"          # the decode templates (rows, tiled, shared)
 COMMON = "kernels/common.clh.mako"
 MERGE = "kernels/merge.cl.mako"
+MERGE_STATE = "kernels/merge_state.clh.mako"    # the K-way merge (merge.cl and the fold's)
 EXPRS = "clattn/kernel_exprs.py"                # the C expressions the templates splice in
 IGNORE = (".git", ".venv", "__pycache__", ".pytest_cache", ".hypothesis", "*.egg-info",
           "build", "dist", ".mypy_cache", ".ruff_cache")
@@ -309,7 +310,7 @@ MUTANTS = [
          'sel(sel("(%s)(-INFINITY)" % T, "(%s)(-INFINITY)" % T, "l == 0.0f")')],
         ["tests/test_nonfinite.py"],
         "a NaN state gets lse = -inf (reads as empty)", "kernel"),
-    Mutant("empty-side-v-read", MERGE, [
+    Mutant("empty-side-v-read", MERGE_STATE, [
         ("if (sk == -INFINITY) continue;   /* empty: weight 0, v not read */",
          "/* v of empty states read */")],
         ["tests/test_nonfinite.py", "-k", "merges"],
@@ -346,8 +347,9 @@ MUTANTS = [
         ("return mx == -INFINITY ? 0.0f : mx;", "return mx;")],
         ["tests/test_fuzz.py", "-k", "minus_inf and not cpu"],
         "a part of the chunk whose rows all score -inf turns the state NaN", "kernel"),
-    Mutant("split-dead-partitions-read-as-empty", MERGE, [
-        ("const int dead = skip_single && mx == -INFINITY && clattn_split_dead(vin, lo, hi, H, h);",
+    Mutant("split-dead-partitions-read-as-empty", MERGE_STATE, [
+        ("const int dead = ${skip} && mx == -INFINITY && clattn_split_dead(${vin}, ${lo}, "
+         "${hi}, ${H}, ${h});",
          "const int dead = 0;")],
         ["tests/test_nonfinite.py", "-k", "all_scores_minus_inf"],
         "split-KV: a sequence whose rows all score -inf reads as empty", "kernel", count=2),
@@ -475,13 +477,13 @@ MUTANTS = [
         "a split sequence's partitions each add the learned sink (the merge adds it again)",
         "kernel"),
     Mutant("cache-sinks-on-the-build-without", "clattn/cache.py", [
-        ('self._kernels(sink_args["sink_logits"] is not None)', "self._kernels(False)")],
+        ('self._kernels(sink_args["sink_logits"] is not None,', "self._kernels(False,")],
         ["tests/test_sinks.py", "-k", "paged_cache_sinks"],
         "the cache launches a layer's learned sinks on the decode build without the sink "
         "epilogue (the sinks are dropped)"),
     Mutant("one-call-sinks-on-the-build-without", "clattn/decode_fast.py", [
-        ("self._bound(named, merging, sink_logits is not None)",
-         "self._bound(named, merging, False)")],
+        ("self._bound(named, merging, sink_logits is not None, fold)",
+         "self._bound(named, merging, False, fold)")],
         ["tests/test_sinks.py", "-k", "switch_builds"],
         "BatchDecode.run's short path launches sinks on the build without the epilogue"),
     Mutant("held-append-reads-caller-kv-late", "clattn/cache.py", [
@@ -489,6 +491,20 @@ MUTANTS = [
         ["tests/test_cache_fused.py", "-k", "held"],
         "a held (fused) append reads the caller's device k/v at the attend, not at append",
         "python"),
+    Mutant("fold-counter-not-reset", "kernels/decode_rows.cl.mako", [
+        ("            atomic_xchg(ctr, 0);\n", "")],
+        ["tests/test_fold_merge.py", "-k", k("equals_separate", "float32", ROWS)],
+        "the folded merge leaves its counter set: the next launch's last partition never "
+        "sees count - 1 (no merge)", "kernel"),
+    Mutant("fold-last-partition-off-by-one", "kernels/decode_rows.cl.mako", [
+        ("(int)get_global_size(2), n_ws) - 1)", "(int)get_global_size(2), n_ws) - 2)")],
+        ["tests/test_fold_merge.py", "-k", k("equals_separate", "float32", ROWS)],
+        "the partition before the last merges (before the last one's state is stored), "
+        "and the counter is left at 1", "kernel"),
+    Mutant("fold-tiled-counter-not-reset", "kernels/decode_tiled.cl.mako", [
+        ("            if (last) atomic_xchg(ctr, 0);\n", "")],
+        ["tests/test_fold_merge.py", "-k", k("equals_separate", "float32", TILED)],
+        "the tiled folded merge leaves its counter set", "kernel"),
     Mutant("custom-mask-ignored-on-device", "clattn/prefill.py", [
         ("use_mask=int(custom_mask is not None),", "use_mask=0,")],
         ["tests/test_custom_mask.py", "-k", "random_masks"],

@@ -83,6 +83,11 @@ class Profile:
         :class:`~clattn.PagedKVCache` steps of one token per sequence write each layer's
         new rows inside its decode launch (one launch per layer instead of two) where the
         pool stores float rows; False keeps the append kernel's own launch (docs/cache.md).
+    fold_merge
+        A split-KV decode merges its partitions in the decode launch itself (the last
+        partition of a sequence to finish merges them: one launch instead of two, the
+        same bits); False keeps the merge kernel's own launch (docs/contract.md,
+        "Split-KV").
     """
 
     name: str = "generic"
@@ -104,6 +109,7 @@ class Profile:
     prefill_tc: int | None = None
     prefill_rm: int | None = None
     fuse_append: bool = True
+    fold_merge: bool = True
     prefill_vec: int | None = None
 
     def __post_init__(self) -> None:
@@ -114,8 +120,9 @@ class Profile:
             problems.append(f"reduction={self.reduction!r} (allowed: {', '.join(REDUCTIONS)})")
         if self.vec not in (1, 2, 4, 8, 16):
             problems.append(f"vec={self.vec!r} (allowed: 1, 2, 4, 8, 16)")
-        if not isinstance(self.fuse_append, bool):
-            problems.append(f"fuse_append={self.fuse_append!r} (true or false)")
+        for k in ("fuse_append", "fold_merge"):
+            if not isinstance(getattr(self, k), bool):
+                problems.append(f"{k}={getattr(self, k)!r} (true or false)")
         if self.prefill_vec not in (None, 1, 2, 4, 8, 16):
             problems.append(f"prefill_vec={self.prefill_vec!r} (allowed: null, 1, 2, 4, 8, 16)")
         for k in ("thread_limit", "tile_rows", "wgs_per_cu", "min_partition_rows",
