@@ -187,3 +187,33 @@ def test_folded_head_slices(device_target, get_decoder):
     assert counters_zero(fold, len(SPLIT_LENGTHS))
     check(fold, sc, case, lib=dict(plan=plan, sink_logits=sinks), what="folded: ",
           ref=oracle(sc, case, sink_logits=sinks))
+
+
+def test_fold_build_refused_keeps_the_merge_launch(device_target, monkeypatch):
+    """A driver that allows the fold build fewer work-items per group than the geometry
+    launches (registers: a GPU's limit depends on the code) is never launched: a split
+    call keeps the merge's own launch, with the same bits, and no error."""
+    from clattn.opencl_backend import OpenCLBackend
+    sc = WIN[F32]
+    real = OpenCLBackend.decode_kernels
+
+    class Refused:  # a fold build the driver allows no work-item (never launchable)
+        def work_group_size(self, device):
+            return 0
+
+    def decode_kernels(self, sinks=False, fold=False):
+        decode, merge = real(self, sinks, fold)
+        return (Refused(), merge) if fold else (decode, merge)
+    monkeypatch.setattr(OpenCLBackend, "decode_kernels", decode_kernels)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # profile fitting notes
+        fold = clattn.BatchDecode(sc.spec, device_target.device,
+                                  profile=profile_of(device_target, True))
+        sep = clattn.BatchDecode(sc.spec, device_target.device,
+                                 profile=profile_of(device_target, False))
+    case = split_case(sc.spec, seed=36)
+    plan = sep.plan(case["page_indptr"], case["last_page_len"],
+                    window_offset=case["window_offset"], sink_size=case["sink_size"], split=16)
+    a, b = run(fold, case, sc, plan, rotary_mode=1), run(sep, case, sc, plan, rotary_mode=1)
+    assert_same(a, b)
+    assert len(a.events) == 2 and not fold.opencl.folds(plan)
