@@ -211,6 +211,19 @@ def device_target(request) -> Target:
     return _fail_if_missing(request.param)
 
 
+def _tiled_params():
+    """The device targets that run the GPU (tiled) kernels, and the missing devices."""
+    out = [p for p in _targets(with_cpu=False)
+           if p.values[0] is None or isinstance(p.values[0], Missing) or p.values[0].profile]
+    return out
+
+
+@pytest.fixture(params=_tiled_params(), scope="session")
+def tiled_target(request) -> Target:
+    """A device running a GPU profile's tiled kernels (the ``device_target``s that do)."""
+    return _fail_if_missing(request.param)
+
+
 @pytest.fixture(params=_device_params(), scope="session")
 def device(request):
     """A real OpenCL device (``pyopencl.Device``): every one present but Oclgrind."""

@@ -168,14 +168,12 @@ def test_folded_short_path_and_prepared_step(device_target, get_decoder):
     assert counters_zero(fold, len(SPLIT_LENGTHS))
 
 
-def test_folded_head_slices(device_target, get_decoder):
+def test_folded_head_slices(tiled_target, get_decoder):
     """Group 16: the tiled kernel splits a KV head's query heads over two work-groups
     (gdz 2), each counting on a counter of its own head slice. Mixed batch, split plans
     and a learned sink. (Rows keep a KV head's heads in one work-item: the tests above.)"""
-    if device_target.profile is None:
-        pytest.skip("rows: one work-item per KV head; a group of 16 costs a long build")
     sc = spec_scenario("g16", 16, 1, 64, page_size=16, dtype=F32)
-    fold, sep = decoders(get_decoder, sc.spec, device_target)
+    fold, sep = decoders(get_decoder, sc.spec, tiled_target)
     assert fold.geometry.gdz == 2, fold.geometry
     case = make_case(sc.spec, SPLIT_LENGTHS, seed=35)
     sinks = sinks_for(16, 5)
