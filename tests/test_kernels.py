@@ -773,11 +773,14 @@ def test_merge_host_io_on_out_of_order_queue(device, cl_queue, kind):
     compare(a, b, *want, "float32", what=f"{kind} on an out-of-order queue: ")
 
 
-def test_two_split_runs_in_flight(device, get_decoder, cl_queue):
-    """Two independent split decodes enqueued back to back on an out-of-order queue."""
+@pytest.mark.parametrize("fold", [False, True], ids=["merge-launch", "merge-folded"])
+def test_two_split_runs_in_flight(device, get_decoder, cl_queue, fold):
+    """Two independent split decodes enqueued back to back on an out-of-order queue, the
+    merge in its own launch or folded into the decode's (both share the workspace; the
+    folded ones its counters too)."""
     sc = WIN[F32]
     spec = sc.spec
-    dec = get_decoder(spec, device)
+    dec = get_decoder(spec, device, dict(fold_merge=fold))
     queue = cl_queue(device)
     ooo = _ooo_queue(queue.context)
     case = window_case(spec, [300, 3, 200], window=[10, 0, 4], sinks=[2, 0, 1], seed=23)
