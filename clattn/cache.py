@@ -769,7 +769,7 @@ class _DeviceKernels:
         d = t if not pre else t.prefill.decode
         plan = self._plan(t, d)
         H, D = spec.num_qo_heads, spec.head_dim
-        ws_o = ws_s = counters = None
+        ws_o = ws_s = None
         builds = list(self.bound.values())
         self.fold = self.opencl.folds(plan)
         counters = self.opencl.counters(t.T) if self.fold else None

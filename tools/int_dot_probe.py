@@ -19,24 +19,25 @@ src = r"""
 #pragma OPENCL EXTENSION cl_khr_fp16 : enable
 #define D 128
 #define G 4
+/* q of the G heads in registers, as vectors of 16 T */
+#define LOAD_Q(T) T##16 qv[G][D/16]; \
+  for (int g = 0; g < G; ++g) for (int c = 0; c < D/16; ++c) qv[g][c] = vload16(c, q + g*D)
+inline float hsum16(float16 a) { float8 b = a.lo + a.hi; float4 c = b.lo + b.hi; float2 d = c.lo + c.hi; return d.x + d.y; }
 __kernel void kf16(__global const half* k, __global const float* q, __global float* s, int rows) {
   int w = get_global_id(0); int r0 = w * rows;
-  float16 qv[G][D/16];
-  for (int g = 0; g < G; ++g) for (int c = 0; c < D/16; ++c) qv[g][c] = vload16(c, q + g*D);
+  LOAD_Q(float);
   for (int r = r0; r < r0 + rows; ++r) {
     __global const half* kr = k + (size_t)r * D;
     float16 acc[G];
     for (int g = 0; g < G; ++g) acc[g] = 0;
     for (int c = 0; c < D/16; ++c) { float16 kv = vload_half16(c, kr);
       for (int g = 0; g < G; ++g) acc[g] = fma(qv[g][c], kv, acc[g]); }
-    for (int g = 0; g < G; ++g) { float16 a = acc[g]; float8 b = a.lo + a.hi; float4 c4 = b.lo + b.hi; float2 d2 = c4.lo + c4.hi;
-      s[(size_t)r * G + g] = d2.x + d2.y; }
+    for (int g = 0; g < G; ++g) s[(size_t)r * G + g] = hsum16(acc[g]);
   }
 }
 __kernel void ki8f(__global const char* k, __global const half* ks, __global const float* q, __global float* s, int rows) {
   int w = get_global_id(0); int r0 = w * rows;
-  float16 qv[G][D/16];
-  for (int g = 0; g < G; ++g) for (int c = 0; c < D/16; ++c) qv[g][c] = vload16(c, q + g*D);
+  LOAD_Q(float);
   for (int r = r0; r < r0 + rows; ++r) {
     __global const char* kr = k + (size_t)r * D;
     float tot[G];
@@ -47,16 +48,14 @@ __kernel void ki8f(__global const char* k, __global const half* ks, __global con
       for (int c = 2*b; c < 2*b+2; ++c) { float16 kv = convert_float16(vload16(c, kr));
         for (int g = 0; g < G; ++g) acc[g] = fma(qv[g][c], kv, acc[g]); }
       float sc = vload_half(r * (D/32) + b, ks);
-      for (int g = 0; g < G; ++g) { float16 a = acc[g]; float8 bb = a.lo + a.hi; float4 c4 = bb.lo + bb.hi; float2 d2 = c4.lo + c4.hi;
-        tot[g] = fma(sc, d2.x + d2.y, tot[g]); }
+      for (int g = 0; g < G; ++g) tot[g] = fma(sc, hsum16(acc[g]), tot[g]);
     }
     for (int g = 0; g < G; ++g) s[(size_t)r * G + g] = tot[g];
   }
 }
 __kernel void ki8i(__global const char* k, __global const half* ks, __global const short* q, __global const float* qs, __global float* s, int rows) {
   int w = get_global_id(0); int r0 = w * rows;
-  short16 qv[G][D/16];
-  for (int g = 0; g < G; ++g) for (int c = 0; c < D/16; ++c) qv[g][c] = vload16(c, q + g*D);
+  LOAD_Q(short);
   for (int r = r0; r < r0 + rows; ++r) {
     __global const char* kr = k + (size_t)r * D;
     float tot[G];
