@@ -902,8 +902,11 @@ class _DeviceKernels:
     def _device_input(self, name: str, a: Any, held: bool = False) -> tuple[Any, list]:
         """``(buffer or array, events)`` of k or v: a numpy array copied into the cache's
         staging buffer (no new buffer per call); a device array as is, or (``held``: the
-        append is held for the layer's attend) copied into the staging buffer now, so
-        that the caller may reuse it once ``append`` returns."""
+        append is held for the layer's attend) copied into the staging buffer now.
+
+        The caller may reuse a numpy ``a`` once ``append`` returns: the upload reads a
+        private snapshot taken here, never ``a`` itself (a non-blocking write reads its
+        host memory whenever the queue reaches it)."""
         cl = runtime.cl()
         if not is_host(a):
             if a.context != self.ctx:
@@ -912,7 +915,7 @@ class _DeviceKernels:
             if not held:
                 return a, list(a.events)
         else:
-            a = np.ascontiguousarray(a)
+            a = np.array(a, order="C", copy=True)
         st = self.stage[name]
         if st[1] < a.nbytes:
             st[0], st[1] = cl.Buffer(self.ctx, cl.mem_flags.READ_WRITE, a.nbytes), a.nbytes

@@ -116,10 +116,15 @@ class ClattnLayer(CacheLayerMixin):
         self.is_initialized = True
         self.record_past = False
 
-    def activate_past_recording(self) -> None:
+    def activate_past_recording(self, recurrent_states_to_keep: int | None = None,
+                                **kwargs: Any) -> None:
         """transformers' request (assisted and prompt-lookup decoding) to keep what was
         appended since the last ``crop``, so that crop can take it back: a window layer
-        kind then keeps those tokens' pages behind its window."""
+        kind then keeps those tokens' pages behind its window.
+
+        ``recurrent_states_to_keep`` (and any further keyword a later transformers
+        passes) concerns the states of recurrent (linear-attention) layers; an attention
+        layer has none, so it is accepted and has no effect here."""
         self.record_past = True
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
