@@ -48,6 +48,16 @@ def same(got, want, what: str) -> None:
         f"{what}: differs from the run whose inputs were left alone"
 
 
+def twice(call, fresh: dict) -> tuple:
+    """``(touched, untouched)``: ``call`` on copies of ``fresh``, the first run's copies
+    overwritten the moment it returns."""
+    want = call(**{k: a.copy() for k, a in fresh.items()})
+    given = {k: a.copy() for k, a in fresh.items()}
+    got = call(**given)
+    clobber(*given.values())
+    return got, want
+
+
 def _where(target) -> dict:
     if target.is_cpu:
         return dict(backend="cpu")
@@ -117,10 +127,7 @@ def _decode_inputs(rng, spec):
 def test_decode_run_and_prepared_step(target, get_decoder, cl_queue):
     dec = get_decoder(F32, target)
     fresh = _decode_inputs(np.random.default_rng(1), F32)
-    want = dec.run(**{k: a.copy() for k, a in fresh.items()})
-    given = {k: a.copy() for k, a in fresh.items()}
-    got = dec.run(**given)
-    clobber(*given.values())
+    got, want = twice(dec.run, fresh)
     same(got.out, want.out, "BatchDecode.run out")
     same(got.lse, want.lse, "BatchDecode.run lse")
 
@@ -153,10 +160,7 @@ def test_prefill_with_mask_and_sinks(target):
                  last_page_len=np.array([3, 2], np.int32),
                  custom_mask=bits, mask_indptr=indptr,
                  sink_logits=rng.standard_normal(4).astype(np.float32))
-    want = pre.run(**{k: a.copy() for k, a in fresh.items()})
-    given = {k: a.copy() for k, a in fresh.items()}
-    got = pre.run(**given)
-    clobber(*given.values())
+    got, want = twice(pre.run, fresh)
     same(got.out, want.out, "BatchPrefill.run out")
     same(got.lse, want.lse, "BatchPrefill.run lse")
 
@@ -176,9 +180,6 @@ def test_merges(target):
 
     vk = rng.standard_normal((3, 3, 4, 16)).astype(np.float32)
     sk = rng.standard_normal((3, 3, 4)).astype(np.float32)
-    want = clattn.merge_states(vk.copy(), sk.copy(), **where)
-    vk2, sk2 = vk.copy(), sk.copy()
-    got = clattn.merge_states(vk2, sk2, **where)
-    clobber(vk2, sk2)
+    got, want = twice(lambda **a: clattn.merge_states(**a, **where), dict(v=vk, s=sk))
     same(got[0], want[0], "merge_states v")
     same(got[1], want[1], "merge_states s")
