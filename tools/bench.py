@@ -35,7 +35,7 @@ Suites
             uploaded per step.
   gpu-model the tiled (GPU) decode kernel's work per KV row counted under Oclgrind for
             every GPU profile x model shape, the verdict against the baseline counts and the
-            modelled time per device (tools/gpu_model.py; docs/gpu_model.md).
+            modelled time per device (tools/gpu_model.py; tools/gpu_model.md).
 
 Every timed configuration is first checked against the CPU backend on the same inputs
 (decode: clattn.cpu_backend.batch_decode on the row's page set, one sequence at a time;
@@ -1364,7 +1364,7 @@ def suite_gpu_model(args: argparse.Namespace, deadline: Deadline) -> dict:
     """The tiled kernel's work per KV row counted under Oclgrind for every GPU profile x
     model shape (or ``--profile`` / ``--models``), the verdict against the baseline
     kernels' counts, and the modelled time per device (tools/gpu_model.py,
-    docs/gpu_model.md); counts are cached per kernel source."""
+    tools/gpu_model.md); counts are cached per kernel source."""
     import gpu_model as gm  # noqa: PLC0415 - a sibling tool, imported only for this suite
     profiles = [args.profile] if args.profile else None
     shapes = args.models or None

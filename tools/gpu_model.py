@@ -10,7 +10,7 @@ and V of one KV head), free of the fixed per-work-group cost (q, the final merge
 stores). Published figures of real GPUs (tools/gpu_devices.json, every figure with its
 source) turn the counts into a time per token per layer and the resource that bounds it.
 
-What is counted, and how (docs/gpu_model.md has the whole method):
+What is counted, and how (tools/gpu_model.md has the whole method):
 
 * Oclgrind has no sub-groups: a geometry that reduces through sub-groups on its device is
   counted in its local-memory form (same vec and work-group shape, ``reduction="local"``).
