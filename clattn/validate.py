@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from .numbers import is_number
-from .spec import DTYPES, INDEX_DTYPE, INT32_MAX, LSE_DTYPE, AttentionSpec
+from .spec import DTYPES, INDEX_DTYPE, INT32_MAX, LOG2E, LSE_DTYPE, AttentionSpec
 
 
 def is_host(a: Any) -> bool:
@@ -253,10 +253,30 @@ def _check_positions(k_pos_offset: np.ndarray, chunk: np.ndarray) -> None:
                          f"stay below 2**31")
 
 
+def _sink_logit_max() -> float:
+    """The largest float32 ``z`` whose base-2 form ``z * log2 e``, rounded to float32 as
+    the kernels form it, is finite: a larger finite ``|z|`` would overflow to +-inf."""
+    log2e = np.float32(LOG2E)
+    z = np.float32(np.finfo(np.float32).max / LOG2E)
+    with np.errstate(over="ignore"):
+        while np.isinf(z * log2e):
+            z = np.nextafter(z, np.float32(0))
+        while np.isfinite(np.nextafter(z, np.float32(np.inf)) * log2e):
+            z = np.nextafter(z, np.float32(np.inf))
+    return float(z)
+
+
+# Rule: a finite numpy sink logit is within +-SINK_LOGIT_MAX (about 2.36e38), so its
+# base-2 form never overflows float32 (docs/contract.md section 5).
+SINK_LOGIT_MAX = _sink_logit_max()
+
+
 def check_sink_logits(spec: AttentionSpec, sink_logits: Any) -> None:
     """``sink_logits``: None, or one learned attention-sink logit per query head (float32
     ``[H_qo]``, natural-log units, docs/contract.md section 5); numpy values must be
-    finite or -inf (no sink for that head). Not ``sink_size`` (the kept leading tokens)."""
+    -inf (no sink for that head) or finite within ``+-SINK_LOGIT_MAX``, so that the
+    kernels' base-2 form ``z * log2 e`` never overflows float32. Not ``sink_size`` (the
+    kept leading tokens)."""
     if sink_logits is None:
         return
     check_array("sink_logits", sink_logits, ndim=1, shape=(spec.num_qo_heads,),
@@ -267,6 +287,12 @@ def check_sink_logits(spec: AttentionSpec, sink_logits: Any) -> None:
             i = _first_bad(bad)
             raise ValueError(f"sink_logits[{i}]={float(sink_logits[i])}: a learned sink logit "
                              f"must be finite, or -inf for no sink on that head")
+        huge = np.isfinite(sink_logits) & (np.abs(sink_logits) > SINK_LOGIT_MAX)
+        if huge.any():
+            i = _first_bad(huge)
+            raise ValueError(f"sink_logits[{i}]={float(sink_logits[i])}: a finite learned sink "
+                             f"logit must lie within +-{SINK_LOGIT_MAX:.6e} (its base-2 form "
+                             f"sink * log2(e) must fit float32); pass -inf for no sink")
 
 
 def _first_bad(mask: np.ndarray) -> int:

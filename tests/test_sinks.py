@@ -21,6 +21,8 @@ import pytest
 
 import clattn
 
+from clattn.validate import SINK_LOGIT_MAX
+
 from cases import compare, oracle
 from naive import naive_decode, naive_merge
 from prefill_cases import naive_prefill, prefill_case, run
@@ -151,6 +153,9 @@ def test_prefill_sinks(target, key):
     (np.zeros((1, 8), np.float32), ValueError, "dimensions"),
     (np.array([0, 0, np.nan, 0, 0, 0, 0, 0], np.float32), ValueError, "sink_logits[2]"),
     (np.array([0, 0, 0, np.inf, 0, 0, 0, 0], np.float32), ValueError, "sink_logits[3]"),
+    # finite, but sink * log2(e) overflows f32 (either sign): the bound is named
+    (np.array([0, 0, 0, 0, 2.4e38, 0, 0, 0], np.float32), ValueError, "sink_logits[4]"),
+    (np.array([0, 0, 0, 0, 0, -3e38, 0, 0], np.float32), ValueError, "log2(e)"),
     ([0.0] * 8, TypeError, "numpy or pyopencl"),
 ])
 def test_bad_sinks_refused_before_launch(target, get_decoder, bad, err, words):
@@ -220,6 +225,8 @@ def test_every_row_minus_inf_with_a_sink(target, get_decoder):
     case["q"][..., 0] = np.abs(case["q"][..., 0]) + 0.5
     case["pages"][:, 0, :, :, 0] = -np.inf
     sinks = sinks_for(sc.spec.num_qo_heads, 5)
+    # the largest finite sinks accepted: their base-2 form stays finite (section 5)
+    sinks[2], sinks[3] = SINK_LOGIT_MAX, -SINK_LOGIT_MAX
     args = {k: case[k] for k in ("window_offset", "sink_size")}
     for split in (False, 16):
         res = dec.run(case["q"], case["pages"], case["page_indptr"], case["page_indices"],
