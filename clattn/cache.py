@@ -311,6 +311,9 @@ class PagedKVCache:
                 raise StepError(f"begin: a step over {list(self._step.tables.seq_ids)} is in "
                                 f"progress; call end() or cancel() first")
             if masks is not None:
+                # the step's own checks first (the errors a call without masks gets), on
+                # seq_ids and lengths read once (a generator works as without masks)
+                seq_ids, lengths, _ = self.table.check_step(seq_ids, lengths)
                 check_step_masks(masks, seq_ids, lengths, self.rope)
             tables = self.table.reserve(seq_ids, lengths, rope=self.rope)
             try:

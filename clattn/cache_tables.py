@@ -368,7 +368,7 @@ class PageTable:
     # -- the step ----------------------------------------------------------------------
     def reserve(self, seq_ids: Sequence[Hashable], lengths: Sequence[int] | None,
                 rope: str | None) -> StepTables:
-        ids, ns, seqs = self._check_step(seq_ids, lengths)
+        ids, ns, seqs = self.check_step(seq_ids, lengths)
         ps = self.ps
         # pages each sequence needs, copies included, counted before anything changes
         rc: dict[int, int] = {}
@@ -460,8 +460,11 @@ class PageTable:
             self.refcount[pages] -= 1
             self.free.extend(int(p) for p in pages[self.refcount[pages] == 0][::-1])
 
-    def _check_step(self, seq_ids: Sequence[Hashable],
-                    lengths: Sequence[int] | None) -> tuple[tuple, tuple, list]:
+    def check_step(self, seq_ids: Sequence[Hashable],
+                   lengths: Sequence[int] | None) -> tuple[tuple, tuple, list]:
+        """``(ids, ns, seqs)`` of a step's ``seq_ids`` and ``lengths`` (any iterables, read
+        once; ``ns`` all 1 when ``lengths`` is None), or the named ``ValueError`` of
+        :meth:`reserve`; changes nothing."""
         ids = tuple(seq_ids) if not isinstance(seq_ids, np.ndarray) else tuple(seq_ids.tolist())
         if not ids:
             raise ValueError("begin: seq_ids is empty; a step needs at least one sequence")

@@ -272,6 +272,25 @@ def test_cache_masks_refused_before_reserving(target):
         cache.begin(["a"], [2], masks=[None, None])
 
 
+def test_cache_masks_take_seq_ids_and_lengths_as_begin_does(target):
+    """With masks, begin's own mistakes get the named errors they get without masks (a
+    lengths list of another size than seq_ids), and seq_ids may be any iterable, a
+    generator included, as without masks."""
+    spec = clattn.AttentionSpec(4, 2, 16, page_size=4, dtype=F32)
+    cache = make_cache(spec, target, layers=1, num_pages=4)
+    cache.add("a")
+    cache.add("b")
+    for masks in (None, [None, None]):
+        with pytest.raises(ValueError, match=r"begin: 2 seq_ids but 1 lengths"):
+            cache.begin(["a", "b"], [2], masks=masks)
+    assert cache.stats().pages_reserved == 0
+    for masks in (None, [None, clattn.tree_mask([-1, 0], 0)]):
+        cache.begin((s for s in ("a", "b")), iter([2, 2]), masks=masks)
+        assert cache.num_tokens == 4 and cache.step_kernels == ("prefill",)
+        cache.cancel()
+    assert cache.stats().pages_reserved == 0
+
+
 def test_cache_masked_step(target):
     """PagedKVCache.begin(..., masks=): a tree step and a plain one in one masked prefill,
     every token against naive_decode over its kept rows; cancel() rolls the tree back;
