@@ -11,6 +11,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from .numbers import is_int
 from .spec import INDEX_DTYPE, INT32_MAX
 
 
@@ -83,18 +84,24 @@ def tree_mask(parents: Sequence[int], prefix: int) -> np.ndarray:
     Raises
     ------
     ValueError
-        A parent that is not an earlier node or -1, or a negative prefix.
+        A parent that is not an integer (Python or numpy, not a bool), not an earlier
+        node and not -1; a prefix that is not an integer >= 0.
     """
+    # Rule: only integers count (0.5 or "3" would silently round or fail raw in numpy)
+    if not is_int(prefix) or prefix < 0:
+        raise ValueError(f"prefix={prefix!r}: must be an integer >= 0 (the chunk rows "
+                         f"before the tree)")
+    prefix = int(prefix)
+    parents = list(parents)
     n = len(parents)
-    if int(prefix) < 0:
-        raise ValueError(f"prefix={prefix}: must be >= 0")
-    m = np.zeros((n, int(prefix) + n), bool)
+    m = np.zeros((n, prefix + n), bool)
     m[:, :prefix] = True
     for i, p in enumerate(parents):
-        if not -1 <= int(p) < i:
-            raise ValueError(f"parents[{i}]={p}: must be -1 (a root) or an earlier node "
-                             f"(0..{i - 1}); list parents before their children")
-        m[i, prefix:] = m[int(p), prefix:] if p >= 0 else False
+        if not is_int(p) or not -1 <= p < i:
+            raise ValueError(f"parents[{i}]={p!r}: must be -1 (a root) or an earlier node "
+                             f"(0..{i - 1}), an integer; list parents before their children")
+        p = int(p)
+        m[i, prefix:] = m[p, prefix:] if p >= 0 else False
         m[i, prefix + i] = True
     return m
 

@@ -224,6 +224,23 @@ def test_validation():
         custom_mask=wbits, mask_indptr=wind)
 
 
+@pytest.mark.parametrize("parents, prefix, match", [
+    ([-1, 0.5], 2, r"parents\[1\]=0.5: must be -1 \(a root\) or an earlier node \(0..0\), an integer"),
+    ([-1, "0"], 2, r"parents\[1\]='0': must be -1"),
+    ([-1, True], 2, r"parents\[1\]=True: must be -1"),
+    ([-1, 0], 2.5, r"prefix=2.5: must be an integer >= 0"),
+    ([-1, 0], "3", r"prefix='3': must be an integer >= 0"),
+    ([-1, 0], -1, r"prefix=-1: must be an integer >= 0"),
+])
+def test_tree_mask_refuses_what_is_not_an_integer(parents, prefix, match):
+    """tree_mask takes integers only (Python or numpy): a float or string parent or prefix
+    is a ValueError naming the argument, as its docstring promises, never rounded."""
+    with pytest.raises(ValueError, match=match):
+        clattn.tree_mask(parents, prefix)
+    np.testing.assert_array_equal(clattn.tree_mask(np.array([-1, 0, 0]), np.int64(2)),
+                                  ancestors_mask([-1, 0, 0], 2))
+
+
 @pytest.mark.parametrize("where", ["cpu", "device"])
 def test_tree_verify_example(where):
     """examples/tree_verify.py at smoke size: the tree against its float64 oracle, then the
