@@ -191,7 +191,7 @@ class OneCallPath:
                              window_offset, sink_size, q_pos, k_pos_offset, rotary_mode)
         if named is None:
             return None
-        waits = events_list(wait_for)
+        waits = events_list(wait_for, self.opencl.runtime)
         _, sizes, merge_sizes, table, fold = self._plan_sizes(plan, B)
         split = plan.split
         ws_o, ws_s = self.opencl.workspace(plan.n_ws) if split else (None, None)

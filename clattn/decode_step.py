@@ -135,7 +135,7 @@ class DecodeStep:
                   sink_logits: Any) -> AttentionResult:
         """The per-layer path: device operands already checked, outputs given
         (``sink_logits`` None or a checked device array)."""
-        waits = events_list(wait_for)
+        waits = events_list(wait_for, self._rt)
         if sink_logits is not None and sink_logits.context != self._rt.context:
             raise ValueError("sink_logits: lives in another OpenCL context than the step's "
                              "device; create it in that device's context")

@@ -27,7 +27,7 @@ class Call:
             raise ValueError(f"queue: belongs to another OpenCL context than this call's device "
                              f"({rt.device.name!r}); pass a queue of that context")
         self.queue = queue or rt.queue
-        self._waits = events_list(wait_for)
+        self._waits = events_list(wait_for, rt)
         self._used: list = []
         self._host_outs: list = []  # (device array, numpy target)
 
@@ -100,9 +100,13 @@ class Call:
         return res
 
 
-def events_list(wait_for: Any) -> list:
-    """``wait_for`` (None or an iterable of pyopencl events) as a list; a ``TypeError``
-    naming it otherwise, before anything is enqueued."""
+def events_list(wait_for: Any, rt: Any = None) -> list:
+    """``wait_for`` (None or an iterable of pyopencl events) as a list, checked before
+    anything is enqueued: a ``TypeError`` naming it for anything but events, and, when
+    the call launches on ``rt`` (a :class:`clattn.runtime.Runtime`; None: a host call,
+    which only waits), a ``ValueError`` for an event of another context than ``rt``'s
+    (a driver refuses to enqueue it: docs/contract.md section 10). Every public call
+    taking ``wait_for`` checks it here."""
     if wait_for is None:
         return []
     cl = runtime.cl()
@@ -111,10 +115,23 @@ def events_list(wait_for: Any) -> list:
     except TypeError:
         raise TypeError(f"wait_for: expected a list of pyopencl events, got "
                         f"{type(wait_for).__name__}") from None
-    for e in waits:
+    for i, e in enumerate(waits):
         if not isinstance(e, cl.Event):
             raise TypeError(f"wait_for: expected pyopencl events, got {type(e).__name__} {e!r}")
+        if rt is not None and _context_of(e) != rt.context:
+            raise ValueError(f"wait_for[{i}]: an event of another OpenCL context than this "
+                             f"call's device ({rt.device.name!r}); pass events of that "
+                             f"device's context (wait for others with pyopencl.wait_for_events)")
     return waits
+
+
+def _context_of(event: Any) -> Any:
+    """``event``'s context, None when the driver cannot name it (Intel's runtime once the
+    context's last Python reference is gone): never this call's context."""
+    try:
+        return event.context
+    except runtime.cl().Error:
+        return None
 
 
 def note_allocation(exc: BaseException, what: str, nbytes: int, rt: Any) -> None:

@@ -575,6 +575,59 @@ def test_event_chaining(device, get_decoder, cl_queue):
             what="chained decode: ")
 
 
+def test_wait_for_of_another_context_is_refused_before_launch(device_target, get_decoder,
+                                                              cl_queue):
+    """An event of another OpenCL context in ``wait_for`` is a ValueError naming it before
+    anything is launched (a driver would refuse the enqueue: docs/contract.md section
+    10), on every public call taking ``wait_for``: BatchDecode.run (numpy and device
+    operands), DecodeStep.run (numpy and device operands), BatchPrefill.run, merge_state_
+    and merge_states; the caller's outputs keep their values."""
+    from prefill_cases import prefill_case, run
+    from test_prefill import ROPE_TYPES, get_prefill
+
+    sc = WIN[F32]
+    dec = get_decoder(sc.spec, device_target)
+    queue = cl_queue(device_target.device)
+    other_ctx = cl.Context([device_target.device])
+    other = cl.UserEvent(other_ctx)
+    other.set_status(cl.command_execution_status.COMPLETE)
+    gate = [cl.UserEvent(queue.context), other]   # the first is fine, the second is not
+    gate[0].set_status(cl.command_execution_status.COMPLETE)
+    case = window_case(sc.spec, [50, 3], window=[10, 0], sinks=[2, 0], seed=19)
+    args, kw = decode_args(case)
+    dargs = [cla.to_device(queue, a) for a in args]
+    dkw = {k: cla.to_device(queue, v) for k, v in kw.items()}
+    out = np.full(case["q"].shape, 7, np.float32)
+    dout = cla.to_device(queue, out)
+    dlse = cla.to_device(queue, np.full(case["q"].shape[:2], 7, np.float32))
+    step = dec.prepare(*args[2:], **kw, num_pages=len(case["pages"]))
+    pre = get_prefill(ROPE_TYPES["yarn"].spec, device_target)
+    pcase = prefill_case(pre.spec, [0], [3], seed=7)
+    v, vo = (np.full((2, 3, 64), 7, np.float32) for _ in "ab")
+    s, so = (np.zeros((2, 3), np.float32) for _ in "ab")
+    calls = {
+        "BatchDecode.run numpy": lambda: dec.run(*args, **kw, out=out, wait_for=gate),
+        "BatchDecode.run device": lambda: dec.run(*dargs, **dkw, out=dout, lse=dlse,
+                                                  wait_for=gate),
+        "DecodeStep.run numpy": lambda: step.run(case["q"], case["pages"], out=out,
+                                                 wait_for=gate),
+        "DecodeStep.run device": lambda: step.run(dargs[0], dargs[1], out=dout, lse=dlse,
+                                                  wait_for=gate),
+        "BatchPrefill.run": lambda: run(pre, pcase, wait_for=gate),
+        "merge_state_": lambda: clattn.merge_state_(v, s, vo, so, device=device_target.device,
+                                                    wait_for=gate),
+        "merge_states": lambda: clattn.merge_states(np.stack([v, vo], 1), np.stack([s, so], 1),
+                                                    device=device_target.device,
+                                                    wait_for=gate),
+    }
+    for what, call in calls.items():
+        with pytest.raises(ValueError, match=r"wait_for\[1\]: an event of another OpenCL "
+                                             r"context"):
+            call()
+        assert (out == 7).all() and (dout.get() == 7).all() and (dlse.get() == 7).all(), what
+        assert (v == 7).all() and (s == 0).all(), what
+
+
 def _ooo_queue(ctx):
     try:
         return cl.CommandQueue(
