@@ -113,8 +113,8 @@ def open_backend(device: Any, backend: str, profile: Any) -> DeviceSetup | None:
     dev = runtime.select_device(device)
     if dev is None:
         if backend == "opencl":
-            raise runtime.NoDeviceError("backend='opencl' but no OpenCL device is present")
-        warn_cpu_fallback("no usable OpenCL device found")
+            raise runtime.NoDeviceError(f"backend='opencl' but {runtime.no_device_reason()}")
+        warn_cpu_fallback(runtime.no_device_reason())
         return None
     runtime.check_usable(dev)
     return device_setup(runtime.Runtime.for_argument(device, dev), profile)

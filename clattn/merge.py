@@ -60,7 +60,7 @@ def _setup_for(arrays: dict, device: Any, profile: Any):
         return None, None
     dev = runtime.select_device(device)
     if dev is None:
-        warn_cpu_fallback("no usable OpenCL device found")
+        warn_cpu_fallback(runtime.no_device_reason())
         return None, None
     runtime.check_usable(dev)
     rt = runtime.Runtime.for_device(dev)

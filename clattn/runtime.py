@@ -5,9 +5,9 @@
   installed ``libintelocl.so`` through a private vendors folder (``OCL_ICD_VENDORS``),
   keeping every system .icd too. Set ``CLATTN_NO_ICD_SETUP=1`` to leave it alone.
 * Device choice: an explicit argument, else ``PYOPENCL_CTX`` (pyopencl's
-  ``platform:device`` convention), else the first GPU, else PoCL's CPU device, else any
-  device but the Oclgrind simulator. No device at all -> None (callers fall back to
-  the CPU and say so once).
+  ``platform:device`` convention), else the first usable GPU, else PoCL's CPU device, else
+  any usable device but the Oclgrind simulator (run only when named). None usable -> None
+  (callers fall back to the CPU and say so once, :func:`no_device_reason`).
 * A device whose compiler cannot build and run a one-line kernel (PoCL built against an
   LLVM that does not know the host CPU answers "unknown target CPU 'generic'") is not
   usable: :func:`device_problem` says why, the default choice passes over it, a name
@@ -221,11 +221,30 @@ def select_device(device: Any = None) -> Any:
         return _match_string(env, devices)
     if not devices:
         return None
+    # Rule: the default is a usable real device; the Oclgrind simulator (1000x slower)
+    # only when asked for by name, never as the last resort (no_device_reason says so)
     real = [d for d in devices if not is_simulator(d) and device_problem(d) is None]
     gpus = [d for d in real if d.type & pcl.device_type.GPU]
     pocl = [d for d in real if "portable computing language" in d.platform.name.lower()]
-    usable = gpus or pocl or real or [d for d in devices if is_simulator(d)]
+    usable = gpus or pocl or real
     return usable[0] if usable else None
+
+
+def no_device_reason() -> str:
+    """Why :func:`select_device` found no default device, in one sentence for the one
+    message of the CPU fallback: no device, only unusable ones (each with its driver's
+    reason), and that the Oclgrind simulator, when present, runs only when named."""
+    devices = all_devices()
+    real = [d for d in devices if not is_simulator(d)]
+    if not real:
+        why = "no OpenCL device found"
+    else:
+        why = "no usable OpenCL device (" + "; ".join(
+            f"{d.platform.name.strip()} / {d.name.strip()}: {device_problem(d)}"
+            for d in real) + ")"
+    if any(is_simulator(d) for d in devices):
+        why += "; the Oclgrind simulator is present but runs only when named (device='oclgrind')"
+    return why
 
 
 class Runtime:

@@ -163,6 +163,32 @@ def test_a_device_whose_compiler_fails_is_refused_by_name(any_device, monkeypatc
                            device=any_device)
 
 
+def test_only_the_simulator_usable_falls_back_to_the_cpu_backend(oclgrind_device,
+                                                                monkeypatch):
+    """Every real device unusable (simulated) and Oclgrind installed: the default choice is
+    no device, not the 1000x slower simulator; an attention object says so in one message
+    naming why and where the simulator is, and runs the CPU backend (README); Oclgrind is
+    still chosen when named."""
+    from clattn import device as device_mod
+    monkeypatch.delenv("PYOPENCL_CTX", raising=False)
+    monkeypatch.setattr(runtime, "device_problem",
+                        lambda d: None if runtime.is_simulator(d) else "error: simulated")
+    monkeypatch.setattr(device_mod, "_WARNED_NO_DEVICE", False)
+    assert runtime.select_device() is None
+    spec = clattn.AttentionSpec(8, 2, 64, page_size=16, dtype=F32)
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        dec = clattn.BatchDecode(spec)
+        again = clattn.BatchPrefill(spec)
+    msgs = [str(w.message) for w in got]
+    assert len(msgs) == 1 and "no usable OpenCL device" in msgs[0] and \
+        "error: simulated" in msgs[0] and "device='oclgrind'" in msgs[0], msgs
+    assert dec.backend == "cpu" and again.setup is None
+    with pytest.raises(clattn.NoDeviceError, match="no usable OpenCL device"):
+        clattn.BatchDecode(spec, backend="opencl")
+    assert runtime.select_device("oclgrind").int_ptr == oclgrind_device.int_ptr
+
+
 def test_devices_present_that_cannot_build_are_refused():
     """Each device present whose compiler fails (PyPI's PoCL 3.0 on a CPU its LLVM 14 does
     not know, such as AMD's Zen 5) is refused with the driver's reason, the default choice

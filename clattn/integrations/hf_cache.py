@@ -405,7 +405,7 @@ class ClattnCache(Cache):
             else:
                 self._cl_device = clattn.select_device(self.device)
             if self._cl_device is None and self.backend == "opencl":
-                raise clattn.NoDeviceError("backend='opencl' but no OpenCL device is present")
+                raise clattn.NoDeviceError(f"backend='opencl' but {runtime.no_device_reason()}")
         return self._cl_device
 
 
