@@ -16,7 +16,8 @@ import pytest
 import clattn
 from cases import compare
 from naive import naive_inv_freq, naive_rotate
-from test_cache import LLAMA3, SPLIT_EVERY_STEP, History, make_cache
+from conftest import Target
+from test_cache import LLAMA3, SPLIT_EVERY_STEP, History, make_cache, pool_host
 
 F32, F16 = "float32", "float16"
 DECODE, PREFILL, MIXED = ("decode",), ("prefill",), ("decode", "prefill")
@@ -248,3 +249,24 @@ def test_mixed_steps_with_split_decode(device):
     assert cache.decoder.plan(cache.step_tables.prefill.decode.page_indptr,
                               cache.step_tables.prefill.decode.last_page_len).split
     cache.cancel()
+
+
+def test_append_rotates_the_key_at_long_from_with_the_long_factors(device_target):
+    """rope="append" with longrope: a key at exactly ``long_from`` (position 32) takes the
+    long factors (``pos >= long_from``), in the append kernel (a chunk over 30..33) and in
+    the fused one-token step (a key at 32): the device's pool equals the CPU backend's."""
+    spec = _spec(F32, rope_scaling=LONGROPE, max_position_embeddings=256)
+    rng = np.random.default_rng(31)
+    pools = []
+    for target in (device_target, Target("cpu")):
+        cache = make_cache(spec, target, layers=1, num_pages=8, rope="append")
+        cache.add("a", pos_offset=30)
+        cache.add("b", pos_offset=32)
+        for ids, ns in ((["a"], [4]), (["b"], [1])):
+            cache.begin(ids, ns)
+            kv = np.random.default_rng(31 + sum(ns)).standard_normal((2, sum(ns), 2, 16))
+            cache.append(0, *kv.astype(np.float32))
+            cache.attend(0, rng.standard_normal((sum(ns), 4, 16)).astype(np.float32))
+            cache.end()
+        pools.append(pool_host(cache, 0))
+    np.testing.assert_allclose(pools[0], pools[1], rtol=1e-4, atol=1e-4)

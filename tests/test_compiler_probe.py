@@ -115,17 +115,20 @@ def test_a_probe_in_a_child_process_answers_as_in_process(device, what, monkeypa
         assert probe(rt) == here
 
 
-def test_a_compiler_that_kills_its_process_means_no_and_one_warning(device, monkeypatch):
+@pytest.mark.parametrize("said", ["", "print('yes', flush=True); "],
+                         ids=["no-answer", "yes-then-dies"])
+def test_a_compiler_that_kills_its_process_means_no_and_one_warning(device, monkeypatch, said):
     """A child that dies (as rusticl's SPIR-V writer ends the process on
-    ``__builtin_prefetch``) or prints no answer: the feature is off, the caller's process
-    goes on, and one warning names the device and the exit status."""
+    ``__builtin_prefetch``), with no answer or after printing "yes" (the exit status
+    counts, not the words): the feature is off, the caller's process goes on, and one
+    warning names the device and the exit status."""
     import sys
     rt = Runtime.for_device(device)
     _fresh_answers(monkeypatch)
     monkeypatch.setattr(compiler_probe, "runs_in_process", lambda dev: False)
     monkeypatch.setattr(compiler_probe, "child_command", lambda *a: [
-        sys.executable, "-c", "import os, sys; sys.stderr.write('Unexpected llvm intrinsic\\n');"
-        " sys.stderr.flush(); os._exit(8)"])
+        sys.executable, "-c", f"import os, sys; {said}sys.stderr.write('Unexpected llvm "
+        "intrinsic\\n'); sys.stderr.flush(); os._exit(8)"])
     with pytest.warns(RuntimeWarning, match=r"prefetch probe failed .*status 8.*intrinsic"):
         assert compiler_probe.prefetch_works(rt) is False
     assert compiler_probe.prefetch_works(rt) is False  # answered once per process

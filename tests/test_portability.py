@@ -163,6 +163,21 @@ def test_a_device_whose_compiler_fails_is_refused_by_name(any_device, monkeypatc
                            device=any_device)
 
 
+@pytest.mark.parametrize("wrong", ["gid == 0 ? 7 : 3", "gid == 3 ? 5 : 7"],
+                         ids=["most-wrong", "one-wrong"])
+def test_a_device_that_computes_wrong_is_unusable(device, monkeypatch, wrong):
+    """The health check's one-line kernel must write every value right: a device whose
+    kernel writes any wrong value (one of four, or all but one) is unusable, by name."""
+    monkeypatch.setattr(runtime, "_PROBLEMS", {})
+    monkeypatch.setattr(runtime, "_HEALTH_SOURCE",
+                        "__kernel void clattn_health(__global int* x) { int gid = "
+                        f"get_global_id(0); x[gid] = {wrong}; }}")
+    assert runtime.device_problem(device) == "a one-line kernel ran but wrote wrong values"
+    monkeypatch.setattr(runtime, "_PROBLEMS", {})
+    monkeypatch.undo()
+    assert runtime.device_problem(device) is None
+
+
 def test_only_the_simulator_usable_falls_back_to_the_cpu_backend(oclgrind_device,
                                                                 monkeypatch):
     """Every real device unusable (simulated) and Oclgrind installed: the default choice is

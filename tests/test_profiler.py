@@ -443,13 +443,19 @@ def test_tune_is_the_command_and_profile_its_alias():
 
 # -- the tuner on a tiny workload --------------------------------------------------------------
 
-def _tiny_tuner():
-    settings = Settings(quick=True, budget_s=60, points=((1, 64),), max_kernels=4,
-                        max_plans=1, passes=1, target_s=0.005, reps=3)
+def _tiny_tuner(monkeypatch):
+    """A quick tuner on one tiny shape, its time budget off (search.NO_BUDGET): every
+    candidate a test evaluates is tried however slow or busy the machine is; its pool a
+    32 MiB cold set (filling one past every cache took minutes on one busy core)."""
+    monkeypatch.setattr(search, "sizing", lambda dev: Sizing(32 << 20))
+    settings = Settings(quick=True, budget_s=search.NO_BUDGET, points=((1, 64),),
+                        max_kernels=4, max_plans=1, passes=1, target_s=0.005, reps=3)
     rt = runtime.Runtime.for_device(POCL)
     info = device_info(POCL)
     base = match(info, user=False).profile
-    return Tuner(rt, info, base, settings, search.Progress(60, enabled=False))
+    tuner = Tuner(rt, info, base, settings, search.Progress(60, enabled=False))
+    tuner.t0 -= 1e6  # as if a slow machine had spent a million seconds: no verdict changes
+    return tuner
 
 
 def _sized_tuner(monkeypatch, cold: int, host_available: int):
@@ -511,7 +517,7 @@ def test_candidate_that_fails_to_build_or_is_wrong_is_skipped(monkeypatch):
 
     monkeypatch.setattr(BatchDecode, "build", build)
     monkeypatch.setattr(BatchDecode, "run", run)
-    tuner = _tiny_tuner()
+    tuner = _tiny_tuner(monkeypatch)
     try:
         ok = tuner.evaluate(tuner.base, "default", force=True)
         broken = tuner.evaluate(tuner.base.with_(vec=2), "vec=2")
@@ -531,7 +537,7 @@ def test_candidate_that_fails_to_build_or_is_wrong_is_skipped(monkeypatch):
 @needs_pocl
 def test_plan_only_candidates_reuse_identical_launches(monkeypatch):
     monkeypatch.delenv("CLATTN_PROFILE", raising=False)
-    tuner = _tiny_tuner()
+    tuner = _tiny_tuner(monkeypatch)
     try:
         a = tuner.evaluate(tuner.base, "default", force=True)
         # a partition floor that changes no plan at 64 rows: every time is reused, nothing built
@@ -559,7 +565,7 @@ def test_tuner_times_kernel_events_over_rotating_page_sets(monkeypatch):
         host.append(time.perf_counter() - t0)
         return res
 
-    tuner = _tiny_tuner()
+    tuner = _tiny_tuner(monkeypatch)
     try:
         shape = tuner.shapes[0]
         w = tuner._workload(shape)
@@ -577,7 +583,7 @@ def test_tuner_times_kernel_events_over_rotating_page_sets(monkeypatch):
 @needs_pocl
 def test_confirmation_keeps_the_default_when_the_winner_does_not_hold_up(monkeypatch):
     monkeypatch.delenv("CLATTN_PROFILE", raising=False)
-    tuner = _tiny_tuner()
+    tuner = _tiny_tuner(monkeypatch)
     base_vec = tuner.base.vec
     # deterministic clock (a loaded machine must not prune the candidate): the default
     # really is twice as fast as the other candidate

@@ -92,12 +92,19 @@ def values_to_try(param: Parameter, current: Profile, limits: Limits, quick: boo
 
 
 # -- settings and progress -------------------------------------------------------------------
+#: ``Settings.budget_s`` that switches the time budget off
+NO_BUDGET = math.inf
+
+
 @dataclass(frozen=True)
 class Settings:
     """How hard one run tries (``quick`` or full)."""
 
     quick: bool
-    budget_s: float  # tuning wall time, the final side-by-side re-timing included
+    # tuning wall time, the final side-by-side re-timing included; NO_BUDGET (math.inf)
+    # switches the clock off: the search stops at its caps alone (max_kernels, max_plans,
+    # passes), so what it tries does not depend on the machine's speed (the tests)
+    budget_s: float
     points: tuple = FULL_POINTS
     max_kernels: int = 40  # distinct kernel configurations (each one compiles)
     max_plans: int = 16  # plan-only variations (no compile)
