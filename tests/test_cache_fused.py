@@ -181,3 +181,31 @@ def test_held_append_owns_device_kv_and_survives_a_failed_attend(device):
     assert equal(pools(caches[True]), pools(caches[False]))
     assert pools(caches[True])[0][0, 0, 0, 1, 0] == 3.0
     assert pools(caches[True])[1][0, 0, 0, 1, 0] == 4.0
+
+
+def test_fused_only_when_every_sequence_brings_one_token(device_target):
+    """Where the fused step is decided (``begin``): a step fuses its append into the
+    decode launch only when every sequence brings one token, so the append is held
+    (returns None) then and only then; steps where one sequence brings one token and
+    another several append apart, and every result and pool equals the separate cache's."""
+    spec = clattn.AttentionSpec(4, 2, 16, page_size=4, dtype="float32")
+    caches = [make_cache(spec, device_target, fuse, False, None) for fuse in (True, False)]
+    seen: list = [[], []]
+    rng = np.random.default_rng(41)
+    for lengths in ([6, 3], [1, 3], [3, 1], [1, 1], [2, 1]):
+        T = sum(lengths)
+        k, v = (rng.standard_normal((T, 2, 16)).astype(np.float32) for _ in range(2))
+        q = rng.standard_normal((T, 4, 16)).astype(np.float32)
+        for i, cache in enumerate(caches):
+            if "a" not in cache:
+                cache.add("a")
+                cache.add("b")
+            cache.begin(["a", "b"], lengths)
+            held = cache.append(0, k, v) is None
+            assert held == (i == 0 and lengths == [1, 1]), (lengths, i)
+            cache.append(1, k, v)
+            seen[i] += [cache.attend(layer, q) for layer in range(LAYERS)]
+            cache.end()
+            seen[i].append(pools(cache))
+    for j, (a, b) in enumerate(zip(*seen)):
+        assert equal(a, b), f"result {j} differs between the fused and separate caches"

@@ -87,6 +87,18 @@ def test_random_masks(target, dtype, causal):
     assert np.isneginf(np.asarray(ref[1])[NEW[0] + NEW[1]]).all() == causal
 
 
+@pytest.mark.parametrize("dtype", [F32, F16])
+def test_masks_over_several_prefill_units(target, dtype):
+    """Sequences of 37 and 50 queries: more than a prefill work unit holds (16 or fewer
+    queries), so each unit after a sequence's first reads its mask from its own offset
+    into the sequence's segment; every query against the oracle."""
+    sc = SCENARIOS[dtype]
+    pre = get_prefill(sc.spec, target)
+    win = dict(window=[0, 0], sinks=[0, 0]) if sc.spec.sliding_window else {}
+    case = prefill_case(sc.spec, [5, 0], [37, 50], seed=15, **win)
+    check(pre, sc, case, random_masks(case, 16), what=f"{target} {dtype} 37/50 queries: ")
+
+
 def test_masks_with_learned_sinks(target):
     """A mask and learned sinks in one call: a query whose mask keeps no row gives its
     head's sink alone (out 0, lse = sink log2 e), every other query the oracle's softmax

@@ -215,3 +215,56 @@ def test_fold_build_refused_keeps_the_merge_launch(device_target, monkeypatch):
     a, b = run(fold, case, sc, plan, rotary_mode=1), run(sep, case, sc, plan, rotary_mode=1)
     assert_same(a, b)
     assert len(a.events) == 2 and not fold.opencl.folds(plan)
+
+
+def test_folded_prepared_step_with_sinks(device_target, get_decoder):
+    """A prepared split step with learned sinks runs the folded build with the sink
+    epilogue (one launch per layer, the separate launches' bits), on the host path and on
+    the per-layer path (device arrays, outputs given, device sinks)."""
+    sc = WIN[F32]
+    fold, sep = decoders(get_decoder, sc.spec, device_target)
+    case = split_case(sc.spec, seed=35)
+    args, kw = decode_args(case)
+    kw.update(rotary_mode=1)
+    plan = sep.plan(case["page_indptr"], case["last_page_len"],
+                    window_offset=case["window_offset"], sink_size=case["sink_size"], split=16)
+    sinks = sinks_for(sc.spec.num_qo_heads, 36)
+    results = {}
+    for name, dec in (("fold", fold), ("sep", sep)):
+        queue = dec.setup.runtime.queue
+        step = dec.prepare(*args[2:], num_pages=case["pages"].shape[0], plan=plan, **kw)
+        slow = step.run(case["q"], case["pages"], sink_logits=sinks)
+        dq, dp = cla.to_device(queue, case["q"]), cla.to_device(queue, case["pages"])
+        out, lse = cla.empty(queue, dq.shape, F32), cla.empty(queue, dq.shape[:2], np.float32)
+        fast = step.run(dq, dp, out=out, lse=lse, sink_logits=cla.to_device(queue, sinks))
+        results[name] = [(slow.out, slow.lse, len(slow.events)),
+                         (out.get(), lse.get(), len(fast.events))]
+    for i, (a, b) in enumerate(zip(results["fold"], results["sep"])):
+        assert_same(a[:2], b[:2], f"{('host', 'per-layer')[i]} path: ")
+        assert (a[2], b[2]) == (1, 2), f"launches {a[2]} folded, {b[2]} separate"
+    check(fold, sc, case, ref=oracle(sc, case, rotary_mode=1, sink_logits=sinks),
+          rotary_mode=1, lib=dict(plan=plan, sink_logits=sinks), what="folded, sinks: ")
+    assert counters_zero(fold, len(SPLIT_LENGTHS))
+
+
+def test_folded_counters_grow_with_the_batch(device_target):
+    """A fresh folded decoder's first split launch has one sequence, its next seven: the
+    counters grow with the batch (one per sequence and KV head), the results are the
+    separate launches' bits and every counter is back at zero."""
+    sc = WIN[F32]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # profile fitting notes
+        fold, sep = (clattn.BatchDecode(sc.spec, device_target.device,
+                                        profile=profile_of(device_target, f)) for f in (True, False))
+    big = split_case(sc.spec, seed=37)
+    small = window_case(sc.spec, [SPLIT_LENGTHS[-2]], window=[100], sinks=[100], seed=38,
+                        rope=True, pos_offset=[8])
+    for case in (small, big):
+        plan = sep.plan(case["page_indptr"], case["last_page_len"],
+                        window_offset=case["window_offset"], sink_size=case["sink_size"],
+                        split=16)
+        assert plan.split
+        assert_same(run(fold, case, sc, plan, rotary_mode=1), run(sep, case, sc, plan,
+                                                                   rotary_mode=1))
+        assert counters_zero(fold, len(case["last_page_len"]))
+    assert counters_zero(fold, len(SPLIT_LENGTHS))
