@@ -53,6 +53,10 @@ BUILD_FAILURE = re.compile(r"BUILD_PROGRAM_FAILURE|clBuildProgram failed|mako\.e
                            r"CompileException|SyntaxException|SyntaxError|IndentationError")
 
 KT = "tests/test_kernels.py"
+#: the CPU drivers and the CPU backend only (no Oclgrind): mutants whose tests run there
+FAST = {"CLATTN_TEST_DEVICES": "pocl,intel,cpu"}
+#: PoCL alone: mutants that crash Intel's runtime (a crash is no test's verdict)
+POCL = {"CLATTN_TEST_DEVICES": "pocl"}
 ROWS = "(pocl- or intel-) and not tiled and not cpu"     # -k: the rows kernel on both drivers
 TILED = "tiled"
 
@@ -509,6 +513,67 @@ MUTANTS = [
         ("use_mask=int(custom_mask is not None),", "use_mask=0,")],
         ["tests/test_custom_mask.py", "-k", "random_masks"],
         "the prefill kernels are told there is no mask", "python"),
+    # ---- issue 36: bugs the suite let through, or caught only by a machine's luck ----------
+    Mutant("append-longrope-after-long-from", "kernels/append_row.clh.mako", [
+        ("rope_turns + (pos >= long_from ? ${ROT // 2} : 0);",
+         "rope_turns + (pos > long_from ? ${ROT // 2} : 0);")],
+        ["tests/test_cache_prefill.py", "-k", "at_long_from"],
+        "the device append rotates the key at exactly long_from with the short factors",
+        "kernel", env=FAST),
+    Mutant("probe-child-status-ignored", "clattn/compiler_probe.py", [
+        ('if done.returncode == 0 and lines and lines[-1] in ("yes", "no"):',
+         'if lines and lines[-1] in ("yes", "no"):')],
+        ["tests/test_compiler_probe.py", "-k", "kills"],
+        "a probe child that prints yes and then dies counts as yes", env=FAST),
+    Mutant("health-check-any-right-value", "clattn/runtime.py", [
+        ("if not (got == 7).all():", "if not (got == 7).any():")],
+        ["tests/test_portability.py", "-k", "computes_wrong"],
+        "a device whose health kernel writes some wrong values is accepted", env=FAST),
+    Mutant("step-sinks-on-the-unfolded-build", "clattn/decode_step.py", [
+        ("decode_kernels(sinks=True, fold=self._fold)", "decode_kernels(sinks=True, fold=False)")],
+        ["tests/test_fold_merge.py", "-k", "step_with_sinks"],
+        "a prepared split step with sinks launches the unfolded decode and no merge",
+        env=FAST),
+    Mutant("fold-counters-never-grow", "clattn/opencl_backend.py", [
+        ("if self._counters is None or self._counters[0] < n:", "if self._counters is None:")],
+        ["tests/test_fold_merge.py", "-k", "grow_with"],
+        "the folded merge's counters keep the first batch's size (later launches count "
+        "past them; Intel's runtime crashes on it, PoCL gives wrong values)", env=POCL),
+    Mutant("prefill-mask-unit-offset", "kernels/prefill_common.clh.mako", [
+        ("* 8 + (long)q0 * chunk : 0;", "* 8 : 0;")],
+        ["tests/test_custom_mask.py", "-k", "several_prefill_units"],
+        "a sequence's later prefill units read the mask bits of its first queries",
+        "kernel", env=FAST),
+    Mutant("fuse-when-any-sequence-has-one-token", "clattn/cache.py", [
+        ("all(n == 1 for n in t.lengths)", "any(n == 1 for n in t.lengths)")],
+        ["tests/test_cache_fused.py", "-k", "every_sequence_brings"],
+        "a step fuses its append when any sequence (not every one) brings one token",
+        env=FAST),
+    Mutant("sink-logit-overflow-accepted", "clattn/validate.py", [
+        ("        if huge.any():\n", "        if False:\n")],
+        ["tests/test_sinks.py", "-k", "bad_sinks"],
+        "a finite sink logit whose base-2 form overflows f32 is launched (NaN heads)",
+        env=FAST),
+    Mutant("wait-for-context-unchecked", "clattn/staging.py", [
+        ("if rt is not None and _context_of(e) != rt.context:", "if False:")],
+        ["tests/test_kernels.py", "-k", "another_context"],
+        "an event of another context reaches the driver (PoCL: INVALID_CONTEXT at enqueue; "
+        "Intel's runtime aborts the process)", env=POCL),
+    Mutant("simulator-as-the-last-resort", "clattn/runtime.py", [
+        ("    usable = gpus or pocl or real\n",
+         "    usable = gpus or pocl or real or [d for d in devices if is_simulator(d)]\n")],
+        ["tests/test_portability.py", "-k", "only_the_simulator"],
+        "with every real device unusable the default is the Oclgrind simulator",
+        env={"CLATTN_TEST_DEVICES": "pocl,oclgrind"}),
+    Mutant("tree-mask-rounds-parents", "clattn/mask.py", [
+        ("if not is_int(p) or not -1 <= p < i:", "if not -1 <= int(p) < i:")],
+        ["tests/test_custom_mask.py", "-k", "tree_mask_refuses"],
+        "tree_mask takes a parent of 0.5 as 0", env=FAST),
+    Mutant("masked-begin-checks-masks-first", "clattn/cache.py", [
+        ("                seq_ids, lengths, _ = self.table.check_step(seq_ids, lengths)\n", "")],
+        ["tests/test_custom_mask.py", "-k", "take_seq_ids"],
+        "begin(..., masks=) reads seq_ids twice and checks masks before lengths (raw "
+        "IndexError, a generator refused)", env=FAST),
 ]
 
 
