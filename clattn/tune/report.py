@@ -213,7 +213,8 @@ def _candidate_lines(t: TuningResult) -> list[str]:
         counts[cd.status] = counts.get(cd.status, 0) + 1
     ctext = ", ".join(f"{v} {k}" for k, v in counts.items())
     lines = [f"Tuning: {len(t.shapes)} shapes, {len(t.candidates)} candidates ({ctext}), "
-             f"{t.elapsed_s:.0f} s of a {t.settings.budget_s:.0f} s budget"
+             + (f"{t.elapsed_s:.0f} s, no time budget" if math.isinf(t.settings.budget_s)
+                else f"{t.elapsed_s:.0f} s of a {t.settings.budget_s:.0f} s budget")
              + (f"; stopped: {t.stopped}" if t.stopped else "")]
     for k, why in t.skipped_shapes.items():
         lines.append(f"  shape {k} not measured: {why}")
