@@ -116,7 +116,7 @@ class BatchPrefill:
         if self.setup:
             self.opencl = OpenCLBackend(spec, self.setup)
             warn_notes(self.setup.notes, stacklevel=2)
-            warn_notes(self.opencl.fit_prefill(), "prefill: ", stacklevel=2)
+            warn_notes(self.opencl.prefill_notes, "prefill: ", stacklevel=2)
 
     # -- introspection -------------------------------------------------------------
     @property
