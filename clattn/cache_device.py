@@ -31,6 +31,7 @@ from .prefill import make_prefill_plan
 from .quant import QUANTIZED, check_quantizable
 from .result import AttentionResult
 from .spec import AttentionSpec
+from .staging import Call
 from .validate import chunk_lengths, is_host, launchable
 
 #: the table arguments the decode and prefill kernels share, unset until a step sets them
@@ -273,8 +274,8 @@ class CacheDevice:
         """The prefill kernel's mask arguments for the step's packed mask (uploaded)."""
         if mask is None:
             return dict(mask=None, mask_indptr=None, mask_bytes=0, use_mask=0)
-        cla = runtime.cl().array
-        bits, indptr = (cla.to_device(self.queue, a) for a in mask)
+        call = Call(self.opencl.runtime, self.queue)
+        bits, indptr = call.input("custom_mask", mask[0]), call.input("mask_indptr", mask[1])
         self.bytes_uploaded += mask[0].nbytes + mask[1].nbytes
         return dict(mask=bits, mask_indptr=indptr, mask_bytes=len(mask[0]), use_mask=1)
 

@@ -5,12 +5,12 @@ from typing import Any
 
 import numpy as np
 
-from . import cpu_backend, host_memory, runtime
+from . import cpu_backend, host_memory
 from .codegen import render_decode
 from .decode_fast import OneCallPath
 from .decode_launch import make_plan as make_decode_plan
 from .decode_launch import plan_launch
-from .decode_step import DecodeStep, sink_args, upload_tables
+from .decode_step import DecodeStep
 from .device import DeviceSetup, open_backend, warn_notes
 from .fit import DecodeGeometry, MergeGeometry
 from .numbers import is_int
@@ -19,7 +19,7 @@ from .plan import Plan, make_plan
 from .profiles.record import Profile
 from .result import AttentionResult
 from .spec import INDEX_DTYPE, INT32_MAX, LSE_DTYPE, AttentionSpec
-from .staging import Call, events_list
+from .staging import Call, check_host_call, run_on_host, sink_args, upload_tables
 from .validate import check_array, check_decode, check_sink_logits, check_tables, \
     chunk_lengths, is_host
 
@@ -353,38 +353,3 @@ def _check_split(split: Any) -> None:
         raise TypeError(f"split={split!r}: None, False, True or rows per partition (an int)")
     if split < 1:
         raise ValueError(f"split={split!r}: rows per partition must be >= 1")
-
-
-def _host(a: Any) -> Any:
-    """A device array fetched to the host; anything else, and a non-contiguous device
-    array, as given (validation judges it)."""
-    return a.get() if hasattr(a, "base_data") and a.flags.c_contiguous else a
-
-
-def check_host_call(plan: Any, plan_type: type, planner: str, queue: Any,
-                    wait_for: Any) -> None:
-    """The arguments of a CPU-backend call that only a device call uses, checked as a
-    device call checks them: a plan of the right kind or None (the host plans nothing), a
-    pyopencl queue or None (device inputs are read on their own queues), and events,
-    which are waited for before any input is read."""
-    if plan is not None and not isinstance(plan, plan_type):
-        raise TypeError(f"plan: expected a {plan_type.__name__} from {planner}, got "
-                        f"{type(plan).__name__}")
-    if queue is not None and not isinstance(queue, runtime.cl().CommandQueue):
-        raise TypeError(f"queue: expected a pyopencl.CommandQueue or None, got "
-                        f"{type(queue).__name__}")
-    waits = events_list(wait_for)
-    if waits:
-        runtime.cl().wait_for_events(waits)
-
-
-def run_on_host(fn: Any, spec: AttentionSpec, arrays: tuple, kw: dict, out: Any,
-                lse: Any) -> tuple:
-    """The CPU backend's ``fn(spec, *arrays, **kw, out=, lse=)`` with device arrays fetched
-    to the host; device ``out``/``lse`` are written back once the call succeeded."""
-    host_kw = {k: (_host(v) if hasattr(v, "shape") else v) for k, v in kw.items()}
-    o, s = fn(spec, *[_host(a) for a in arrays], **host_kw, out=_host(out), lse=_host(lse))
-    for given, res in ((out, o), (lse, s)):
-        if given is not None and not is_host(given):
-            given.set(res)
-    return o, s

@@ -14,7 +14,7 @@ from typing import Any
 from .decode_launch import DecodeLaunch, PlanLaunch
 from .result import AttentionResult
 from .spec import LSE_DTYPE
-from .staging import Call, events_list
+from .staging import Call, events_list, sink_args
 from .validate import DecodeArgs, check_operands, check_sink_logits, is_host, launchable
 
 
@@ -120,34 +120,3 @@ class DecodeStep:
         out.events[:] = [events[-1]]
         lse.events[:] = [events[-1]]
         return AttentionResult(out, lse, events[-1], events)
-
-
-def sink_args(call: Call, sink_logits: Any) -> dict:
-    """The learned-sink arguments of the decode, merge and prefill kernels, by name
-    (``sink_logits`` on the device, or None and the flag off)."""
-    return dict(sink_logits=call.input("sink_logits", sink_logits),
-                use_sinks=int(sink_logits is not None))
-
-
-def upload_tables(call: Call, spec: Any, args: DecodeArgs, page_indptr: Any, page_indices: Any,
-                  length_info: Any, window_offset: Any, sink_size: Any, q_pos: Any,
-                  k_pos_offset: Any, rotary_mode: int) -> dict:
-    """The decode kernel's table arguments by name, on the device."""
-    named = dict(page_indptr=call.input("page_indptr", page_indptr),
-                 page_indices=call.input("page_indices", page_indices),
-                 num_pages=args.num_pages, nnz=args.nnz,
-                 window_offset=None, sink_size=None, q_pos=None, k_pos_offset=None)
-    if length_info is not None:
-        packed = call.input("length_info", length_info)
-        named["last_page_len"] = packed[0] if spec.sliding_window else packed
-        if spec.sliding_window:  # rows 1 and 2 of the packed [3, B] table
-            named["window_offset"], named["sink_size"] = packed[1], packed[2]
-    else:
-        named["last_page_len"] = call.input("last_page_len", args.last_page_len)
-        if spec.sliding_window:
-            named["window_offset"] = call.input("window_offset", window_offset)
-            named["sink_size"] = call.input("sink_size", sink_size)
-    if rotary_mode:
-        named["q_pos"] = call.input("q_pos", q_pos)
-        named["k_pos_offset"] = call.input("k_pos_offset", k_pos_offset)
-    return named
