@@ -143,14 +143,14 @@ class DecodeLaunch:
         for decode, _, fused in self._bound.values():
             if decode is not None:
                 decode.set(**named)
-            if fused is not None:
+            if fused:
                 fused.set(**named)
 
     def set_fused(self, **named: Any) -> None:
         """Set the fused kernel's own arguments on every bound build."""
         self._fused.update(named)
         for _, _, fused in self._bound.values():
-            if fused is not None:
+            if fused:
                 fused.set(**named)
 
     def set_plan(self, launch: PlanLaunch) -> None:
@@ -168,16 +168,18 @@ class DecodeLaunch:
     def fuses(self, sinks: bool) -> bool:
         """True when the build the plan launches with (``sinks``) or without learned
         sinks has a fused decode-append form."""
-        return self._fused is not None and self.opencl.fused_decode_kernel(
-            sinks=sinks, fold=self.plan.fold) is not None
+        if self._fused is None:
+            return False
+        with self.lock:
+            return bool(self.kernels(sinks, self.plan.fold, fused=True)[2])
 
     def kernels(self, sinks: bool, fold: bool, fused: bool = False, merge: bool = False,
                 operands: dict | None = None) -> list:
         """``[decode, merge, fused]`` bound objects of the build with (``sinks``) or
         without the learned-sink epilogue and with (``fold``) or without the merge folded
         in; the decode bound now, the merge when ``merge``, the fused form when ``fused``
-        (None where the build has none); ``operands``: arguments of the launch at hand,
-        bound with the rest."""
+        (False where the build has none, None until asked for); ``operands``: arguments
+        of the launch at hand, bound with the rest."""
         hit = self._bound.get((sinks, fold))
         if hit is None:
             hit = self._bound[sinks, fold] = [None, None, None]
@@ -190,8 +192,7 @@ class DecodeLaunch:
                 hit[1] = merge_k.bind(**self._merge)
             if fused and hit[2] is None and self._fused is not None:
                 launcher = self.opencl.fused_decode_kernel(sinks=sinks, fold=fold)
-                if launcher is not None:
-                    hit[2] = launcher.bind(**{**args, **self._fused})
+                hit[2] = False if launcher is None else launcher.bind(**{**args, **self._fused})
         return hit
 
     @property
@@ -199,7 +200,7 @@ class DecodeLaunch:
         """The fused kernel object of the build without sinks and fold (bound now; None
         where there is none)."""
         with self.lock:
-            return self.kernels(False, False, fused=True)[2]
+            return self.kernels(False, False, fused=True)[2] or None
 
     # -- launching -----------------------------------------------------------------
     def launch(self, queue: Any, waits: list, operands: dict, append: dict | None = None,
