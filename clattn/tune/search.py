@@ -485,8 +485,15 @@ class Tuner:
         decs: dict[str, BatchDecode] = {}
         if new_kernel and kkey[0] != "invalid":
             self._kernel_ok[kkey] = None
-        for m in self.models:
-            if self._kernel_ok[kkey]:
+        # the models of the shapes left, the first shape's first: the default stops
+        # building once the budget is spent (the shapes of models it did not build are
+        # dropped by _time_shapes), so a slow compiler does not hold the budget
+        first = {}
+        for shape in self.shapes:
+            first.setdefault(shape.model, len(first))
+        models = sorted((m for m in self.models if m.name in first), key=lambda m: first[m.name])
+        for m in models:
+            if self._kernel_ok[kkey] or (cand.id == 0 and decs and self.over_budget()):
                 break
             self.progress.update(f"{label}: build + verify {m.name}")
             try:
@@ -513,7 +520,8 @@ class Tuner:
         timed, after which the shapes it has no time for are dropped from the run (said in
         ``skipped_shapes``), so the budget holds on any machine."""
         for i, shape in enumerate(list(self.shapes)):
-            if self.over_budget() and (not force or cand.id != 0 or cand.times):
+            if (self.over_budget() or shape.model not in decs) and \
+                    (not force or cand.id != 0 or cand.times):
                 if force and cand.id == 0:
                     self._drop_shapes(self.shapes[i:])
                     break
