@@ -7,7 +7,7 @@ from pathlib import Path
 from mako.lookup import TemplateLookup
 
 from . import signatures
-from .fit import DecodeGeometry, MergeGeometry, PrefillGeometry
+from .fit import DecodeGeometry, MergeGeometry, PrefillGeometry, tiled_heads, tiled_local
 from .kernel_exprs import RopePairs
 from .quant import row_bytes
 from .rope import parse_rope_scaling
@@ -87,7 +87,10 @@ def render_decode(spec: AttentionSpec, geom: DecodeGeometry, fused: bool = False
         PREFETCH=geom.prefetch, VEC_ROPE=geom.vec_rope, V_CHUNKS=geom.v_chunks,
         BDX=geom.bdx, BDY=geom.bdy, BDZ=geom.bdz, GDZ=geom.gdz, USE_LOCAL=geom.use_local,
         REDUCE=geom.reduction, SGS=geom.subgroup_size, SG_ATTR=geom.subgroup_attr,
-        FUSED=fused, SINKS=sinks, FOLD=fold, SIGNATURE=table.signature(), FIXUP=table.fixup())
+        FUSED=fused, SINKS=sinks, FOLD=fold, SIGNATURE=table.signature(), FIXUP=table.fixup(),
+        LOCAL=tiled_local(spec.head_dim, geom.bdx, geom.bdz, geom.tile,
+                          tiled_heads(spec.group_size, geom.gdz), geom.reduction)
+        if geom.strategy == "tiled" else None)
 
 
 def _pool_params(spec: AttentionSpec) -> dict:

@@ -10,7 +10,7 @@ import numpy as np
 
 from . import rope as _rope
 from .mask import unpack_mask
-from .quant import unpack_pool
+from .quant import QUANTIZED, quantize, region_views, unpack_pool
 from .spec import LOG2E, LSE_DTYPE, AttentionSpec, default_sm_scale
 from .validate import check_decode, check_merge_k, check_merge_pair, check_prefill, \
     check_sink_logits
@@ -344,3 +344,65 @@ def merge_varlen(v: np.ndarray, s: np.ndarray, indptr: np.ndarray) -> tuple[np.n
 
 
 __all__ = ["batch_decode", "batch_prefill", "merge_state", "merge_state_", "merge_states", "chunk_offsets"]
+
+
+# -- the cache's append and page copy (the append program's kernels) ----------------------
+def copy_pages(spec: AttentionSpec, pool: np.ndarray, copies: np.ndarray) -> None:
+    """The page-copy kernel: for each ``(src, dst, rows)`` of ``copies`` (int32 ``[n,
+    3]`` or flat), the first ``rows`` slots of page ``src`` copied into page ``dst`` of
+    ``pool`` (keys and values; a byte pool's data and scales)."""
+    for src, dst, rows in copies.reshape(-1, 3):
+        if not spec.byte_pool:
+            pool[dst, :, :, :rows] = pool[src, :, :, :rows]
+            continue
+        for kind in (0, 1):
+            for view in region_views(pool, spec.layout, kind):
+                if view is not None:
+                    view[dst, :, :rows] = view[src, :, :rows]
+
+
+def append_kv(spec: AttentionSpec, pool: np.ndarray, k: np.ndarray, v: np.ndarray,
+              slots: np.ndarray, copies: np.ndarray, k_pos: np.ndarray | None = None,
+              rope: tuple | None = None, rope_scale: float = 1.0) -> None:
+    """The page copies (:func:`copy_pages`), then the append kernel: token ``t``'s keys
+    ``k[t]`` and values ``v[t]`` (``[T, H_kv, D]``) written at pool slot ``slots[t]``
+    (``page * page_size + row``), stored as the pool stores them (a byte pool's
+    q8_0/q4_0 blocks: a value no block can store is refused before anything is written).
+
+    ``rope``: ``(inverse frequencies per table, attention factor, first long-factor
+    position)`` of :func:`clattn.rope.rope_tables`: the keys are rotated first at
+    positions ``k_pos * rope_scale`` (the append kernel's ``rope="append"``).
+    """
+    ps = spec.page_size
+    if rope is not None:
+        inv, att, long_from = rope
+        interleaved = _rope.parse_rope_scaling(spec.rope_scaling,
+                                               spec.max_position_embeddings).interleaved
+        kf = k.astype(np.float64)
+        for tab in (0, 1):
+            sel = (k_pos >= long_from) == bool(tab)
+            if sel.any():
+                kf[sel] = _rope.rotate(kf[sel].transpose(1, 0, 2), k_pos[sel] * rope_scale,
+                                       inv[tab], att, interleaved).transpose(1, 0, 2)
+        k = kf.astype(np.float32 if spec.byte_pool else spec.np_dtype)
+    page, slot = slots // ps, slots % ps
+    if not spec.byte_pool:
+        copy_pages(spec, pool, copies)
+        pool[page, 0, :, slot] = k
+        pool[page, 1, :, slot] = v
+        return
+    rows = [_stored(x, fmt, name) for x, fmt, name in
+            ((k, spec.k_format, "k"), (v, spec.v_format, "v"))]  # may refuse: nothing written
+    copy_pages(spec, pool, copies)
+    for kind, (data, scales) in enumerate(rows):
+        dview, sview = region_views(pool, spec.layout, kind)
+        dview[page, :, slot] = data
+        if scales is not None:
+            sview[page, :, slot] = scales
+
+
+def _stored(x: np.ndarray, fmt: str, name: str) -> tuple[np.ndarray, np.ndarray | None]:
+    """``(data uint8 [..., row_bytes], scales or None)`` of rows ``x`` stored as ``fmt``."""
+    if fmt in QUANTIZED:
+        return quantize(x, fmt, name)
+    return np.ascontiguousarray(x.astype(fmt)).view(np.uint8), None

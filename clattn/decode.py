@@ -5,10 +5,12 @@ from typing import Any
 
 import numpy as np
 
-from . import cpu_backend, host_memory, runtime
+from . import cpu_backend, host_memory
 from .codegen import render_decode
 from .decode_fast import OneCallPath
-from .decode_step import DecodeStep, sink_args, upload_tables
+from .decode_launch import make_plan as make_decode_plan
+from .decode_launch import plan_launch
+from .decode_step import DecodeStep
 from .device import DeviceSetup, open_backend, warn_notes
 from .fit import DecodeGeometry, MergeGeometry
 from .numbers import is_int
@@ -17,7 +19,7 @@ from .plan import Plan, make_plan
 from .profiles.record import Profile
 from .result import AttentionResult
 from .spec import INDEX_DTYPE, INT32_MAX, LSE_DTYPE, AttentionSpec
-from .staging import Call, events_list
+from .staging import Call, check_host_call, run_on_host, sink_args, upload_tables
 from .validate import check_array, check_decode, check_sink_logits, check_tables, \
     chunk_lengths, is_host
 
@@ -62,7 +64,7 @@ class BatchDecode:
         self._one_call: OneCallPath | None = None  # the short path's kept state (first use)
         if self.setup:
             self.opencl = OpenCLBackend(spec, self.setup)
-            warn_notes(self.opencl.fit_decode(), stacklevel=2)
+            warn_notes(self.opencl.decode_notes, stacklevel=2)
 
     # -- introspection -------------------------------------------------------------
     @property
@@ -161,11 +163,7 @@ class BatchDecode:
 
     def _make_plan(self, chunk: np.ndarray, split: bool | int | None) -> Plan:
         _check_split(split)
-        if not len(chunk):  # an empty batch: nothing to split
-            split = False
-        wg = len(chunk) * self.spec.num_kv_heads * self.opencl.decode_geometry.gdz
-        cus = int(self.setup.info.get("max_compute_units") or 1)
-        return make_plan(chunk, wg, cus, self.setup.profile, self.spec.page_size, split=split)
+        return make_decode_plan(self.opencl, chunk, split)
 
     # -- running -------------------------------------------------------------------
     def run(self, q: Any, pages: Any, page_indptr: Any, page_indices: Any,
@@ -267,27 +265,14 @@ class BatchDecode:
         dout = call.output("out", out, (B, H, D), spec.np_dtype)
         dlse = call.output("lse", lse, (B, H), LSE_DTYPE)
         opencl = self.opencl
-        ws_o, ws_s = opencl.workspace(plan.n_ws) if plan.split else (None, None)
-        pindptr = call.input("plan", opencl.plan_table(plan, call.queue)) if plan.split else None
-        fold = opencl.folds(plan)
-        named.update(out=dout, lse=dlse, ws_o=ws_o, ws_s=ws_s, n_ws=plan.n_ws,
-                     part_indptr=pindptr, split=int(plan.split),
-                     part_rows=plan.part_rows if plan.split else 0,
+        launch = plan_launch(opencl, plan, B, call.queue)
+        if launch.table is not None:
+            call.input("plan", launch.table)
+        named.update(out=dout, lse=dlse,
                      **opencl.scalars(rotary_mode, rope_theta, rope_scale, sm_scale))
-        decode, merge = opencl.decode_kernels(sinks=sink_logits is not None, fold=fold)
-        # after the build: a refit changes the geometry the counters are sized by
-        named["counters"] = opencl.counters(B) if fold else None
         events: tuple = ()
         if B > 0:
-            geom = opencl.decode_geometry
-            gsz = geom.global_size(B, spec.num_kv_heads, plan.num_parts if plan.split else 1)
-            merging = (merge, *opencl.merge_geometry.sizes(B * H, D), dict(
-                vin=(ws_o, 0), sv=(ws_s, 0), indptr=pindptr, fixed_k=-1, skip_single=1,
-                n_states=plan.n_ws, out=dout, lse=dlse, N=B, H=H, **sinks)) \
-                if plan.split and not fold else None
-            events = opencl.decode_then_merge(call.queue, call.wait_list(),
-                                              (decode, gsz, geom.local_size(), named), merging,
-                                              folded=fold)
+            events = launch.launch(opencl, call.queue, call.wait_list(), named, sinks)
         o, s = call.finish([dout, dlse], events, host=is_host(q))
         return AttentionResult(o, s, events[-1] if events else None, tuple(events))
 
@@ -330,10 +315,11 @@ class BatchDecode:
         call = Call(self.setup.runtime, queue)
         tables = upload_tables(call, spec, args, page_indptr, page_indices, length_info,
                                window_offset, sink_size, q_pos, k_pos_offset, rotary_mode)
-        tables["part_indptr"] = call.input("plan", self.opencl.plan_table(plan, call.queue)) \
-            if plan.split else None
+        launch = plan_launch(self.opencl, plan, B, call.queue)
+        if launch.table is not None:
+            call.input("plan", launch.table)
         tables.update(self.opencl.scalars(rotary_mode, rope_theta, rope_scale, sm_scale))
-        return DecodeStep(self, args, plan, tables, call.wait_list(), int(num_pages))
+        return DecodeStep(self, args, launch, tables, call.wait_list(), int(num_pages))
 
     def _checked_plan(self, plan: Plan | None, args: Any, split: bool | int | None) -> Plan:
         """The caller's plan, checked against this call, or a new one."""
@@ -367,38 +353,3 @@ def _check_split(split: Any) -> None:
         raise TypeError(f"split={split!r}: None, False, True or rows per partition (an int)")
     if split < 1:
         raise ValueError(f"split={split!r}: rows per partition must be >= 1")
-
-
-def _host(a: Any) -> Any:
-    """A device array fetched to the host; anything else, and a non-contiguous device
-    array, as given (validation judges it)."""
-    return a.get() if hasattr(a, "base_data") and a.flags.c_contiguous else a
-
-
-def check_host_call(plan: Any, plan_type: type, planner: str, queue: Any,
-                    wait_for: Any) -> None:
-    """The arguments of a CPU-backend call that only a device call uses, checked as a
-    device call checks them: a plan of the right kind or None (the host plans nothing), a
-    pyopencl queue or None (device inputs are read on their own queues), and events,
-    which are waited for before any input is read."""
-    if plan is not None and not isinstance(plan, plan_type):
-        raise TypeError(f"plan: expected a {plan_type.__name__} from {planner}, got "
-                        f"{type(plan).__name__}")
-    if queue is not None and not isinstance(queue, runtime.cl().CommandQueue):
-        raise TypeError(f"queue: expected a pyopencl.CommandQueue or None, got "
-                        f"{type(queue).__name__}")
-    waits = events_list(wait_for)
-    if waits:
-        runtime.cl().wait_for_events(waits)
-
-
-def run_on_host(fn: Any, spec: AttentionSpec, arrays: tuple, kw: dict, out: Any,
-                lse: Any) -> tuple:
-    """The CPU backend's ``fn(spec, *arrays, **kw, out=, lse=)`` with device arrays fetched
-    to the host; device ``out``/``lse`` are written back once the call succeeded."""
-    host_kw = {k: (_host(v) if hasattr(v, "shape") else v) for k, v in kw.items()}
-    o, s = fn(spec, *[_host(a) for a in arrays], **host_kw, out=_host(out), lse=_host(lse))
-    for given, res in ((out, o), (lse, s)):
-        if given is not None and not is_host(given):
-            given.set(res)
-    return o, s

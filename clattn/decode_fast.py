@@ -10,11 +10,11 @@ checked path, which raises the contract's errors. What is kept between calls:
 
 * the scalars (``rotary_mode``, ``rope_scale``, ``rope_theta``, ``sm_scale``) checked once
   per distinct value and type, with their kernel arguments;
-* per plan, the launch sizes, the plan's table on the device and whether its launch
-  folds the merge in (:meth:`clattn.opencl_backend.OpenCLBackend.folds`);
-* one bound decode and merge kernel object per build (with and without the learned-sink
-  epilogue, with and without the merge folded in), on which a launch sets only the
-  arguments that changed since the last (:class:`clattn.launch.BoundKernel`).
+* the last plan's launch (:class:`clattn.decode_launch.PlanLaunch`: sizes, plan table,
+  split and merge arguments, whether the merge is folded in);
+* one bound decode and merge kernel object per build
+  (:class:`clattn.decode_launch.DecodeLaunch`), on which a launch sets only the arguments
+  that changed since the last.
 
 Device tables' values are not read on this path, as on the checked path (the kernels
 clamp every index they read from them).
@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from .decode_launch import DecodeLaunch, PlanLaunch, plan_launch
 from .plan import Plan
 from .result import AttentionResult
 from .spec import INDEX_DTYPE, INT32_MAX, LSE_DTYPE
@@ -54,12 +55,11 @@ class OneCallPath:
         self.dtype = spec.np_dtype
         self.pool_dtype = spec.pool_dtype
         self.heads = (spec.num_qo_heads, spec.head_dim)
-        opencl.decode_kernels()  # built first: a refit changes the decode geometry
         self._pool_ndim = len(spec.pool_shape(1))
         self._pool_row = spec.pool_shape(1)[1:]
         self._scalars: dict = {}
-        self._plan: tuple | None = None  # (plan, decode sizes, merge sizes, plan table, fold)
-        self._bound_kernels: dict = {}  # (sinks, fold) -> [decode, merge] bound objects
+        self._launch: DecodeLaunch | None = None  # bound by the first call, over its arguments
+        self._plan: PlanLaunch | None = None  # the last call's plan
         self._lock = threading.Lock()
 
     def _ok(self, a: Any, shape: tuple, dtype: Any) -> bool:
@@ -134,38 +134,6 @@ class OneCallPath:
             named.update(q_pos=q_pos, k_pos_offset=k_pos_offset)
         return named
 
-    def _plan_sizes(self, plan: Plan, B: int) -> tuple:
-        """``(plan, decode sizes, merge sizes, plan table, fold)`` of ``plan`` (the last
-        kept; merge sizes None unless split and not folded)."""
-        hit = self._plan
-        if hit is not None and hit[0] is plan:
-            return hit
-        opencl = self.opencl
-        geom = opencl.decode_geometry
-        H, D = self.heads
-        gsz = geom.global_size(B, self.spec.num_kv_heads, plan.num_parts if plan.split else 1)
-        fold = opencl.folds(plan)
-        msz = opencl.merge_geometry.sizes(B * H, D) if plan.split and not fold else None
-        table = opencl.plan_table(plan, self.queue) if plan.split else None
-        hit = self._plan = (plan, (gsz, geom.local_size()), msz, table, fold)
-        return hit
-
-    def _bound(self, named: dict, merge: dict | None, sinks: bool, fold: bool) -> list:
-        """``[decode, merge]``: the bound kernel objects of the build with (``sinks``) or
-        without the learned-sink epilogue, with (``fold``) or without the merge folded in,
-        made by the first call that needs each (the merge None until a split call)."""
-        with self._lock:
-            hit = self._bound_kernels.get((sinks, fold))
-            if hit is None:
-                hit = self._bound_kernels[sinks, fold] = [None, None]
-            if hit[0] is None or (merge is not None and hit[1] is None):
-                decode, merge_k = self.opencl.decode_kernels(sinks=sinks, fold=fold)
-                if hit[0] is None:
-                    hit[0] = decode.bind(**named)
-                if merge is not None and hit[1] is None:
-                    hit[1] = merge_k.bind(**merge)
-            return hit
-
     def run(self, q: Any, pages: Any, page_indptr: Any, page_indices: Any, last_page_len: Any,
             length_info: Any, window_offset: Any, sink_size: Any, q_pos: Any,
             k_pos_offset: Any, rotary_mode: Any, rope_scale: Any, rope_theta: Any,
@@ -192,27 +160,22 @@ class OneCallPath:
         if named is None:
             return None
         waits = events_list(wait_for, self.opencl.runtime)
-        _, sizes, merge_sizes, table, fold = self._plan_sizes(plan, B)
-        split = plan.split
-        ws_o, ws_s = self.opencl.workspace(plan.n_ws) if split else (None, None)
+        sinks = dict(sink_logits=sink_logits, use_sinks=int(sink_logits is not None))
+        named.update(q=q, pages=pages, out=out, lse=lse, num_pages=pages.shape[0], **sinks,
+                     **scalars)
+        with self._lock:
+            launch = self._launch
+            if launch is None:
+                launch = self._launch = DecodeLaunch(self.opencl, named)
+            pl = self._plan
+            if pl is None or pl.plan is not plan:
+                pl = self._plan = plan_launch(self.opencl, plan, B, self.queue)
         for a in (q, pages, out, lse, page_indptr, page_indices, length_info, last_page_len,
-                  window_offset, sink_size, named["q_pos"], named["k_pos_offset"], table,
+                  window_offset, sink_size, named["q_pos"], named["k_pos_offset"], pl.table,
                   sink_logits):
             if a is not None and a.events:
                 waits.extend(a.events)
-        sinks = dict(sink_logits=sink_logits, use_sinks=int(sink_logits is not None))
-        named.update(q=q, pages=pages, out=out, lse=lse, num_pages=pages.shape[0], **sinks,
-                     ws_o=ws_o, ws_s=ws_s, n_ws=plan.n_ws, part_indptr=table, split=int(split),
-                     part_rows=plan.part_rows if split else 0,
-                     counters=self.opencl.counters(B) if fold else None, **scalars)
-        merging = dict(vin=(ws_o, 0), sv=(ws_s, 0), indptr=table, fixed_k=-1, skip_single=1,
-                       n_states=plan.n_ws, out=out, lse=lse, N=B, H=H, **sinks) \
-            if split and not fold else None
-        decode, merge = self._bound(named, merging, sink_logits is not None, fold)
-        events = self.opencl.decode_then_merge(
-            self.queue, waits, (decode.launch, *sizes, named),
-            (merge.launch, *merge_sizes, merging) if merging is not None else None,
-            folded=fold)
+        events = launch.launch(self.queue, waits, named, plan=pl)
         # the launch waited for every earlier event of out and lse: its last event now
         # stands for all of them (pyopencl's add_event would block on old ones instead)
         out.events[:] = [events[-1]]

@@ -11,10 +11,10 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from .plan import Plan
+from .decode_launch import DecodeLaunch, PlanLaunch
 from .result import AttentionResult
 from .spec import LSE_DTYPE
-from .staging import Call, events_list
+from .staging import Call, events_list, sink_args
 from .validate import DecodeArgs, check_operands, check_sink_logits, is_host, launchable
 
 
@@ -28,10 +28,10 @@ class DecodeStep:
     (:meth:`~clattn.opencl_backend.OpenCLBackend.folds`).
     """
 
-    def __init__(self, dec: Any, args: DecodeArgs, plan: Plan, tables: dict,
+    def __init__(self, dec: Any, args: DecodeArgs, launch: PlanLaunch, tables: dict,
                  events: list, num_pages: int) -> None:
         self.decoder = dec
-        self.plan = plan
+        self.plan = launch.plan
         self.batch = args.B
         self.num_pages = num_pages
         spec = dec.spec
@@ -43,40 +43,11 @@ class DecodeStep:
         self._pool_dtype = spec.pool_dtype
         self._table_events = list(events)  # uploads of the tables: waited for once
         self._lock = threading.Lock()
-        fold = self._fold = opencl.folds(plan)
-        decode, merge = opencl.decode_kernels(fold=fold)
-        H, D = spec.num_qo_heads, spec.head_dim
-        ws = opencl.workspace(plan.n_ws) if plan.split else (None, None)
-        geom = opencl.decode_geometry
-        self._sizes = (geom.global_size(args.B, spec.num_kv_heads,
-                                        plan.num_parts if plan.split else 1),
-                       geom.local_size())
-        unset = dict(q=None, pages=None, out=None, lse=None, sink_logits=None, use_sinks=0)
-        self._decode = decode.bind(**unset, **tables, ws_o=ws[0], ws_s=ws[1],
-                                   n_ws=plan.n_ws, split=int(plan.split),
-                                   part_rows=plan.part_rows if plan.split else 0,
-                                   counters=opencl.counters(args.B) if fold else None)
-        self._merge = None
-        if plan.split and not fold:
-            self._merge_sizes = opencl.merge_geometry.sizes(args.B * H, D)
-            self._merge = merge.bind(vin=(ws[0], 0), sv=(ws[1], 0), indptr=tables["part_indptr"],
-                                     fixed_k=-1, skip_single=1, n_states=plan.n_ws,
-                                     out=None, lse=None, N=args.B, H=H, sink_logits=None,
-                                     use_sinks=0)
-        # the bound kernels of the build with the learned-sink epilogue: made by the first
-        # run with sink_logits, from these (:meth:`_kernels`)
-        self._with_sinks: tuple | None = None
-
-    def _kernels(self, sinks: bool) -> tuple:
-        """``(decode, merge)`` bound objects of the build with (``sinks``) or without the
-        learned-sink epilogue (call under the step's lock)."""
-        if not sinks:
-            return self._decode, self._merge
-        if self._with_sinks is None:
-            decode, merge = self._opencl.decode_kernels(sinks=True, fold=self._fold)
-            self._with_sinks = (self._decode.rebound(decode),
-                                None if self._merge is None else self._merge.rebound(merge))
-        return self._with_sinks
+        self._launch = DecodeLaunch(opencl, dict(q=None, pages=None, out=None, lse=None,
+                                                 sink_logits=None, use_sinks=0, **tables))
+        self._launch.set_plan(launch)
+        with self._launch.lock:  # the plain build bound now: the first run only launches
+            self._launch.kernels(False, launch.fold, merge=launch.merge_args is not None)
 
     def _fast_ok(self, q: Any, pages: Any, out: Any, lse: Any) -> bool:
         """True when every operand is a device array of this context with the right
@@ -121,12 +92,8 @@ class DecodeStep:
         if self.batch > 0:
             operands = dict(q=dq, pages=dpages, out=dout, lse=dlse, **sinks)
             with self._lock:
-                decode, merge = self._kernels(sink_logits is not None)
-                merging = None if merge is None else \
-                    (merge.launch, *self._merge_sizes, dict(out=dout, lse=dlse, **sinks))
-                events = self._opencl.decode_then_merge(
-                    call.queue, call.wait_list(*self._table_events),
-                    (decode.launch, *self._sizes, operands), merging, folded=self._fold)
+                events = self._launch.launch(call.queue, call.wait_list(*self._table_events),
+                                             operands)
                 self._table_events = []  # once a launch waited for them (it may raise)
         o, s = call.finish([dout, dlse], events, host=is_host(q))
         return AttentionResult(o, s, events[-1] if events else None, tuple(events))
@@ -145,47 +112,11 @@ class DecodeStep:
         sinks = dict(sink_logits=sink_logits, use_sinks=int(sink_logits is not None))
         operands = dict(q=q, pages=pages, out=out, lse=lse, **sinks)
         with self._lock:
-            decode, merge = self._kernels(sink_logits is not None)
-            merging = None if merge is None else \
-                (merge.launch, *self._merge_sizes, dict(out=out, lse=lse, **sinks))
             waits.extend(self._table_events)
-            events = self._opencl.decode_then_merge(
-                self._rt.queue, waits, (decode.launch, *self._sizes, operands), merging,
-                folded=self._fold)
+            events = self._launch.launch(self._rt.queue, waits, operands)
             self._table_events = []  # once a launch waited for them (it may raise)
         # the launch waited for every earlier event of out and lse: its last event now
         # stands for all of them (pyopencl's add_event would block on old ones instead)
         out.events[:] = [events[-1]]
         lse.events[:] = [events[-1]]
         return AttentionResult(out, lse, events[-1], events)
-
-
-def sink_args(call: Call, sink_logits: Any) -> dict:
-    """The learned-sink arguments of the decode, merge and prefill kernels, by name
-    (``sink_logits`` on the device, or None and the flag off)."""
-    return dict(sink_logits=call.input("sink_logits", sink_logits),
-                use_sinks=int(sink_logits is not None))
-
-
-def upload_tables(call: Call, spec: Any, args: DecodeArgs, page_indptr: Any, page_indices: Any,
-                  length_info: Any, window_offset: Any, sink_size: Any, q_pos: Any,
-                  k_pos_offset: Any, rotary_mode: int) -> dict:
-    """The decode kernel's table arguments by name, on the device."""
-    named = dict(page_indptr=call.input("page_indptr", page_indptr),
-                 page_indices=call.input("page_indices", page_indices),
-                 num_pages=args.num_pages, nnz=args.nnz,
-                 window_offset=None, sink_size=None, q_pos=None, k_pos_offset=None)
-    if length_info is not None:
-        packed = call.input("length_info", length_info)
-        named["last_page_len"] = packed[0] if spec.sliding_window else packed
-        if spec.sliding_window:  # rows 1 and 2 of the packed [3, B] table
-            named["window_offset"], named["sink_size"] = packed[1], packed[2]
-    else:
-        named["last_page_len"] = call.input("last_page_len", args.last_page_len)
-        if spec.sliding_window:
-            named["window_offset"] = call.input("window_offset", window_offset)
-            named["sink_size"] = call.input("sink_size", sink_size)
-    if rotary_mode:
-        named["q_pos"] = call.input("q_pos", q_pos)
-        named["k_pos_offset"] = call.input("k_pos_offset", k_pos_offset)
-    return named

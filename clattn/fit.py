@@ -213,17 +213,52 @@ def tiled_heads(G: int, gdz: int) -> int:
     return -(-G // gdz)
 
 
-def tiled_local_bytes(d: int, bdx: int, bdz: int, tile: int, heads: int,
-                       reduction: str) -> int:
-    """Local memory of the tiled decode kernel: with the local-memory reduction, the row
-    loop's partial dot products and their sums (``bdz x tile`` rows x ``heads`` x
-    ``bdx + 1``) and the step's pages; reused after the loop by the merge of the row
-    slices' states (``bdz x heads x (d + 2)``)."""
+@dataclass(frozen=True)
+class TiledLocal:
+    """The tiled decode kernel's local memory, read by its fit and its template.
+
+    One float array, ``scratch``: in the row loop (local-memory reduction only) the
+    partial dot products ``[bdz][tile x heads][bdx]`` from 0 and their sums
+    ``[bdz][tile x heads]`` from ``partials``; after the loop, reused, the row slices'
+    states ``[bdz][heads][d]`` from 0 and their ``(m, d)`` pairs from ``states``. Beside
+    it, ``pages`` ints: the pages of the step's rows (local-memory reduction only).
+    """
+
+    partials: int  # floats of the partial dot products (the sums start there)
+    loop: int  # floats of the row loop: partials and their sums
+    states: int  # floats of the slices' states (their (m, d) pairs start there)
+    merge: int  # floats of the merge: states and pairs
+    pages: int  # ints of the step's pages
+
+    @property
+    def scratch(self) -> int:
+        """Floats of the shared array (the loop's and the merge's, reused)."""
+        return max(self.loop, self.merge)
+
+    @property
+    def bytes(self) -> int:
+        """Local memory of the kernel, in bytes."""
+        return FLOAT * (self.scratch + self.pages)
+
+
+def tiled_local(d: int, bdx: int, bdz: int, tile: int, heads: int,
+                reduction: str) -> TiledLocal:
+    """The :class:`TiledLocal` layout of the tiled decode kernel at this geometry:
+    ``bdz x tile`` rows per step, ``heads`` query heads per work-item, the dot products
+    reduced through local memory unless ``reduction`` is ``"subgroup"``."""
     rows = bdz * tile
     local_red = reduction != "subgroup"
-    loop = rows * heads * (bdx + 1) if local_red else 0
-    merge = bdz * heads * (d + 2)
-    return FLOAT * (max(loop, merge) + (rows if local_red else 0))
+    partials = rows * heads * bdx if local_red else 0
+    return TiledLocal(partials=partials,
+                      loop=partials + rows * heads if local_red else 0,
+                      states=bdz * heads * d, merge=bdz * heads * (d + 2),
+                      pages=rows if local_red else 0)
+
+
+def tiled_local_bytes(d: int, bdx: int, bdz: int, tile: int, heads: int,
+                      reduction: str) -> int:
+    """Local memory of the tiled decode kernel in bytes (:func:`tiled_local`)."""
+    return tiled_local(d, bdx, bdz, tile, heads, reduction).bytes
 
 
 def _prefetch_blocks(spec: AttentionSpec, tile: int) -> int:

@@ -53,19 +53,21 @@ class OpenCLBackend:
 
     Notes
     -----
-    The geometries are fitted by :meth:`fit_decode`, :meth:`fit_prefill` and
-    :meth:`fit_append` (each returns the fit's notes for its caller to show); a kernel
-    method needs its fit first. Every method may be called from several threads.
+    Each geometry is fitted on its first read (:attr:`decode_geometry` with
+    :attr:`merge_geometry`, :attr:`prefill_geometry`, :attr:`append_geometry`), so no
+    method depends on another having run first; :attr:`decode_notes` and
+    :attr:`prefill_notes` are the fits' notes for a caller to show. Building the plain
+    decode or the prefill kernel may refit its geometry (:meth:`decode_kernels`). Every
+    method may be called from several threads.
     """
 
     def __init__(self, spec: AttentionSpec, setup: DeviceSetup) -> None:
         self.spec = spec
         self.setup = setup
         self.runtime = setup.runtime
-        self.decode_geometry: DecodeGeometry | None = None
-        self.merge_geometry: MergeGeometry | None = None
-        self.prefill_geometry: PrefillGeometry | None = None
-        self.append_geometry: MergeGeometry | None = None
+        self._decode_fit: tuple | None = None  # (decode geometry, merge geometry, notes)
+        self._prefill_geometry: PrefillGeometry | None = None
+        self._append_geometry: MergeGeometry | None = None
         self._lock = threading.Lock()
         # by (sinks compiled in, merge folded in)
         self._decode: dict[tuple[bool, bool], tuple[Launcher, Launcher]] = {}
@@ -80,30 +82,59 @@ class OpenCLBackend:
         self._ws_last: tuple | None = None  # (event, queue) of the last split launch
 
     # -- geometries ----------------------------------------------------------------
-    def fit_decode(self) -> tuple:
-        """Fit the decode and merge kernels to the device; returns the one fit's notes
-        (:func:`clattn.device_fit.fit_device`: every wish of the profile that was cut,
-        for the device or for the decode kernel, with its reason)."""
-        spec, setup = self.spec, self.setup
-        fit = fit_device(setup.wishes, setup.info, spec, setup.limits)
-        self.decode_geometry = fit.geometry
-        self.merge_geometry = merge_geometry(spec.head_dim, spec.dtype, setup.profile,
-                                             setup.limits)
-        return fit.notes
+    def _fitted_decode(self) -> tuple:
+        """``(decode geometry, merge geometry, notes)``: the one fit
+        (:func:`clattn.device_fit.fit_device`), made by the first read."""
+        if self._decode_fit is None:
+            spec, setup = self.spec, self.setup
+            fit = fit_device(setup.wishes, setup.info, spec, setup.limits)
+            self._decode_fit = (fit.geometry, merge_geometry(spec.head_dim, spec.dtype,
+                                                             setup.profile, setup.limits),
+                                fit.notes)
+        return self._decode_fit
 
-    def fit_prefill(self) -> tuple:
-        """Fit the prefill kernel to the device; returns the prefill kernel's cuts (the
-        device's are ``setup.notes``)."""
-        self.prefill_geometry = prefill_geometry(self.spec, self.setup.profile,
-                                                 self.setup.limits)
+    @property
+    def decode_geometry(self) -> DecodeGeometry:
+        """The decode kernel's geometry (refitted by the plain build when the driver
+        allows fewer work-items per group)."""
+        return self._fitted_decode()[0]
+
+    @decode_geometry.setter
+    def decode_geometry(self, geometry: DecodeGeometry) -> None:
+        self._decode_fit = (geometry, *self._fitted_decode()[1:])
+
+    @property
+    def merge_geometry(self) -> MergeGeometry:
+        """The geometry of the kernel that merges split partitions."""
+        return self._fitted_decode()[1]
+
+    @property
+    def decode_notes(self) -> tuple:
+        """Every wish of the profile the decode fit cut, for the device or for the decode
+        kernel, with its reason."""
+        return self._fitted_decode()[2]
+
+    @property
+    def prefill_geometry(self) -> PrefillGeometry:
+        """The prefill kernel's geometry (refitted as the decode's by its build)."""
+        if self._prefill_geometry is None:
+            self._prefill_geometry = prefill_geometry(self.spec, self.setup.profile,
+                                                      self.setup.limits)
+        return self._prefill_geometry
+
+    @property
+    def prefill_notes(self) -> tuple:
+        """The prefill kernel's cuts (the device's are ``setup.notes``)."""
         return self.prefill_geometry.notes
 
-    def fit_append(self) -> MergeGeometry:
-        """Fit the KV-cache append and page-copy kernels to the device."""
-        spec, setup = self.spec, self.setup
-        self.append_geometry = append_geometry(spec.head_dim, spec.dtype, setup.profile,
-                                               setup.limits)
-        return self.append_geometry
+    @property
+    def append_geometry(self) -> MergeGeometry:
+        """The geometry of the KV-cache append and page-copy kernels."""
+        if self._append_geometry is None:
+            spec, setup = self.spec, self.setup
+            self._append_geometry = append_geometry(spec.head_dim, spec.dtype, setup.profile,
+                                                    setup.limits)
+        return self._append_geometry
 
     # -- kernels -------------------------------------------------------------------
     def decode_kernels(self, sinks: bool = False, fold: bool = False) -> tuple[Launcher, Launcher]:
@@ -176,7 +207,7 @@ class OpenCLBackend:
         with self._lock:
             if self._prefill is None:
                 rt, spec, setup = self.runtime, self.spec, self.setup
-                self._prefill, self.prefill_geometry = build_fitted(
+                self._prefill, self._prefill_geometry = build_fitted(
                     setup, self.prefill_geometry,
                     lambda g: rt.launcher(("prefill", spec.key(), g), signatures.PREFILL,
                                           lambda: render_prefill(spec, g)),

@@ -16,15 +16,13 @@ import numpy as np
 
 from . import cpu_backend
 from .codegen import render_prefill
-from .decode import check_host_call, run_on_host
-from .decode_step import sink_args, upload_tables
 from .device import DeviceSetup, open_backend, warn_notes
 from .fit import PrefillGeometry
 from .opencl_backend import OpenCLBackend
 from .profiles.record import Profile
 from .result import AttentionResult
 from .spec import INDEX_DTYPE, LSE_DTYPE, AttentionSpec
-from .staging import Call
+from .staging import Call, check_host_call, run_on_host, sink_args, upload_tables
 from .validate import PrefillArgs, check_array, check_indptr, check_prefill, \
     check_sink_logits, chunk_lengths, is_host
 
@@ -116,7 +114,7 @@ class BatchPrefill:
         if self.setup:
             self.opencl = OpenCLBackend(spec, self.setup)
             warn_notes(self.setup.notes, stacklevel=2)
-            warn_notes(self.opencl.fit_prefill(), "prefill: ", stacklevel=2)
+            warn_notes(self.opencl.prefill_notes, "prefill: ", stacklevel=2)
 
     # -- introspection -------------------------------------------------------------
     @property

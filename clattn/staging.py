@@ -3,7 +3,9 @@
 A :class:`Call` collects, for one API call, every device array the launch touches (so
 their pending events gate it), uploads numpy inputs, allocates the outputs the caller
 did not pass, and at the end attaches the launch's events to the outputs and copies
-back into numpy ``out=``/``lse=`` arrays (then the call waits).
+back into numpy ``out=``/``lse=`` arrays (then the call waits). The host-path helpers
+of the decode and prefill calls live here too: the sink and table arguments uploaded
+through a :class:`Call`, and the CPU backend's run of a call with its checks.
 """
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from . import runtime
-from .validate import is_host
+from .validate import DecodeArgs, is_host
 
 
 class Call:
@@ -137,3 +139,69 @@ def _context_of(event: Any) -> Any:
 def note_allocation(exc: BaseException, what: str, nbytes: int, rt: Any) -> None:
     """Add to a driver's error (kept as it is) what clattn was putting on the device."""
     exc.add_note(f"clattn: allocating {what} ({nbytes} bytes) on {rt.device.name!r} failed")
+
+
+def sink_args(call: Call, sink_logits: Any) -> dict:
+    """The learned-sink arguments of the decode, merge and prefill kernels, by name
+    (``sink_logits`` on the device, or None and the flag off)."""
+    return dict(sink_logits=call.input("sink_logits", sink_logits),
+                use_sinks=int(sink_logits is not None))
+
+
+def upload_tables(call: Call, spec: Any, args: DecodeArgs, page_indptr: Any, page_indices: Any,
+                  length_info: Any, window_offset: Any, sink_size: Any, q_pos: Any,
+                  k_pos_offset: Any, rotary_mode: int) -> dict:
+    """The decode kernel's table arguments by name, on the device."""
+    named = dict(page_indptr=call.input("page_indptr", page_indptr),
+                 page_indices=call.input("page_indices", page_indices),
+                 num_pages=args.num_pages, nnz=args.nnz,
+                 window_offset=None, sink_size=None, q_pos=None, k_pos_offset=None)
+    if length_info is not None:
+        packed = call.input("length_info", length_info)
+        named["last_page_len"] = packed[0] if spec.sliding_window else packed
+        if spec.sliding_window:  # rows 1 and 2 of the packed [3, B] table
+            named["window_offset"], named["sink_size"] = packed[1], packed[2]
+    else:
+        named["last_page_len"] = call.input("last_page_len", args.last_page_len)
+        if spec.sliding_window:
+            named["window_offset"] = call.input("window_offset", window_offset)
+            named["sink_size"] = call.input("sink_size", sink_size)
+    if rotary_mode:
+        named["q_pos"] = call.input("q_pos", q_pos)
+        named["k_pos_offset"] = call.input("k_pos_offset", k_pos_offset)
+    return named
+
+
+def check_host_call(plan: Any, plan_type: type, planner: str, queue: Any,
+                    wait_for: Any) -> None:
+    """The arguments of a CPU-backend call that only a device call uses, checked as a
+    device call checks them: a plan of the right kind or None (the host plans nothing), a
+    pyopencl queue or None (device inputs are read on their own queues), and events,
+    which are waited for before any input is read."""
+    if plan is not None and not isinstance(plan, plan_type):
+        raise TypeError(f"plan: expected a {plan_type.__name__} from {planner}, got "
+                        f"{type(plan).__name__}")
+    if queue is not None and not isinstance(queue, runtime.cl().CommandQueue):
+        raise TypeError(f"queue: expected a pyopencl.CommandQueue or None, got "
+                        f"{type(queue).__name__}")
+    waits = events_list(wait_for)
+    if waits:
+        runtime.cl().wait_for_events(waits)
+
+
+def run_on_host(fn: Any, spec: Any, arrays: tuple, kw: dict, out: Any,
+                lse: Any) -> tuple:
+    """The CPU backend's ``fn(spec, *arrays, **kw, out=, lse=)`` with device arrays fetched
+    to the host; device ``out``/``lse`` are written back once the call succeeded."""
+    host_kw = {k: (_host(v) if hasattr(v, "shape") else v) for k, v in kw.items()}
+    o, s = fn(spec, *[_host(a) for a in arrays], **host_kw, out=_host(out), lse=_host(lse))
+    for given, res in ((out, o), (lse, s)):
+        if given is not None and not is_host(given):
+            given.set(res)
+    return o, s
+
+
+def _host(a: Any) -> Any:
+    """A device array fetched to the host; anything else, and a non-contiguous device
+    array, as given (validation judges it)."""
+    return a.get() if hasattr(a, "base_data") and a.flags.c_contiguous else a

@@ -74,10 +74,9 @@ GI = -(-G // GDZ)            # query heads per work-item
 ROWS = BDZ * TILE            # rows per step
 PAIRS = TILE * GI            # (row, head) scores per slice per step
 LOCAL_RED = REDUCE != "subgroup"
-# local floats: the loop's partials and their sums, then (reused) the merge's states
-LOOP_FLOATS = ROWS * GI * (BDX + 1) if LOCAL_RED else 0
-MERGE_FLOATS = BDZ * GI * (D + 2)
-SCRATCH = max(LOOP_FLOATS, MERGE_FLOATS)
+# local memory (clattn.fit.tiled_local, which the fit reads too): the loop's partials and
+# their sums, then (reused) the merge's states
+SCRATCH = LOCAL.scratch
 %>\
 __kernel __attribute__((reqd_work_group_size(${BDX}, 1, ${BDZ})))
 ${SG_ATTR}
@@ -97,8 +96,8 @@ ${d.fused_append("part == nparts_b - 1 && tz == 0", ["tx * %d" % VEC], VEC, fenc
     __local float scratch[${SCRATCH}];
 % if LOCAL_RED:
     __local float* red = scratch;                       /* [BDZ][PAIRS][BDX] partials */
-    __local float* rsum = scratch + ${ROWS * GI * BDX};  /* [BDZ][PAIRS] their sums */
-    __local int pg_step[${ROWS}];                        /* pages of the step's rows */
+    __local float* rsum = scratch + ${LOCAL.partials};  /* [BDZ][PAIRS] their sums */
+    __local int pg_step[${LOCAL.pages}];                        /* pages of the step's rows */
     const int lid = tz * ${BDX} + tx;
 % endif
 
@@ -212,7 +211,7 @@ ${d.fused_append("part == nparts_b - 1 && tz == 0", ["tx * %d" % VEC], VEC, fenc
     barrier(CLK_LOCAL_MEM_FENCE);   /* the loop's local arrays are reused */
 % endif
     __local float* o_red = scratch;
-    __local float* md = scratch + ${BDZ * GI * D};
+    __local float* md = scratch + ${LOCAL.states};
     for (int g = 0; g < ${GI}; ++g) {
 % if VEC == 1:
         o_red[(tz * ${GI} + g) * ${D} + tx] = acc[g];

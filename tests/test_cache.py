@@ -192,7 +192,7 @@ def simulate(cache, steps, seed, rope):
                 counts["full"] += 1
                 check_pool(cache)
                 continue
-            counts["cow"] += cache._step.tables.n_copies
+            counts["cow"] += cache.step_tables.n_copies
             counts["chunk"] += any(n > 1 for n in ns)
             T = sum(ns)
             assert cache.num_tokens == T
@@ -291,14 +291,14 @@ def test_cache_counts_its_launches(device):
         for layer in range(2):
             k, v = (rng.standard_normal((2 * n, 1, 16)).astype(np.float32) for _ in "kv")
             appended = cache.append(layer, k, v)
-            assert (appended is None) == (n == 1 and cache.decoder.profile.fuse_append)
+            assert (appended is None) == (n == 1 and cache.profile.fuse_append)
             events += (appended is not None) + len(cache.attend(
                 layer, rng.standard_normal((2 * n, 2, 16)).astype(np.float32)).events)
         cache.end()
         assert cache.stats().launches - before == events
     # one token each, split: per layer the decode, the merge unless folded into it, and
     # the append unless fused
-    prof = cache.decoder.profile
+    prof = cache.profile
     assert events == 2 * (1 + (not prof.fold_merge) + (not prof.fuse_append))
     twin = clattn.PagedKVCache(spec, 1, backend="cpu", num_pages=4)
     assert twin.stats().launches == 0
@@ -371,7 +371,7 @@ def test_fork_copies_on_write(target):
     assert cache.stats().pages_shared == 2
     before = pool_host(cache, 0).copy()
     kc, _ = _step(cache, ["c"], [1], rng)
-    assert cache._step.tables.n_copies == 1
+    assert cache.step_tables.n_copies == 1
     cache.end()
     t = cache.table
     pp, cp = t.seqs["p"].pages[:2], t.seqs["c"].pages[:2]
@@ -382,7 +382,7 @@ def test_fork_copies_on_write(target):
     assert np.array_equal(after[cp[1], 0, :, 2], kc[0][0]), "the child's new key"
     # now the parent writes in place (its page is its own again)
     _step(cache, ["p"], [1], rng)
-    assert cache._step.tables.n_copies == 0
+    assert cache.step_tables.n_copies == 0
     cache.end()
     assert cache.stats().pages_shared == 1
     check_pool(cache)
@@ -429,7 +429,7 @@ def test_rope_at_append(target):
         assert cache.positions.tolist() == [100000 + i for i in range(5)] + [0, 1, 2]
         q = rng.standard_normal((8, 4, 32)).astype(spec.np_dtype)
         res = cache.attend(0, q)
-        t = cache._step.tables
+        t = cache.step_tables
         cache.end()
         pool = pool_host(cache, 0)
         _check_rotated_keys(pool, t.slots, ks[0], t.k_pos, naive_inv_freq(16, 5e5, LLAMA3, 4096),
@@ -477,7 +477,7 @@ def test_rope_append_positions_continue_after_a_chunk(target):
         want = [(100 if s == "a" else 7) + cache.length(s) for s in ids]
         ks, _ = _step(cache, ids, [1] * len(ids), rng)
         assert cache.positions.tolist() == want, f"decode step {n}"
-        t = cache._step.tables
+        t = cache.step_tables
         q = rng.standard_normal((len(ids), 2, 16)).astype(np.float32)
         res = cache.attend(0, q)
         cache.end()
@@ -511,7 +511,7 @@ def test_positions_past_int32_refused_for_every_token_of_a_step(target):
         _same(_snapshot(cache), snap)
     ks, _ = _step(cache, ["b", "a"], [1, 3], rng)
     assert cache.positions.tolist() == [0, top - 2, top - 1, top]
-    t = cache._step.tables
+    t = cache.step_tables
     cache.end()
     _check_rotated_keys(pool_host(cache, 0), t.slots, ks[0], [0, top - 2, top - 1, top],
                         naive_inv_freq(16, 1e4, None), 16, np.float32)
@@ -525,7 +525,7 @@ def test_device_arrays_and_events(device_target):
     spec = clattn.AttentionSpec(4, 2, 16, page_size=4, dtype="float32")
     cache = make_cache(spec, device_target, layers=2, num_pages=8)
     cl = runtime.cl()
-    queue = cache._rt.queue
+    queue = cache.queue
     rng = np.random.default_rng(3)
     cache.add("a")
     cache.add("b")
@@ -662,7 +662,7 @@ def test_out_of_order_queue(device):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         cache = clattn.PagedKVCache(spec, 2, device=queue, num_pages=24, backend="opencl")
-    assert not cache._device.in_order
+    assert not cache.device.in_order
     counts = simulate(cache, 30, seed=11, rope=False)
     assert counts["step"] > 10, counts
 
@@ -674,7 +674,7 @@ def test_cancel_keeps_a_copy_another_holder_wrote_past(target):
     cache, rng, k = _forked(target, 2, 5, "a", "b")
     cache.pop("b", 1)
     _step(cache, ["a", "b"], [1, 1], rng, layers=1)  # layer 1 not appended when cancelled
-    assert cache._step.tables.n_copies == 1
+    assert cache.step_tables.n_copies == 1
     cache.cancel()
     check_pool(cache)
     for layer in range(2):
@@ -713,7 +713,7 @@ def test_a_step_never_waits_for_the_device(device_target):
     spec = clattn.AttentionSpec(4, 2, 16, page_size=4, dtype="float32")
     cache = make_cache(spec, device_target, layers=3, num_pages=12)
     cl = runtime.cl()
-    queue = cache._rt.queue
+    queue = cache.queue
     rng = np.random.default_rng(0)
     dev = lambda shape: cl.array.to_device(queue, rng.standard_normal(shape).astype(  # noqa: E731
         np.float32))

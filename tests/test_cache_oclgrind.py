@@ -53,13 +53,13 @@ def _cache(spec, profile, layers=1, **kw):
         warnings.simplefilter("ignore")
         cache = clattn.PagedKVCache(spec, layers, device=dev, profile=profile,
                                     backend="opencl", **kw)
-    print(f"fold_merge: {cache.decoder.profile.fold_merge}", flush=True)  # FOLD_MARK
+    print(f"fold_merge: {cache.profile.fold_merge}", flush=True)  # FOLD_MARK
     # Oclgrind 21.10's uninitialised-value plugin does not count clEnqueueFillBuffer (the
     # cache's zeroing of a new pool) as initialising a buffer: zero the pools from the host
     cl = runtime.cl()
     for layer in range(layers):
         cache.pools[layer].finish()
-        cache.pools[layer] = cl.array.to_device(cache._rt.queue, np.zeros(spec.pool_shape(
+        cache.pools[layer] = cl.array.to_device(cache.queue, np.zeros(spec.pool_shape(
             cache.num_pages), spec.pool_dtype))
     return cache
 
@@ -100,7 +100,7 @@ def adversarial_variant(profile, dtype, rope):
     spec = clattn.AttentionSpec(2, 2, 16, page_size=4, dtype=dtype, rotary_dim=8)
     P, ps, T = 5, 4, 10
     cache = _cache(spec, profile, num_pages=P, rope="append" if rope else None)
-    queue = cache._rt.queue
+    queue = cache.queue
     rng = np.random.default_rng(0)
     dt = spec.np_dtype
     k = rng.standard_normal((T, 2, 16)).astype(dt)
@@ -110,7 +110,7 @@ def adversarial_variant(profile, dtype, rope):
     d = lambda a: cl.array.to_device(queue, a)  # noqa: E731
     pool = cache.pools[0]
     geom = cache.geometry
-    cache._device.append_k.launch(queue, *geom.sizes(T * 2, 16), list(pool.events), k=d(k), v=d(v),
+    cache.device.append_k.launch(queue, *geom.sizes(T * 2, 16), list(pool.events), k=d(k), v=d(v),
                          pages=pool, slots=d(slots), n_tokens=T, k_pos=d(k_pos))
     got = pool.get()
     want = np.zeros_like(got)
@@ -135,7 +135,7 @@ def adversarial_variant(profile, dtype, rope):
                        [2, 2**31 - 1, 4]], np.int32)
     before = got.copy()
     C = len(copies)
-    cache._device.copy_k.launch(queue, *geom.sizes(C * 2 * 2 * ps, 16), None, pages=pool,
+    cache.device.copy_k.launch(queue, *geom.sizes(C * 2 * 2 * ps, 16), None, pages=pool,
                        copies=d(copies.ravel()), n_copies=C)
 
     def copy_rows(want, src, dst, rows):
@@ -185,9 +185,9 @@ def adversarial_fused_variant(profile, dtype, rope):
     cache.append(0, x, x)
     cache.end()
     cache.begin(ids)
-    dev = cache._device
+    dev = cache.device
     assert dev.fuse and dev.fused is not None
-    queue = cache._rt.queue
+    queue = cache.queue
     d = lambda a: cl.array.to_device(queue, a)  # noqa: E731
     k = rng.standard_normal((B, 2, 16)).astype(dt)
     v = rng.standard_normal((B, 2, 16)).astype(dt)
@@ -232,8 +232,8 @@ def adversarial_bytes_variant(profile, dtype, rope):
                                 k_format="q8_0", v_format="q4_0")
     P, ps, T = 5, 4, 10
     cache = _cache(spec, profile, num_pages=P, rope="append" if rope else None)
-    dev = cache._device
-    queue = cache._rt.queue
+    dev = cache.device
+    queue = cache.queue
     rng = np.random.default_rng(0)
     k = rng.standard_normal((T, 2, 32)).astype(spec.np_dtype)
     v = rng.standard_normal((T, 2, 32)).astype(spec.np_dtype)

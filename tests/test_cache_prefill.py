@@ -246,8 +246,7 @@ def test_mixed_steps_with_split_decode(device):
     assert kinds == [PREFILL, MIXED, MIXED]
     assert cache.step_tables is None
     cache.begin(["a", "c"], [1, 6])
-    assert cache.decoder.plan(cache.step_tables.prefill.decode.page_indptr,
-                              cache.step_tables.prefill.decode.last_page_len).split
+    assert cache.device.plan.split  # the plan of the step's decode rows
     cache.cancel()
 
 

@@ -110,7 +110,7 @@ def _append_blocks(target, blocks_k, blocks_v, dtype="float32", kf="q8_0", vf="q
     k = blocks_k[:2 * T].reshape(T, 1, 64).astype(dtype)
     v = blocks_v[:2 * T].reshape(T, 1, 64).astype(dtype)
     if device_arrays:
-        queue = cache._rt.queue
+        queue = cache.queue
         cache.append(0, *(runtime.cl().array.to_device(queue, a) for a in (k, v)))
     else:
         cache.append(0, k, v)
@@ -246,7 +246,7 @@ def test_device_arrays_are_checked_on_the_device(device_target):
     spec = clattn.AttentionSpec(2, 1, 32, page_size=4, dtype="float16", k_format="q4_0",
                                 v_format="q8_0")
     cache = make_cache(spec, device_target, layers=2, num_pages=6)
-    queue = cache._rt.queue
+    queue = cache.queue
     cl = runtime.cl()
     rng = np.random.default_rng(1)
     good = [rng.standard_normal((2, 1, 32)).astype(np.float16) for _ in range(4)]
@@ -299,7 +299,7 @@ def test_largest_magnitude_stored_next_float_refused_on_the_device(device_target
                                 v_format=vf)
     cache = make_cache(spec, device_target, layers=1, num_pages=2)
     cl = runtime.cl()
-    dev = lambda a: cl.array.to_device(cache._rt.queue, a)  # noqa: E731
+    dev = lambda a: cl.array.to_device(cache.queue, a)  # noqa: E731
     rng = np.random.default_rng(4)
     k = rng.standard_normal((2, 1, 32)).astype(np.float32)
     v = rng.standard_normal((2, 1, 32)).astype(np.float32)

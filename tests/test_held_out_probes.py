@@ -114,7 +114,7 @@ def test_quantized_overflow_limit_is_exact_for_device_arrays(device_target, fmt)
     spec = clattn.AttentionSpec(2, 1, 32, page_size=4, dtype="float32", k_format=fmt,
                                 v_format=fmt)
     cache = make_cache(spec, device_target, layers=1, num_pages=2)
-    queue = cache._rt.queue
+    queue = cache.queue
     dev = lambda a: runtime.cl().array.to_device(queue, a)  # noqa: E731
     cache.add("s")
     ok, bad = _edge_blocks(fmt)

@@ -124,9 +124,13 @@ def test_quick_run_tuning(quick):
     assert t["chosen"] and 1 <= len(cands) <= 12
     assert len({json.dumps(c["profile"], sort_keys=True) for c in cands}) == len(cands)
     assert cands[0]["origin"] == "default" and cands[0]["status"] == "ok"
+    # every shape measured, or (a machine slower than the budget) left out with the reason
     keys = {s["key"] for s in t["shapes"]}
-    assert len(keys) == 6
-    assert any("Llama-3-8B" in k for k in keys) and any("Qwen" in k for k in keys)
+    skipped = t["skipped_shapes"]
+    named = keys | set(skipped)
+    assert keys and len(named) == 6 and not keys & set(skipped)
+    assert all("time budget" in why for why in skipped.values())
+    assert any("Llama-3-8B" in k for k in named) and any("Qwen" in k for k in named)
     ok = [c for c in cands if c["status"] == "ok"]
     for c in ok:
         assert set(c["times"]) == keys and all(v > 0 for v in c["times"].values())
@@ -603,6 +607,37 @@ def test_confirmation_keeps_the_default_when_the_winner_does_not_hold_up(monkeyp
     assert tuner.chosen is default and res.chosen is default
     assert "not faster than the default" in res.confirmation.kept_default
     assert all(math.isclose(r.speedup, 1.0) for r in res.per_shape)
+
+
+@needs_pocl
+def test_the_default_stops_between_shapes_when_the_budget_is_spent(monkeypatch):
+    """A machine slower than the budget: the default is timed on its first shape, the
+    shapes left are dropped with the reason, and no other seed runs past the budget."""
+    monkeypatch.delenv("CLATTN_PROFILE", raising=False)
+    settings = Settings(quick=True, budget_s=1.0, points=((1, 64), (2, 64)), max_kernels=4,
+                        max_plans=1, passes=1, target_s=0.005, reps=3)
+    rt = runtime.Runtime.for_device(POCL)
+    info = device_info(POCL)
+    base = match(info, user=False).profile
+    tuner = Tuner(rt, info, base, settings, search.Progress(1.0, enabled=False),
+                  extra_seeds=[(base.with_(vec=base.vec // 2), "vec")])
+    shapes = list(tuner.shapes)
+    assert len(shapes) > 1
+
+    def slow(self, *a, **kw):
+        time.sleep(1.5)  # one shape takes longer than the whole budget
+        return 1e-3
+    monkeypatch.setattr(Tuner, "_time", slow)
+    try:
+        tuner.search()
+        res = tuner.result()
+    finally:
+        tuner.release()
+    default = res.default
+    assert default.status == "ok" and list(default.times) == [shapes[0].key]
+    assert [s.key for s in res.shapes] == [shapes[0].key]
+    assert all("time budget" in res.skipped_shapes[s.key] for s in shapes[1:])
+    assert all(c.status != "ok" for c in res.candidates[1:]) and res.stopped
 
 
 # -- small pieces ---------------------------------------------------------------------------------

@@ -229,7 +229,7 @@ def test_gpu_kernels_through_transformers(device, name="Gemma-2-2B"):
     """The GPU strategy (tiled decode, prefill and append kernels of a GPU profile) on the
     CPU drivers, through the same integration: prefill, chunk and decode steps."""
     cache = check_same(name, True, device, profile=GPU_PROFILE)
-    assert {g.cache.decoder.profile.strategy for g in cache.groups.values()} == {"tiled"}
+    assert {g.cache.profile.strategy for g in cache.groups.values()} == {"tiled"}
     assert cache.steps["prefill"] >= 1 and cache.steps["decode"] >= NEW_TOKENS - 1
 
 
@@ -239,7 +239,7 @@ def test_gpt_oss_sinks_gpu_kernels_and_cpu_backend(device, batch, name="gpt-oss-
     the GPU strategy (tiled decode, merge, prefill) on each device and through the numpy
     backend: eager's tokens, logits within the derived bound."""
     cache = check_same(name, batch, device, profile=GPU_PROFILE, derived=True)
-    assert {g.cache.decoder.profile.strategy for g in cache.groups.values()} == {"tiled"}
+    assert {g.cache.profile.strategy for g in cache.groups.values()} == {"tiled"}
     assert set(cache.groups) == {None, WINDOWS[name]}
     check_same(name, batch, None, backend="cpu", derived=True)
     check_same(name, batch, device, derived=True)  # the device's own (rows) kernels

@@ -1205,7 +1205,7 @@ def _cache_row(args: argparse.Namespace, db: DeviceBench, row: dict) -> None:
                begin_alone_ms=alone * 1e3, append_vs_attend=r["append"] / r["attend"],
                tables_bytes=r["tables"], launches_per_layer=r["launches"], runs=r["runs"],
                pages_used=cache.stats().pages_used,
-               profile=cache.decoder.profile.name,
+               profile=cache.profile.name,
                qkv_bytes=B * (spec.num_qo_heads + 2 * spec.num_kv_heads) * spec.head_dim
                * spec.itemsize * layers)
     log(f"{what} x {layers} layers, append {row['append']}: step {row['step_ms']:.3f} ms, "

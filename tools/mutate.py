@@ -480,17 +480,12 @@ MUTANTS = [
         ["tests/test_sinks.py", "-k", "unsplit_and_split"],
         "a split sequence's partitions each add the learned sink (the merge adds it again)",
         "kernel"),
-    Mutant("cache-sinks-on-the-build-without", "clattn/cache.py", [
-        ('self._kernels(sink_args["sink_logits"] is not None,', "self._kernels(False,")],
-        ["tests/test_sinks.py", "-k", "paged_cache_sinks"],
-        "the cache launches a layer's learned sinks on the decode build without the sink "
-        "epilogue (the sinks are dropped)"),
-    Mutant("one-call-sinks-on-the-build-without", "clattn/decode_fast.py", [
-        ("self._bound(named, merging, sink_logits is not None, fold)",
-         "self._bound(named, merging, False, fold)")],
-        ["tests/test_sinks.py", "-k", "switch_builds"],
-        "BatchDecode.run's short path launches sinks on the build without the epilogue"),
-    Mutant("held-append-reads-caller-kv-late", "clattn/cache.py", [
+    Mutant("launch-sinks-on-the-build-without", "clattn/decode_launch.py", [
+        ('self.kernels(operands["sink_logits"] is not None,', "self.kernels(False,")],
+        ["tests/test_sinks.py", "-k", "paged_cache_sinks or switch_builds"],
+        "a bound decode launch (the cache's, BatchDecode.run's short path) runs learned "
+        "sinks on the build without the sink epilogue (the sinks are dropped)"),
+    Mutant("held-append-reads-caller-kv-late", "clattn/cache_device.py", [
         ("self._device_input(n, a, held=self.fuse)", "self._device_input(n, a, held=False)")],
         ["tests/test_cache_fused.py", "-k", "held"],
         "a held (fused) append reads the caller's device k/v at the attend, not at append",

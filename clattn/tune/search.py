@@ -492,8 +492,15 @@ class Tuner:
         decs: dict[str, BatchDecode] = {}
         if new_kernel and kkey[0] != "invalid":
             self._kernel_ok[kkey] = None
-        for m in self.models:
-            if self._kernel_ok[kkey]:
+        # the models of the shapes left, the first shape's first: the default stops
+        # building once the budget is spent (the shapes of models it did not build are
+        # dropped by _time_shapes), so a slow compiler does not hold the budget
+        first = {}
+        for shape in self.shapes:
+            first.setdefault(shape.model, len(first))
+        models = sorted((m for m in self.models if m.name in first), key=lambda m: first[m.name])
+        for m in models:
+            if self._kernel_ok[kkey] or (cand.id == 0 and decs and self.over_budget()):
                 break
             self.progress.update(f"{label}: build + verify {m.name}")
             try:
@@ -515,9 +522,16 @@ class Tuner:
     def _time_shapes(self, cand: Candidate, decs: dict[str, BatchDecode], label: str,
                      force: bool) -> None:
         """Time ``cand`` on every shape (identical launches reused), or stop at the first
-        shape that prunes, fails or runs past the budget."""
-        for shape in self.shapes:
-            if not force and self.over_budget():
+        shape that prunes, fails or runs past the budget. ``force`` (a seed) runs past the
+        caps; the default (the first seed) past the budget too until it has one shape
+        timed, after which the shapes it has no time for are dropped from the run (said in
+        ``skipped_shapes``), so the budget holds on any machine."""
+        for i, shape in enumerate(list(self.shapes)):
+            if (self.over_budget() or shape.model not in decs) and \
+                    (not force or cand.id != 0 or cand.times):
+                if force and cand.id == 0:
+                    self._drop_shapes(self.shapes[i:])
+                    break
                 cand.status = "stopped"
                 cand.reason = f"time budget of {self.settings.budget_s:.0f} s used up"
                 self.stop_reason = self.stop_reason or cand.reason
@@ -552,6 +566,17 @@ class Tuner:
             self._best[shape.key] = min(self._best.get(shape.key, math.inf), t)
         cand.status = "ok"
 
+    def _drop_shapes(self, shapes: list) -> None:
+        """Leave ``shapes`` out of the run: the budget was spent before the default was
+        timed on them."""
+        why = (f"time budget of {self.settings.budget_s:.0f} s used up before the default "
+               f"profile was timed on it")
+        for s in shapes:
+            self.skipped_shapes[s.key] = why
+        self.shapes = [s for s in self.shapes if s not in shapes]
+        self.stop_reason = self.stop_reason or \
+            f"time budget of {self.settings.budget_s:.0f} s used up"
+
     def evaluate(self, prof: Profile, origin: str, *, force: bool = False) -> Candidate | None:
         """Fit, verify and time ``prof`` on every shape; None for a duplicate or past a cap.
 
@@ -569,6 +594,11 @@ class Tuner:
         cand = Candidate(len(self.candidates), prof, origin, kkey)
         self.candidates.append(cand)
         self._keys[key] = cand
+        if force and cand.id and self.over_budget():  # a seed after the default: not built
+            cand.status = "stopped"
+            cand.reason = f"time budget of {self.settings.budget_s:.0f} s used up"
+            self.stop_reason = self.stop_reason or cand.reason
+            return cand
         if new_kernel:
             self._kernels_tried += 1
         else:
@@ -630,6 +660,8 @@ class Tuner:
         self.chosen = best
         if best is None or default is None or default.status != "ok":
             return
+        if best is default and self.elapsed() > self.settings.budget_s:
+            return  # nothing to compare, and no time left to time the default again
         pair = [default] if best is default else [default, best]
         times: dict[int, dict[str, float]] = {c.id: {} for c in pair}
         decs = {c.id: {m.name: self._decoder(self.specs[m.name], c.profile)
