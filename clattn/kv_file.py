@@ -180,8 +180,12 @@ class KVFile:
                              ).reshape(shape)
 
     def close(self) -> None:
-        """Unmap the file (every array from :meth:`layer` must be gone)."""
-        self._mm.close()
+        """Unmap the file; while arrays from :meth:`layer` live on, the mapping stays
+        until they are gone."""
+        try:
+            self._mm.close()
+        except BufferError:  # views still exported: the mapping closes with the last one
+            pass
 
     def __enter__(self) -> "KVFile":
         return self

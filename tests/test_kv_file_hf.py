@@ -102,3 +102,40 @@ def test_refused_folder_leaves_the_cache_empty(tmp_path):
     assert other.rows is None and not other.groups
     with pytest.raises(ValueError, match="holds no sequences"):
         cache.load(tmp_path / "chat")
+
+
+def test_window_and_full_layer_kinds_in_process(tmp_path):
+    """A model with sliding-window and full layers (two layer kinds, two files) whose
+    window has given pages back by the save; files of two saves mixed are refused."""
+    cfg = transformers.Gemma2Config(vocab_size=128, hidden_size=64, intermediate_size=128,
+                                    num_hidden_layers=2, num_attention_heads=4,
+                                    num_key_value_heads=2, head_dim=32, sliding_window=8,
+                                    max_position_embeddings=256, pad_token_id=0)
+    torch.manual_seed(0)
+    m = transformers.Gemma2ForCausalLM(cfg).eval()
+    m.set_attn_implementation("clattn")
+    gen = dict(max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)
+    prompt, user = torch.randint(3, 128, (1, 12)), torch.randint(3, 128, (1, 4))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cache = ClattnCache(m, max_cache_len=64, backend="cpu", page_size=4)
+        turn1 = m.generate(prompt, cache=cache, **gen)
+        assert len(cache.groups) == 2
+        assert cache.groups[8].cache.table.state(cache.rows[0]).dropped > 0
+        cache.save(tmp_path / "chat")
+        turn2_in = torch.cat([turn1, user], dim=1)
+        ref = m.generate(turn2_in, cache=cache, **gen)
+        cache.save(tmp_path / "later")
+        fresh = ClattnCache(m, max_cache_len=64, backend="cpu", page_size=4)
+        fresh.load(tmp_path / "chat")
+        assert torch.equal(m.generate(turn2_in, cache=fresh, **gen), ref)
+    (tmp_path / "chat" / "full.clkv").replace(tmp_path / "mixed-full.clkv")
+    mixed = tmp_path / "mixed"
+    mixed.mkdir()
+    (tmp_path / "mixed-full.clkv").replace(mixed / "full.clkv")
+    (tmp_path / "later" / "window-8.clkv").replace(mixed / "window-8.clkv")
+    other = ClattnCache(m, max_cache_len=64, backend="cpu", page_size=4)
+    from clattn.kv_file import KVFileMismatchError
+    with pytest.raises(KVFileMismatchError, match="different saves"):
+        other.load(mixed)
+    assert other.rows is None and not other.groups

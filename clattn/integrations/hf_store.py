@@ -2,7 +2,8 @@
 
 The folder holds one KV file (:mod:`clattn.kv_file`) per layer kind: ``full.clkv`` for
 the full-attention layers, ``window-N.clkv`` for those of window ``N``; each is written
-atomically and its header's ``extra`` keeps what transformers counts besides the tokens
+atomically (the files of one save share a save id, which a load checks) and its
+header's ``extra`` keeps what transformers counts besides the tokens
 (the batch's rows, each layer's seen positions) and the shape the kind attends with. A
 load checks every file before it adds a sequence, and a kind whose file is refused takes
 back the kinds loaded before it: the cache is then as it was.
@@ -10,6 +11,7 @@ back the kinds loaded before it: the cache is then as it was.
 from __future__ import annotations
 
 import os
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -41,9 +43,11 @@ def save(cache: Any, path: str | os.PathLike[str]) -> int:
         raise ValueError("clattn: the ClattnCache holds no sequences yet (no forward ran)")
     folder = Path(path)
     size = 0
+    save_id = uuid.uuid4().hex  # the files of one save carry the same
     for window, g in cache.groups.items():
         extra = {"rows": list(cache.rows), "window": window, "shape": cache.kind_shape(window),
-                 "seen": [layer.cumulative_length for layer in cache.layers]}
+                 "seen": [layer.cumulative_length for layer in cache.layers],
+                 "save": save_id}
         size += g.cache.save(_file(folder, window), cache.rows, extra=extra)
     return size
 
@@ -58,6 +62,9 @@ def load(cache: Any, path: str | os.PathLike[str]) -> None:
     headers = {w: read_header(_file(folder, w))["extra"] for w in windows}
     for w in windows:
         _check_model(cache.config, headers[w]["shape"], _file(folder, w))
+    if len({h["save"] for h in headers.values()}) > 1:
+        raise KVFileMismatchError(f"{folder}: its layer kinds' files come from different "
+                                  f"saves (a save stopped part-way?)")
     rows = headers[windows[0]]["rows"]
     made = [w for w in windows if w not in cache.groups]
     done = []
