@@ -344,9 +344,10 @@ class PagedKVCache:
     def offload(self, path: str | os.PathLike[str], seq_ids: Sequence[Hashable]) -> int:
         """:meth:`save` the sequences, then remove them (their pages go back to the pool);
         :meth:`restore` brings them back. Returns the file's bytes."""
+        ids = list(seq_ids)
         with self._lock:
-            size = self.save(path, seq_ids)
-            for seq_id in seq_ids:
+            size = self.save(path, ids)
+            for seq_id in ids:
                 self.table.remove(seq_id)
             return size
 

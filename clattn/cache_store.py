@@ -21,7 +21,7 @@ import numpy as np
 from . import kv_file, runtime
 from .cache_tables import SeqState
 from .kv_file import KVFileCorruptError, KVFileMismatchError
-from .spec import AttentionSpec
+from .spec import INT32_MAX, AttentionSpec
 
 __all__ = ["load", "save"]
 
@@ -145,6 +145,12 @@ def _items(f: kv_file.KVFile, new_ids: Sequence[Hashable] | None) -> list:
             if stored < 0 or len(pages) != -(-stored // ps) or \
                     (len(pages) and (pages.min() < 0 or pages.max() >= n)):
                 raise ValueError(f"sequence {k}: {len(pages)} pages for {stored} stored rows")
+            windowed = st.window is not None
+            if (windowed and (not h["spec"]["sliding_window"] or st.window < 1)) or \
+                    st.sink < 0 or (st.sink and not windowed) or st.dropped < 0 or \
+                    (st.dropped and not windowed) or not 0 <= st.pos_offset <= INT32_MAX:
+                raise ValueError(f"sequence {k}: window {st.window}, sink {st.sink}, "
+                                 f"dropped {st.dropped}, pos_offset {st.pos_offset}")
             used[pages] = True
             items.append((_decode_id(s["id"]) if new_ids is None else new_ids[k], st))
     except (KeyError, TypeError, ValueError) as exc:

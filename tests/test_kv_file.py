@@ -293,3 +293,20 @@ def test_refused_ids_and_budget(bad_setup):
     refused(small, path, clattn.CacheFullError, match="load")
     small.remove("x")
     assert small.load(path) == IDS and small.stats().pages_free == 1
+
+
+def test_refused_sound_file_with_inconsistent_sequences(bad_setup, tmp_path):
+    """A file whose CRCs hold but whose page lists or window settings cannot be a
+    cache's (another program wrote it) is refused as corrupt."""
+    _, path, c = bad_setup
+    with kv_file.open_verified(path) as f:
+        header = dict(f.header)
+        layers = [np.array(f.layer(i)) for i in range(LAYERS)]
+    for key, value in (("pages", [99]), ("pages", []), ("sink", -1), ("dropped", 2),
+                       ("window", 0)):
+        seqs = [dict(s) for s in header["sequences"]]
+        seqs[0][key] = value  # sequence "a": no window
+        bad = tmp_path / f"{key}.clkv"
+        kv_file.write(bad, dict(header, sequences=seqs), layers, num_layers=LAYERS,
+                      layer_bytes=header["layer_bytes"])
+        refused(c, bad, KVFileCorruptError, match="inconsistent")
