@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Loading a saved sequence against prefilling it again (issue 39).
+"""Loading a saved sequence against prefilling it again.
 
 One sequence of ``--tokens`` tokens (Llama-3-8B's attention: 32 query heads, 8 KV heads,
 head_dim 128, pages of 16; ``--layers`` 32) per page format: its prompt goes through
