@@ -310,3 +310,20 @@ def test_refused_sound_file_with_inconsistent_sequences(bad_setup, tmp_path):
         kv_file.write(bad, dict(header, sequences=seqs), layers, num_layers=LAYERS,
                       layer_bytes=header["layer_bytes"])
         refused(c, bad, KVFileCorruptError, match="inconsistent")
+
+
+def test_load_takes_one_run_of_free_pages_when_there_is_one():
+    """The pages a load takes: the lowest run of consecutive free pages long enough (one
+    transfer per layer), else the lowest free pages; the free list keeps the rest."""
+    from clattn.cache_tables import PageTable, SeqState
+    t = PageTable(spec_of("f16"), 12)
+    for i in range(12):  # one page each
+        t.add(i, window=None, sink=0, pos_offset=0)
+        t.reserve([i], [4], None)
+    for i in (1, 3, 4, 6, 7, 8, 10):
+        t.remove(i)
+    st = SeqState(length=12, dropped=0, window=None, sink=0, pos_offset=0,
+                  pages=np.arange(3))
+    assert t.install([("a", st)], 3).tolist() == [6, 7, 8]
+    assert t.install([("b", st)], 3).tolist() == [1, 3, 4]
+    assert t.free == [10] and t.refcount.tolist() == [int(p != 10) for p in range(12)]
