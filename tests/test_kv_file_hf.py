@@ -105,8 +105,9 @@ def test_refused_folder_leaves_the_cache_empty(tmp_path):
 
 
 def test_window_and_full_layer_kinds_in_process(tmp_path):
-    """A model with sliding-window and full layers (two layer kinds, two files) whose
-    window has given pages back by the save; files of two saves mixed are refused."""
+    """A batch of three on a model with sliding-window and full layers (two layer kinds,
+    two files; the new cache's pools sized for the file's rows) whose window has given
+    pages back by the save; files of two saves mixed are refused."""
     cfg = transformers.Gemma2Config(vocab_size=128, hidden_size=64, intermediate_size=128,
                                     num_hidden_layers=2, num_attention_heads=4,
                                     num_key_value_heads=2, head_dim=32, sliding_window=8,
@@ -115,7 +116,7 @@ def test_window_and_full_layer_kinds_in_process(tmp_path):
     m = transformers.Gemma2ForCausalLM(cfg).eval()
     m.set_attn_implementation("clattn")
     gen = dict(max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)
-    prompt, user = torch.randint(3, 128, (1, 12)), torch.randint(3, 128, (1, 4))
+    prompt, user = torch.randint(3, 128, (3, 12)), torch.randint(3, 128, (3, 4))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         cache = ClattnCache(m, max_cache_len=64, backend="cpu", page_size=4)
@@ -128,6 +129,8 @@ def test_window_and_full_layer_kinds_in_process(tmp_path):
         cache.save(tmp_path / "later")
         fresh = ClattnCache(m, max_cache_len=64, backend="cpu", page_size=4)
         fresh.load(tmp_path / "chat")
+        assert [g.cache.num_pages for g in fresh.groups.values()] == \
+            [g.cache.num_pages for g in cache.groups.values()]
         assert torch.equal(m.generate(turn2_in, cache=fresh, **gen), ref)
     (tmp_path / "chat" / "full.clkv").replace(tmp_path / "mixed-full.clkv")
     mixed = tmp_path / "mixed"

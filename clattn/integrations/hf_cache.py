@@ -380,21 +380,23 @@ class ClattnCache(Cache):
             g.check(index, shape)
         return g
 
-    def _make_group(self, window: int | None, shape: "_Shape") -> "_Group":
-        g = _Group(self, window, [i for i, w in enumerate(self.windows) if w == window], shape)
+    def _make_group(self, window: int | None, shape: "_Shape",
+                    batch: int | None = None) -> "_Group":
+        g = _Group(self, window, [i for i, w in enumerate(self.windows) if w == window], shape,
+                   batch)
         g.key = shape.key()
         self.groups[window] = g
         if self.rows is not None:
             g.add_rows(self.rows)
         return g
 
-    def kind(self, window: int | None, shape: dict) -> "_Group":
+    def kind(self, window: int | None, shape: dict, batch: int = 1) -> "_Group":
         """The layer kind of ``window``, made from ``shape`` (what ``kind_shape`` gave)
-        when no forward has made it yet, else checked against it."""
+        for ``batch`` rows when no forward has made it yet, else checked against it."""
         made = _Shape.from_items(shape)
         g = self.groups.get(window)
         if g is None:
-            return self._make_group(window, made)
+            return self._make_group(window, made, batch)
         g.check(g.layers[0], made)
         return g
 
@@ -496,7 +498,7 @@ class _Group:
     """One layer kind: its PagedKVCache, device arrays and step."""
 
     def __init__(self, owner: ClattnCache, window: int | None, layers: list[int],
-                 shape: _Shape) -> None:
+                 shape: _Shape, batch: int | None = None) -> None:
         self.owner, self.window, self.layers, self.shape = owner, window, layers, shape
         self.local = {hf: i for i, hf in enumerate(layers)}
         self.spec = AttentionSpec(
@@ -506,7 +508,7 @@ class _Group:
             k_format=owner.k_format, v_format=owner.v_format)
         dev = owner.cl_device()
         backend = "cpu" if dev is None else "opencl"
-        pages = owner._pool_pages(self.spec, len(layers), max(1, owner.batch_size))
+        pages = owner._pool_pages(self.spec, len(layers), batch or max(1, owner.batch_size))
         self.cache = clattn.PagedKVCache(self.spec, len(layers), device=dev, backend=backend,
                                          profile=owner.profile, rope=None,
                                          sm_scale=shape.scaling, prefill=owner.use_prefill,

@@ -70,7 +70,7 @@ def load(cache: Any, path: str | os.PathLike[str]) -> None:
     done = []
     try:
         for w in windows:
-            g = cache.kind(w, headers[w]["shape"])
+            g = cache.kind(w, headers[w]["shape"], batch=len(rows))
             g.cache.load(_file(folder, w), new_ids=rows)
             done.append(g)
     except BaseException:
