@@ -8,7 +8,9 @@ the save, with a position offset, and a fork sharing the first sequence's pages,
 partly filled last page included; RoPE in the kernel. The file is loaded into a second
 cache that already holds another sequence (so other pool pages are taken); then both
 caches run the same steps (a decode step whose forks copy their shared page, a prompt
-chunk) and must give the same bits: pools, lengths, outputs and LSEs. The files of every
+chunk) and must give the same bits: pools, lengths, outputs and LSEs. Every token
+attends on the decode kernel (``prefill=False``: fewer kernel builds; which kernel reads
+the pages does not touch what a file holds). The files of every
 backend load on every other and give that backend's own results, since the pages' bytes
 do not depend on the device (docs/cache.md, "Quantized pages").
 """
@@ -49,7 +51,7 @@ def make(spec, target, num_pages=48, **kw) -> clattn.PagedKVCache:
             return clattn.PagedKVCache(spec, LAYERS, backend="cpu", num_pages=num_pages,
                                        rope="attend", **kw)
         return clattn.PagedKVCache(spec, LAYERS, device=target.device, backend="opencl",
-                                   num_pages=num_pages, rope="attend", **kw)
+                                   num_pages=num_pages, rope="attend", prefill=False, **kw)
 
 
 def host(a) -> np.ndarray:
