@@ -402,11 +402,8 @@ class PageTable:
                 raise DuplicateSequenceError(f"load: sequence {seq_id!r} given twice")
             seen.add(seq_id)
         if num_pages > len(self.free):
-            raise CacheFullError(
-                f"load: the sequences need {num_pages} free pages, the pool has "
-                f"{len(self.free)} of {self.num_pages} (page_size {self.ps}); nothing was "
-                f"changed. Remove or offload sequences, or make the cache with more "
-                f"num_pages= or budget_bytes=", num_pages, len(self.free))
+            raise self._full("load: the sequences need", num_pages,
+                             "Remove or offload sequences")
         got = _contiguous_pick(self.free, num_pages)
         taken = set(got.tolist())
         self.free = [p for p in self.free if p not in taken]
@@ -440,11 +437,8 @@ class PageTable:
             plan.append((grow, cow))
             needed += grow + cow
         if needed > len(self.free):
-            raise CacheFullError(
-                f"begin: the step needs {needed} free pages, the pool has {len(self.free)} of "
-                f"{self.num_pages} (page_size {ps}); nothing was changed. Remove or pop "
-                f"sequences, give them a window, or make the cache with more num_pages= or "
-                f"budget_bytes=", needed, len(self.free))
+            raise self._full("begin: the step needs", needed,
+                             "Remove or pop sequences, give them a window")
         copies: list[int] = []
         undo = []
         for s, (grow, cow) in zip(seqs, plan):
@@ -504,6 +498,12 @@ class PageTable:
         t.undo = []
 
     # -- helpers ---------------------------------------------------------------------
+    def _full(self, what: str, needed: int, advice: str) -> CacheFullError:
+        return CacheFullError(
+            f"{what} {needed} free pages, the pool has {len(self.free)} of {self.num_pages} "
+            f"(page_size {self.ps}); nothing was changed. {advice}, or make the cache with "
+            f"more num_pages= or budget_bytes=", needed, len(self.free))
+
     def _take(self, n: int) -> list[int]:
         got = self.free[-n:][::-1]
         del self.free[-n:]

@@ -29,13 +29,14 @@ import json
 import mmap
 import os
 import struct
-import tempfile
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Iterable
 
 import numpy as np
+
+from .fileio import atomic_file
 
 __all__ = ["FORMAT_VERSION", "KVFile", "KVFileCorruptError", "KVFileError",
            "KVFileMismatchError", "KVFileVersionError", "open_verified", "write"]
@@ -90,8 +91,6 @@ def write(path: str | os.PathLike[str], header: dict, layers: Iterable[np.ndarra
     num_layers, layer_bytes : int
         What ``layers`` yields.
     """
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
     fields = dict(header, version=FORMAT_VERSION, layer_bytes=int(layer_bytes),
                   layers=[{"crc32": _CRC_PLACEHOLDER} for _ in range(num_layers)])
     start = 0
@@ -100,58 +99,32 @@ def write(path: str | os.PathLike[str], header: dict, layers: Iterable[np.ndarra
         if data_offset(len(text)) == start:
             break
         start = data_offset(len(text))
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    try:
-        with os.fdopen(fd, "w+b") as f:
-            f.write(b"\0" * start)
-            crcs = []
-            n = 0
-            for arr in layers:
-                buf = memoryview(np.ascontiguousarray(arr)).cast("B")
-                if buf.nbytes != layer_bytes:
-                    raise ValueError(f"layer {n}: {buf.nbytes} bytes, expected {layer_bytes}")
-                crcs.append(f"{zlib.crc32(buf):08x}")
-                f.write(buf)
-                n += 1
-            if n != num_layers:
-                raise ValueError(f"{n} layers written, expected {num_layers}")
-            fields["layers"] = [{"crc32": c} for c in crcs]
-            text = _header_text(fields, start)  # as long as before: fixed-width CRCs
-            head = _PREFIX.pack(MAGIC, FORMAT_VERSION, len(text)) + text
-            head += b"\0" * (start - len(head))
-            f.seek(0)
-            f.write(head)
-            f.seek(0, os.SEEK_END)
-            f.write(_TRAILER.pack(END_MAGIC, zlib.crc32(head), 0))
-            size = f.tell()
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    _sync_dir(target.parent)
+    with atomic_file(path, "w+b") as f:
+        f.write(b"\0" * start)
+        crcs = []
+        for n, arr in enumerate(layers):
+            buf = memoryview(np.ascontiguousarray(arr)).cast("B")
+            if buf.nbytes != layer_bytes:
+                raise ValueError(f"layer {n}: {buf.nbytes} bytes, expected {layer_bytes}")
+            crcs.append(f"{zlib.crc32(buf):08x}")
+            f.write(buf)
+        if len(crcs) != num_layers:
+            raise ValueError(f"{len(crcs)} layers written, expected {num_layers}")
+        fields["layers"] = [{"crc32": c} for c in crcs]
+        text = _header_text(fields, start)  # as long as before: fixed-width CRCs
+        head = _PREFIX.pack(MAGIC, FORMAT_VERSION, len(text)) + text
+        head += b"\0" * (start - len(head))
+        f.seek(0)
+        f.write(head)
+        f.seek(0, os.SEEK_END)
+        f.write(_TRAILER.pack(END_MAGIC, zlib.crc32(head), 0))
+        size = f.tell()
     return size
 
 
 def _header_text(fields: dict, offset: int) -> bytes:
     return json.dumps(dict(fields, data_offset=int(offset)), sort_keys=True,
                       separators=(",", ":")).encode("utf-8")
-
-
-def _sync_dir(folder: Path) -> None:
-    """fsync the folder so the rename itself is on storage (where the OS allows it)."""
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 class KVFile:

@@ -331,3 +331,19 @@ def test_load_takes_one_run_of_free_pages_when_there_is_one():
     assert t.install([("a", st)], 3).tolist() == [6, 7, 8]
     assert t.install([("b", st)], 3).tolist() == [1, 3, 4]
     assert t.free == [10] and t.refcount.tolist() == [int(p != 10) for p in range(12)]
+
+
+def test_interrupted_save_leaves_the_old_file(tmp_path):
+    """A save stopped part-way (here: Ctrl-C while the second layer is read back) leaves
+    the file as it was and no temporary file."""
+    path = tmp_path / "chat.clkv"
+    path.write_bytes(b"the old file")
+
+    def layers():
+        yield np.zeros(8, np.uint8)
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        kv_file.write(path, {"sequences": []}, layers(), num_layers=2, layer_bytes=8)
+    assert path.read_bytes() == b"the old file"
+    assert [p.name for p in tmp_path.iterdir()] == ["chat.clkv"]
