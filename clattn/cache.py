@@ -21,13 +21,14 @@ page bookkeeping itself is :mod:`clattn.cache_tables`.
 """
 from __future__ import annotations
 
+import os
 import threading
 from dataclasses import dataclass
 from typing import Any, Hashable, Sequence
 
 import numpy as np
 
-from . import cpu_backend, validate
+from . import cache_store, cpu_backend, validate
 from .cache_device import CacheDevice, CacheRope, device_pools, short
 from .cache_tables import CacheFullError, PageTable, PrefillRuns, StepTables, prefill_runs
 from .device import open_backend, warn_notes
@@ -312,6 +313,79 @@ class PagedKVCache:
                 self.spec.page_size, pool_bytes=self.page_bytes * self.num_pages * self.num_layers,
                 free_tokens=free * self.spec.page_size, prefill_launches=self.prefill_launches,
                 launches=self.launches)
+
+    # -- sequences on storage (clattn.cache_store, format: clattn.kv_file) -------------
+    def save(self, path: str | os.PathLike[str], seq_ids: Sequence[Hashable] | None = None,
+             *, extra: dict | None = None) -> int:
+        """Write sequences to a KV file (docs/kv_file.md), atomically.
+
+        Parameters
+        ----------
+        path : path-like
+            The file (replaced once the new one is complete).
+        seq_ids : sequence of ids, optional
+            The sequences (default: all); ids of str, int, bool, None or tuples of them.
+            Pages they share are written once.
+        extra : dict, optional
+            JSON-able fields kept with them (:func:`clattn.cache_store.read_header`).
+
+        Returns
+        -------
+        int
+            The file's size in bytes.
+        """
+        with self._lock:
+            self._no_step("save")
+            return cache_store.save(self, path, seq_ids, extra)
+
+    def load(self, path: str | os.PathLike[str],
+             new_ids: Sequence[Hashable] | None = None) -> tuple:
+        """Add the sequences of a KV file, their pages taken from the free ones.
+
+        Parameters
+        ----------
+        path : path-like
+            A file :meth:`save` wrote, for a cache of the same spec (page formats
+            included), layer count and RoPE mode, on any device or backend.
+        new_ids : sequence of ids, optional
+            Ids to load the file's sequences under, in the file's order.
+
+        Returns
+        -------
+        tuple
+            The ids of the sequences added.
+
+        Raises
+        ------
+        clattn.kv_file.KVFileError
+            ``KVFileCorruptError`` (truncated, a byte changed, not a KV file),
+            ``KVFileVersionError`` (a newer format), ``KVFileMismatchError`` (another
+            spec, page format, layer count or RoPE mode).
+        DuplicateSequenceError
+            An id the cache holds.
+        CacheFullError
+            Too few free pages.
+
+        Every refusal leaves the cache, its pools and its sequences as they were.
+        """
+        with self._lock:
+            self._no_step("load")
+            return cache_store.load(self, path, new_ids)
+
+    def offload(self, path: str | os.PathLike[str], seq_ids: Sequence[Hashable]) -> int:
+        """:meth:`save` the sequences, then remove them (their pages go back to the pool);
+        :meth:`restore` brings them back. Returns the file's bytes."""
+        ids = list(seq_ids)
+        with self._lock:
+            size = self.save(path, ids)
+            for seq_id in ids:
+                self.table.remove(seq_id)
+            return size
+
+    def restore(self, path: str | os.PathLike[str],
+                new_ids: Sequence[Hashable] | None = None) -> tuple:
+        """Bring back sequences :meth:`offload` wrote (as :meth:`load`)."""
+        return self.load(path, new_ids)
 
     # -- the step ------------------------------------------------------------------
     def begin(self, seq_ids: Sequence[Hashable], lengths: Sequence[int] | None = None, *,

@@ -98,6 +98,22 @@ class _Seq:
             self.pages = grown
 
 
+@dataclass(frozen=True)
+class SeqState:
+    """A sequence as :meth:`PageTable.state` gives it and :meth:`PageTable.install`
+    takes it: tokens (``length``, dropped ones included), whole pages given back from
+    between the sinks and the window (``dropped``), ``window``/``sink``/``pos_offset``
+    as :meth:`PageTable.add` took them, and its page list (pool pages, or for install
+    indices into the new pages)."""
+
+    length: int
+    dropped: int
+    window: int | None
+    sink: int
+    pos_offset: int
+    pages: np.ndarray
+
+
 @dataclass
 class StepTables:
     """One step's reservation and its tables (host, int32), tokens in ``begin``'s order.
@@ -365,6 +381,42 @@ class PageTable:
         if s.length == 0:
             s.dropped = 0
 
+    # -- saved sequences (clattn.cache_store) -------------------------------------------
+    def state(self, seq_id: Hashable) -> "SeqState":
+        """What the table holds of one sequence, its pool pages included."""
+        s = self.seq(seq_id)
+        return SeqState(length=s.length, dropped=s.dropped, window=s.window, sink=s.sink,
+                        pos_offset=s.pos_offset, pages=s.pages[:s.npages].copy())
+
+    def install(self, items: Sequence[tuple[Hashable, "SeqState"]], num_pages: int) -> np.ndarray:
+        """Add the sequences ``items`` (id, state), whose ``pages`` number ``num_pages``
+        new pages ``0 .. num_pages - 1`` (shared ones repeated); returns the pool page of
+        each new page. The pages are taken from the free ones as a step takes them
+        (:class:`CacheFullError` when too few are free), one contiguous run when the free
+        pages have one. Raises before anything is changed for an id present or given
+        twice (:class:`DuplicateSequenceError`) or a full pool."""
+        seen: set = set()
+        for seq_id, _ in items:
+            self._new_id(seq_id, "load")
+            if seq_id in seen:
+                raise DuplicateSequenceError(f"load: sequence {seq_id!r} given twice")
+            seen.add(seq_id)
+        if num_pages > len(self.free):
+            raise self._full("load: the sequences need", num_pages,
+                             "Remove or offload sequences")
+        got = _contiguous_pick(self.free, num_pages)
+        taken = set(got.tolist())
+        self.free = [p for p in self.free if p not in taken]
+        for seq_id, st in items:
+            s = _Seq(st.window, st.sink, st.pos_offset)
+            s.ensure(len(st.pages))
+            s.npages = len(st.pages)
+            s.pages[:s.npages] = got[np.asarray(st.pages, np.int64)]
+            s.length, s.dropped = st.length, st.dropped
+            np.add.at(self.refcount, s.pages[:s.npages], 1)
+            self.seqs[seq_id] = s
+        return got
+
     # -- the step ----------------------------------------------------------------------
     def reserve(self, seq_ids: Sequence[Hashable], lengths: Sequence[int] | None,
                 rope: str | None) -> StepTables:
@@ -385,11 +437,8 @@ class PageTable:
             plan.append((grow, cow))
             needed += grow + cow
         if needed > len(self.free):
-            raise CacheFullError(
-                f"begin: the step needs {needed} free pages, the pool has {len(self.free)} of "
-                f"{self.num_pages} (page_size {ps}); nothing was changed. Remove or pop "
-                f"sequences, give them a window, or make the cache with more num_pages= or "
-                f"budget_bytes=", needed, len(self.free))
+            raise self._full("begin: the step needs", needed,
+                             "Remove or pop sequences, give them a window")
         copies: list[int] = []
         undo = []
         for s, (grow, cow) in zip(seqs, plan):
@@ -449,6 +498,12 @@ class PageTable:
         t.undo = []
 
     # -- helpers ---------------------------------------------------------------------
+    def _full(self, what: str, needed: int, advice: str) -> CacheFullError:
+        return CacheFullError(
+            f"{what} {needed} free pages, the pool has {len(self.free)} of {self.num_pages} "
+            f"(page_size {self.ps}); nothing was changed. {advice}, or make the cache with "
+            f"more num_pages= or budget_bytes=", needed, len(self.free))
+
     def _take(self, n: int) -> list[int]:
         got = self.free[-n:][::-1]
         del self.free[-n:]
@@ -557,6 +612,18 @@ class PageTable:
             window_offset=wo if windowed else None, sink_size=sink if windowed else None,
             q_pos=qpos, k_pos_offset=kpo, slots=slots, k_pos=kpos, copies=np.zeros(0, I32),
             chunk=chunk, reserved=0)
+
+
+def _contiguous_pick(free: list[int], n: int) -> np.ndarray:
+    """``n`` of the ``free`` pages, ascending: the lowest run of ``n`` consecutive pages
+    when there is one (a load then writes each layer's pages in one transfer), else the
+    ``n`` lowest."""
+    pages = np.sort(np.asarray(free, np.int64))
+    if n == 0:
+        return pages[:0]
+    runs = np.flatnonzero(pages[n - 1:] - pages[:len(pages) - n + 1] == n - 1)
+    first = int(runs[0]) if len(runs) else 0
+    return pages[first:first + n] if len(runs) else pages[:n]
 
 
 def _ids(seqs: dict) -> str:

@@ -375,15 +375,52 @@ class ClattnCache(Cache):
             return g
         shape = _Shape(query, key, value, scaling, softcap)
         if g is None:
-            g = _Group(self, window, [i for i, w in enumerate(self.windows) if w == window],
-                       shape)
-            g.key = key_
-            self.groups[window] = g
-            if self.rows is not None:
-                g.add_rows(self.rows)
+            g = self._make_group(window, shape)
         else:
             g.check(index, shape)
         return g
+
+    def _make_group(self, window: int | None, shape: "_Shape",
+                    batch: int | None = None) -> "_Group":
+        g = _Group(self, window, [i for i, w in enumerate(self.windows) if w == window], shape,
+                   batch)
+        g.key = shape.key()
+        self.groups[window] = g
+        if self.rows is not None:
+            g.add_rows(self.rows)
+        return g
+
+    def kind(self, window: int | None, shape: dict, batch: int = 1) -> "_Group":
+        """The layer kind of ``window``, made from ``shape`` (what ``kind_shape`` gave)
+        for ``batch`` rows when no forward has made it yet, else checked against it."""
+        made = _Shape.from_items(shape)
+        g = self.groups.get(window)
+        if g is None:
+            return self._make_group(window, made, batch)
+        g.check(g.layers[0], made)
+        return g
+
+    def kind_shape(self, window: int | None) -> dict:
+        """What layer kind ``window`` attends with (JSON-able; :meth:`kind` takes it)."""
+        return self.groups[window].shape.record()
+
+    # -- sequences on storage (clattn.integrations.hf_store) -----------------------------
+    def save(self, path: Any) -> int:
+        """Write the cache's sequences (every layer kind) into the folder ``path``, one
+        KV file per layer kind (docs/transformers.md, "Save and load"); returns bytes."""
+        from .hf_store import save
+        return save(self, path)
+
+    def load(self, path: Any) -> None:
+        """Load what :meth:`save` wrote into this cache, which holds no sequences yet and
+        was made for the same model and formats; ``generate`` then continues from it."""
+        from .hf_store import load
+        load(self, path)
+
+    def adopt_rows(self, rows: Sequence) -> None:
+        """The batch's rows are the (loaded) sequences ``rows`` of every layer kind."""
+        self.rows = list(rows)
+        self._next_id = max([self._next_id] + [int(r) for r in self.rows])
 
     def _pool_pages(self, spec: AttentionSpec, layers: int, batch: int) -> dict:
         """``num_pages=`` or ``budget_bytes=`` for one layer kind's PagedKVCache."""
@@ -431,6 +468,26 @@ class _Shape:
                 f"stores float16 or float32: load the model in one of them "
                 f"(dtype=torch.float16/float32, or model.half()/model.float())")
 
+    def key(self) -> tuple:
+        """The key ``ClattnCache.group`` compares a layer's tensors' shapes with."""
+        d = self.head_dim
+        return (self.heads, d, self.kv_heads, d, self.kv_heads, d, self.dtype, self.dtype,
+                self.dtype, self.scaling, self.softcap)
+
+    def record(self) -> dict:
+        """JSON-able fields that :meth:`from_items` makes the shape again from."""
+        return {"heads": self.heads, "kv_heads": self.kv_heads, "head_dim": self.head_dim,
+                "dtype": DTYPES[self.dtype], "scaling": self.scaling, "softcap": self.softcap}
+
+    @classmethod
+    def from_items(cls, rec: dict) -> "_Shape":
+        """The shape :meth:`record` gave."""
+        by_name = {v: k for k, v in DTYPES.items()}
+        heads, kv, d, dt = (int(rec["heads"]), int(rec["kv_heads"]), int(rec["head_dim"]),
+                            by_name[rec["dtype"]])
+        q, k = torch.empty(1, heads, 0, d, dtype=dt), torch.empty(1, kv, 0, d, dtype=dt)
+        return cls(q, k, k, rec["scaling"], rec["softcap"])
+
     def items(self) -> dict:
         return {"query heads": self.heads, "kv heads": self.kv_heads,
                 "head_dim": self.head_dim, "dtype": self.dtype, "scaling": self.scaling,
@@ -441,7 +498,7 @@ class _Group:
     """One layer kind: its PagedKVCache, device arrays and step."""
 
     def __init__(self, owner: ClattnCache, window: int | None, layers: list[int],
-                 shape: _Shape) -> None:
+                 shape: _Shape, batch: int | None = None) -> None:
         self.owner, self.window, self.layers, self.shape = owner, window, layers, shape
         self.local = {hf: i for i, hf in enumerate(layers)}
         self.spec = AttentionSpec(
@@ -451,7 +508,7 @@ class _Group:
             k_format=owner.k_format, v_format=owner.v_format)
         dev = owner.cl_device()
         backend = "cpu" if dev is None else "opencl"
-        pages = owner._pool_pages(self.spec, len(layers), max(1, owner.batch_size))
+        pages = owner._pool_pages(self.spec, len(layers), batch or max(1, owner.batch_size))
         self.cache = clattn.PagedKVCache(self.spec, len(layers), device=dev, backend=backend,
                                          profile=owner.profile, rope=None,
                                          sm_scale=shape.scaling, prefill=owner.use_prefill,
