@@ -22,6 +22,10 @@ from transformers import AutoModelForCausalLM
 import clattn.integrations.transformers as cltf
 from clattn.integrations.hf_cache import ClattnCache, UnsupportedFeatureError
 
+# one intra-op thread: the tiny models' matmuls are microseconds of work, and a thread
+# pool that waits for busy cores (a shared CI machine) makes them 10-20x slower
+torch.set_num_threads(1)
+
 VOCAB = 128
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=256,

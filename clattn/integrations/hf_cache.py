@@ -26,7 +26,7 @@ from clattn import runtime
 from clattn.spec import LSE_DTYPE, AttentionSpec
 
 __all__ = ["ClattnCache", "ClattnLayer", "UnsupportedFeatureError", "check_config",
-           "layer_windows"]
+           "layer_windows", "shared_kv_sources"]
 
 NAME = "clattn"  # the attn_implementation a ClattnCache works with
 #: the default device and options of the caches made for generate (what
@@ -53,6 +53,26 @@ class _Pending(threading.local):
 PENDING = _Pending()
 
 
+class _Returned(threading.local):
+    """The keys and values each layer's ``update`` returned in this thread's current
+    forward (``kv``: layer -> (keys, values)) and the cache they went to: a shared-KV
+    layer (Gemma-3n) attends with the very tensors its source layer got back."""
+
+    owner: Any = None
+    kv: dict
+
+    def __init__(self) -> None:
+        self.kv = {}
+
+    def record(self, owner: Any, index: int, key: Any, value: Any) -> None:
+        if self.owner is not owner or index in self.kv:  # another cache, or a new forward
+            self.owner, self.kv = owner, {}
+        self.kv[index] = (key, value)
+
+
+RETURNED = _Returned()
+
+
 def check_config(config: Any) -> None:
     """Raise :class:`UnsupportedFeatureError` for a (text) config whose attention clattn
     cannot hold in its cache: an encoder-decoder, or multi-head latent attention."""
@@ -66,6 +86,28 @@ def check_config(config: Any) -> None:
             f"DeepSeek-V2/V3) is not supported: such a model caches compressed latents and "
             f"expands them into keys and values of another head size at every step, while "
             f"clattn's pages hold the keys and values themselves; use 'eager' or 'sdpa'")
+
+
+def shared_kv_sources(config: Any) -> dict[int, int]:
+    """``{layer: source layer}`` of the layers that attend another layer's keys and values
+    (``config.num_kv_shared_layers``, Gemma-3n and Gemma-4): the last
+    ``num_kv_shared_layers`` layers store none and attend those of the last earlier layer
+    of their own layer type, as transformers' Gemma-3n attention does."""
+    shared = int(getattr(config, "num_kv_shared_layers", 0) or 0)
+    n = int(config.num_hidden_layers)
+    if shared <= 0:
+        return {}
+    first = n - shared
+    types = list(getattr(config, "layer_types", None) or ["full_attention"] * n)
+    out = {}
+    for i in range(first, n):
+        earlier = [j for j in range(first) if types[j] == types[i]]
+        if not earlier:
+            raise UnsupportedFeatureError(
+                f"clattn: layer {i} shares the keys and values of an earlier "
+                f"{types[i]!r} layer (num_kv_shared_layers={shared}) and there is none")
+        out[i] = earlier[-1]
+    return out
 
 
 def layer_windows(config: Any) -> list[int | None]:
@@ -108,9 +150,13 @@ class ClattnLayer(CacheLayerMixin):
     is_croppable = True
     supports_early_init = False
 
-    def __init__(self, owner: "ClattnCache", index: int, window: int | None) -> None:
+    def __init__(self, owner: "ClattnCache", index: int, window: int | None,
+                 source: int | None = None) -> None:
         super().__init__()
         self.owner, self.index, self.window = owner, index, window
+        #: the layer whose keys and values this one attends (a shared-KV layer: it never
+        #: updates and holds no pages), else None
+        self.source = source
         self.is_sliding = window is not None
         self.cumulative_length = 0
         self.is_initialized = True
@@ -148,8 +194,13 @@ class ClattnLayer(CacheLayerMixin):
             raise RuntimeError(f"clattn: layer {self.index - 1 if self.index else 'last'}'s "
                                f"new keys and values were never attended (no {NAME!r} "
                                f"attention call after the cache update); call reset()")
+        if self.source is not None:
+            raise RuntimeError(f"clattn: layer {self.index} shares layer {self.source}'s keys "
+                               f"and values (num_kv_shared_layers) and stores none; it was "
+                               f"given new ones")
         self.cumulative_length += int(key_states.shape[-2])
         PENDING.value = (self.owner, self.index, key_states, value_states)
+        RETURNED.record(self.owner, self.index, key_states, value_states)
         return key_states, value_states
 
     def get_mask_sizes(self, query_length: Any) -> tuple[int, int]:
@@ -158,6 +209,8 @@ class ClattnLayer(CacheLayerMixin):
         return self.cumulative_length + q, 0
 
     def get_seq_length(self) -> int:
+        if self.source is not None:
+            return self.owner.layers[self.source].cumulative_length
         return self.cumulative_length
 
     def get_max_length(self) -> int:
@@ -218,7 +271,10 @@ class ClattnCache(Cache):
         check_config(cfg)
         self.config = cfg
         self.windows = layer_windows(cfg)
-        super().__init__(layers=[ClattnLayer(self, i, w) for i, w in enumerate(self.windows)])
+        #: shared-KV layer -> the layer whose pool it attends (no pool of its own)
+        self.sources = shared_kv_sources(cfg)
+        super().__init__(layers=[ClattnLayer(self, i, w, self.sources.get(i))
+                                 for i, w in enumerate(self.windows)])
         d = DEFAULTS
         self.device = d["device"] if device is None else device
         self.page_size = int(d["page_size"] if page_size is None else page_size)
@@ -375,8 +431,10 @@ class ClattnCache(Cache):
             return g
         shape = _Shape(query, key, value, scaling, softcap)
         if g is None:
-            g = _Group(self, window, [i for i, w in enumerate(self.windows) if w == window],
-                       shape)
+            kind = [i for i, w in enumerate(self.windows) if w == window]
+            g = _Group(self, window, [i for i in kind if i not in self.sources], shape)
+            g.members = kind
+            g.local.update({i: g.local[self.sources[i]] for i in kind if i in self.sources})
             g.key = key_
             self.groups[window] = g
             if self.rows is not None:
@@ -390,7 +448,8 @@ class ClattnCache(Cache):
         if self.num_pages is not None:
             return {"num_pages": int(self.num_pages)}
         if self.budget_bytes is not None:  # shared by the kinds in proportion to layers
-            return {"budget_bytes": int(self.budget_bytes) * layers // len(self.layers)}
+            return {"budget_bytes": int(self.budget_bytes) * layers //
+                    (len(self.layers) - len(self.sources))}  # layers with pools
         tokens = self.max_cache_len or DEFAULT_MAX_CACHE_LEN
         return {"num_pages": batch * (math.ceil(tokens / spec.page_size) + 1)}
 
@@ -443,7 +502,10 @@ class _Group:
     def __init__(self, owner: ClattnCache, window: int | None, layers: list[int],
                  shape: _Shape) -> None:
         self.owner, self.window, self.layers, self.shape = owner, window, layers, shape
+        #: the model's layer -> its pool in the kind's cache (a shared-KV layer: its source's)
         self.local = {hf: i for i, hf in enumerate(layers)}
+        #: every layer of the kind, shared-KV layers included: each attends once a step
+        self.members = list(layers)
         self.spec = AttentionSpec(
             num_qo_heads=shape.heads, num_kv_heads=shape.kv_heads, head_dim=shape.head_dim,
             page_size=owner.page_size, dtype=DTYPES[shape.dtype],
@@ -515,4 +577,5 @@ class GroupForward:
         self.done: set = set()
         self.sel: torch.Tensor | None = None
         self.T = 0
+        self.L = 0  # new positions per row (padding included)
         self.mode = "decode"
