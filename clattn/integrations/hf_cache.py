@@ -75,7 +75,8 @@ RETURNED = _Returned()
 
 def check_config(config: Any) -> None:
     """Raise :class:`UnsupportedFeatureError` for a (text) config whose attention clattn
-    cannot hold in its cache: an encoder-decoder, or multi-head latent attention."""
+    cannot hold in its cache: an encoder-decoder, multi-head latent attention, ALiBi, or
+    a layer type other than full and sliding attention (:func:`layer_windows`)."""
     if getattr(config, "is_encoder_decoder", False):
         raise UnsupportedFeatureError("clattn: encoder-decoder models (cross-attention) "
                                       "are not supported; decoder-only models are")
@@ -86,6 +87,13 @@ def check_config(config: Any) -> None:
             f"DeepSeek-V2/V3) is not supported: such a model caches compressed latents and "
             f"expands them into keys and values of another head size at every step, while "
             f"clattn's pages hold the keys and values themselves; use 'eager' or 'sdpa'")
+    if getattr(config, "alibi", False) is True:
+        raise UnsupportedFeatureError(
+            "clattn: ALiBi (config.alibi=True: a linear position bias added to the scores "
+            "through the attention mask) is not supported; clattn attends with rotary or "
+            "absolute positions")
+    if getattr(config, "num_hidden_layers", None) is not None:
+        layer_windows(config)
 
 
 def shared_kv_sources(config: Any) -> dict[int, int]:
@@ -189,8 +197,8 @@ class ClattnLayer(CacheLayerMixin):
                 f"clattn: a ClattnCache needs attn_implementation={NAME!r}; the model attends "
                 f"with {impl!r} (which would see only the new tokens' keys and values): "
                 f"model.set_attn_implementation({NAME!r}), or use another cache")
-        if PENDING.value is not None:
-            PENDING.value = None
+        stale, PENDING.value = PENDING.value, None
+        if stale is not None and stale[0] is self.owner:  # (another cache's: it failed)
             raise RuntimeError(f"clattn: layer {self.index - 1 if self.index else 'last'}'s "
                                f"new keys and values were never attended (no {NAME!r} "
                                f"attention call after the cache update); call reset()")

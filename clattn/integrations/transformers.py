@@ -154,6 +154,16 @@ class ClattnMask:
     def shape(self) -> tuple:
         return (int(self.args["batch_size"]), 1, self.q_length, self.kv_length)
 
+    def __getattr__(self, name: str) -> Any:
+        """Any other tensor attribute: the model computes with the mask itself (adds a
+        bias to it: ALiBi, Doge's dynamic mask), which clattn does not attend."""
+        if name.startswith("__") or name in ("args", "_patterns", "_dense", "_index"):
+            raise AttributeError(name)
+        raise UnsupportedFeatureError(
+            f"clattn: the model computes with the attention mask (mask.{name}: a bias "
+            f"added to the scores through the mask, as ALiBi and Doge's dynamic mask "
+            f"attention do); clattn attends causal (or sliding-window) masks only")
+
     def __getitem__(self, index: Any) -> "ClattnMask":
         """The mask of the last query positions only, ``mask[:, :, slice(-n, None), :]``
         (Gemma-4 runs its shared-KV layers on the positions whose logits it keeps); any
@@ -279,9 +289,11 @@ def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
         pending = _shared_kv(module, key, value)
     if pending is None or pending[2] is not key or pending[3] is not value:
         if pending is not None:
-            exc = RuntimeError("clattn: the keys/values given to attention are not the ones "
-                               "the ClattnCache returned for this layer (the model changed "
-                               "them in between); clattn cannot attend them")
+            exc = UnsupportedFeatureError(
+                f"clattn: layer {pending[1]}: the keys/values given to attention are not the "
+                f"ones the ClattnCache returned (the model changes them between the cache "
+                f"update and attention: differential attention as in DiffLlama, JetMoE's "
+                f"mixture of attention heads); clattn attends the keys and values it stored")
             pending[0].fail(exc)
             raise exc
         return _eager(module, query, key, value, attention_mask, dropout, scaling, kwargs)
