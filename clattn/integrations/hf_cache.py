@@ -224,6 +224,9 @@ class ClattnLayer(CacheLayerMixin):
     def get_max_length(self) -> int:
         return -1
 
+    def get_max_cache_shape(self) -> int:  # abstract in transformers 4.56: no fixed size
+        return -1
+
     # the sequence operations are the owner's, once for all layers
     def reset(self) -> None:
         self.cumulative_length = 0
@@ -286,7 +289,7 @@ class ClattnCache(Cache):
         d = DEFAULTS
         self.device = d["device"] if device is None else device
         self.page_size = int(d["page_size"] if page_size is None else page_size)
-        self.max_cache_len = max_cache_len
+        self.tokens_per_sequence = max_cache_len  # (4.56: Cache.max_cache_len is a property)
         self.num_pages, self.budget_bytes = num_pages, budget_bytes
         self.use_prefill = d["prefill"] if prefill is None else bool(prefill)
         self.backend = d["backend"] if backend is None else backend
@@ -345,11 +348,11 @@ class ClattnCache(Cache):
         self.broken = f"{type(exc).__name__}: {exc}"
 
     def crop(self, tokens_to_remove: int) -> None:
-        """Drop the last ``-tokens_to_remove`` tokens of every row (assisted decoding)."""
+        """Drop the last ``-tokens_to_remove`` tokens of every row (assisted decoding); a
+        positive value (transformers 4.x) is the length to keep."""
         n = int(tokens_to_remove)
-        if n > 0:
-            raise ValueError(f"crop({n}): pass a negative number of tokens to remove (the "
-                             f"absolute-length form is not supported, as in DynamicCache)")
+        if n > 0:  # transformers 4.x's form: the length to keep
+            n = -max(0, self.get_seq_length() - n)
         if n == 0 or self.rows is None:
             return
         for g in self.groups.values():
@@ -458,7 +461,7 @@ class ClattnCache(Cache):
         if self.budget_bytes is not None:  # shared by the kinds in proportion to layers
             return {"budget_bytes": int(self.budget_bytes) * layers //
                     (len(self.layers) - len(self.sources))}  # layers with pools
-        tokens = self.max_cache_len or DEFAULT_MAX_CACHE_LEN
+        tokens = self.tokens_per_sequence or DEFAULT_MAX_CACHE_LEN
         return {"num_pages": batch * (math.ceil(tokens / spec.page_size) + 1)}
 
     def cl_device(self) -> Any:

@@ -261,10 +261,13 @@ def _evaluate_mask(fn: Callable, window: int | None) -> bool:
         return False
 
 
-def mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0,
-         kv_offset: int = 0, mask_function: Callable | None = None,
+def mask(batch_size: int, q_length: int | None = None, kv_length: int | None = None,
+         q_offset: int = 0, kv_offset: int = 0, mask_function: Callable | None = None,
          attention_mask: torch.Tensor | None = None, **kwargs: Any) -> ClattnMask:
-    """The ``AttentionMaskInterface`` function: no dense mask is built (see ClattnMask)."""
+    """The ``AttentionMaskInterface`` function: no dense mask is built (see ClattnMask).
+    transformers before 5 passes ``cache_position`` (the new positions) for ``q_length``."""
+    if q_length is None:
+        q_length = int(kwargs["cache_position"].shape[0])
     args = dict(batch_size=batch_size, q_length=q_length, kv_length=kv_length,
                 q_offset=q_offset, kv_offset=kv_offset, attention_mask=attention_mask,
                 **kwargs)
@@ -369,7 +372,10 @@ def _refuse(module: Any, query: torch.Tensor, dropout: float, is_causal: Any,
     if torch.is_grad_enabled() and query.requires_grad:
         raise UnsupportedFeatureError("clattn: gradients through attention; clattn runs "
                                       "inference (torch.no_grad() / torch.inference_mode())")
-    if is_causal is False or not getattr(module, "is_causal", True):
+    # is_causal=False beside a clattn mask (GPT-2 in transformers 4.x: "use the mask"):
+    # the mask's pattern is checked to be causal (ClattnMask.check_pattern)
+    if (is_causal is False and not isinstance(attention_mask, ClattnMask)) or \
+            not getattr(module, "is_causal", True):
         raise UnsupportedFeatureError(f"clattn: layer {index} is not causal; clattn "
                                       f"attends causally")
     if position_bias is not None:
@@ -517,6 +523,16 @@ def _uses_clattn(model: Any) -> bool:
                     getattr(text, "_attn_implementation", None))
 
 
+def _speculative(arguments: dict, gen: Any) -> bool:
+    """Whether the cache prepared with these ``_prepare_cache_for_generation`` arguments
+    will be cropped: the main model of assisted or prompt-lookup decoding, or a draft
+    model (a generate inside another's). transformers 5 asks for it itself
+    (``activate_past_recording``); 4.x crops without asking."""
+    mode = str(arguments.get("generation_mode") or "").lower()
+    return "assisted" in mode or arguments.get("assistant_model") is not None or \
+        bool(getattr(gen, "prompt_lookup_num_tokens", None)) or len(_GENERATING.sizes) > 1
+
+
 class _Generating(threading.local):
     """The ``generate`` calls in progress in this thread, outermost first: the tokens per
     sequence each one's cache is sized for (0 until its cache is prepared). An assistant
@@ -577,8 +593,10 @@ def _patch_generate() -> None:
                 if type(c) is DynamicCache and not getattr(c, "_is_user_defined", False):
                     made = model_kwargs[name] = ClattnCache(self, max_cache_len=size,
                                                             page_size=DEFAULTS["page_size"])
-                    if any(getattr(layer, "record_past", False) for layer in c.layers):
-                        made.activate_past_recording()  # an assistant model's cache
+                    if any(getattr(layer, "record_past", False) for layer in c.layers) or \
+                            _speculative(a, gen):
+                        for layer in made.layers:  # (4.x's Cache has no such method)
+                            layer.activate_past_recording()
         return res
 
     generate = GenerationMixin.generate
