@@ -153,7 +153,8 @@ def prompts() -> tuple[torch.Tensor, torch.Tensor]:
 #: why clattn refuses: reason -> (what the refusal's message matches, the docs' words).
 #: docs/transformers.md shows :func:`refusal_table` (tests/test_hf_sweep.py checks it)
 REASONS = {
-    "interface": (r"does not attend through transformers' AttentionInterface",
+    "interface": (r"does not attend through transformers' AttentionInterface|"
+                  r"without a single call of clattn's attention",
                   "attention module outside `AttentionInterface` (its own code)"),
     "encoder-decoder": (r"encoder-decoder models", "encoder-decoder (cross-attention)"),
     "not causal": (r"is not causal|is_causal=False", "bidirectional (not causal) attention"),

@@ -288,6 +288,8 @@ def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
     H, D], None)``.
     """
     pending, PENDING.value = PENDING.value, None
+    if _GENERATING.calls:
+        _GENERATING.calls[-1] += 1
     if pending is None:
         pending = _shared_kv(module, key, value)
     if pending is None or pending[2] is not key or pending[3] is not value:
@@ -542,6 +544,20 @@ class _Generating(threading.local):
 
     def __init__(self) -> None:
         self.sizes: list[int] = []
+        #: calls of the "clattn" attention function during each generate in progress
+        self.calls: list[int] = []
+
+
+def _check_reached(model: Any, calls: int) -> None:
+    """A generate of a model set to clattn that never called clattn's attention (its
+    attention is its own code that the class does not declare, or it has no attention
+    layers: transformers 4.x's OpenAI-GPT and Mamba) is an error naming it, not a silent
+    run on the model's own code."""
+    if calls == 0 and _uses_clattn(model):
+        raise UnsupportedFeatureError(
+            f"clattn: {type(model).__name__} generated without a single call of clattn's "
+            f"attention (its attention does not go through transformers' "
+            f"AttentionInterface, or it has no attention layers); it ran on its own code")
 
 
 _GENERATING = _Generating()
@@ -604,17 +620,23 @@ def _patch_generate() -> None:
     @functools.wraps(generate)
     def _generate(self, *args: Any, attn_implementation: str | None = None, **kw: Any) -> Any:
         _GENERATING.sizes.append(0)  # the cache length this call sizes for (see above)
+        _GENERATING.calls.append(0)
         try:
             if attn_implementation is None:
-                return generate(self, *args, **kw)
+                out = generate(self, *args, **kw)
+                _check_reached(self, _GENERATING.calls[-1])
+                return out
             before = self.config._attn_implementation
             self.set_attn_implementation(attn_implementation)
             try:
-                return generate(self, *args, **kw)
+                out = generate(self, *args, **kw)
+                _check_reached(self, _GENERATING.calls[-1])
+                return out
             finally:
                 self.set_attn_implementation(before)
         finally:
             _GENERATING.sizes.pop()
+            _GENERATING.calls.pop()
 
     GenerationMixin._prepare_cache_for_generation = _prepare_cache_for_generation
     GenerationMixin.generate = _generate
