@@ -328,11 +328,15 @@ def filled_cache(name: str, ids: torch.Tensor) -> ClattnCache:
     m.set_attn_implementation("clattn")
     try:
         cache = ClattnCache(m, backend="cpu", max_cache_len=64)
-        with torch.no_grad():
-            m(ids, cache=cache, use_cache=True)
+        with torch.no_grad():  # transformers 4.x names the argument past_key_values
+            m(ids, **{CACHE_ARG: cache}, use_cache=True)
     finally:
         m.set_attn_implementation("eager")
     return cache
+
+
+#: the name a model's forward takes the cache by in the installed transformers
+CACHE_ARG = "cache" if int(transformers.__version__.split(".")[0]) >= 5 else "past_key_values"
 
 
 def test_reorder_and_crop_share_pages():

@@ -26,7 +26,7 @@ from clattn import runtime
 from clattn.spec import LSE_DTYPE, AttentionSpec
 
 __all__ = ["ClattnCache", "ClattnLayer", "UnsupportedFeatureError", "check_config",
-           "layer_windows"]
+           "layer_windows", "shared_kv_sources"]
 
 NAME = "clattn"  # the attn_implementation a ClattnCache works with
 #: the default device and options of the caches made for generate (what
@@ -53,9 +53,30 @@ class _Pending(threading.local):
 PENDING = _Pending()
 
 
+class _Returned(threading.local):
+    """The keys and values each layer's ``update`` returned in this thread's current
+    forward (``kv``: layer -> (keys, values)) and the cache they went to: a shared-KV
+    layer (Gemma-3n) attends with the very tensors its source layer got back."""
+
+    owner: Any = None
+    kv: dict
+
+    def __init__(self) -> None:
+        self.kv = {}
+
+    def record(self, owner: Any, index: int, key: Any, value: Any) -> None:
+        if self.owner is not owner or index in self.kv:  # another cache, or a new forward
+            self.owner, self.kv = owner, {}
+        self.kv[index] = (key, value)
+
+
+RETURNED = _Returned()
+
+
 def check_config(config: Any) -> None:
     """Raise :class:`UnsupportedFeatureError` for a (text) config whose attention clattn
-    cannot hold in its cache: an encoder-decoder, or multi-head latent attention."""
+    cannot hold in its cache: an encoder-decoder, multi-head latent attention, ALiBi, or
+    a layer type other than full and sliding attention (:func:`layer_windows`)."""
     if getattr(config, "is_encoder_decoder", False):
         raise UnsupportedFeatureError("clattn: encoder-decoder models (cross-attention) "
                                       "are not supported; decoder-only models are")
@@ -66,6 +87,35 @@ def check_config(config: Any) -> None:
             f"DeepSeek-V2/V3) is not supported: such a model caches compressed latents and "
             f"expands them into keys and values of another head size at every step, while "
             f"clattn's pages hold the keys and values themselves; use 'eager' or 'sdpa'")
+    if getattr(config, "alibi", False) is True:
+        raise UnsupportedFeatureError(
+            "clattn: ALiBi (config.alibi=True: a linear position bias added to the scores "
+            "through the attention mask) is not supported; clattn attends with rotary or "
+            "absolute positions")
+    if getattr(config, "num_hidden_layers", None) is not None:
+        layer_windows(config)
+
+
+def shared_kv_sources(config: Any) -> dict[int, int]:
+    """``{layer: source layer}`` of the layers that attend another layer's keys and values
+    (``config.num_kv_shared_layers``, Gemma-3n and Gemma-4): the last
+    ``num_kv_shared_layers`` layers store none and attend those of the last earlier layer
+    of their own layer type, as transformers' Gemma-3n attention does."""
+    shared = int(getattr(config, "num_kv_shared_layers", 0) or 0)
+    n = int(config.num_hidden_layers)
+    if shared <= 0:
+        return {}
+    first = n - shared
+    types = list(getattr(config, "layer_types", None) or ["full_attention"] * n)
+    out = {}
+    for i in range(first, n):
+        earlier = [j for j in range(first) if types[j] == types[i]]
+        if not earlier:
+            raise UnsupportedFeatureError(
+                f"clattn: layer {i} shares the keys and values of an earlier "
+                f"{types[i]!r} layer (num_kv_shared_layers={shared}) and there is none")
+        out[i] = earlier[-1]
+    return out
 
 
 def layer_windows(config: Any) -> list[int | None]:
@@ -108,9 +158,13 @@ class ClattnLayer(CacheLayerMixin):
     is_croppable = True
     supports_early_init = False
 
-    def __init__(self, owner: "ClattnCache", index: int, window: int | None) -> None:
+    def __init__(self, owner: "ClattnCache", index: int, window: int | None,
+                 source: int | None = None) -> None:
         super().__init__()
         self.owner, self.index, self.window = owner, index, window
+        #: the layer whose keys and values this one attends (a shared-KV layer: it never
+        #: updates and holds no pages), else None
+        self.source = source
         self.is_sliding = window is not None
         self.cumulative_length = 0
         self.is_initialized = True
@@ -143,13 +197,18 @@ class ClattnLayer(CacheLayerMixin):
                 f"clattn: a ClattnCache needs attn_implementation={NAME!r}; the model attends "
                 f"with {impl!r} (which would see only the new tokens' keys and values): "
                 f"model.set_attn_implementation({NAME!r}), or use another cache")
-        if PENDING.value is not None:
-            PENDING.value = None
+        stale, PENDING.value = PENDING.value, None
+        if stale is not None and stale[0] is self.owner:  # (another cache's: it failed)
             raise RuntimeError(f"clattn: layer {self.index - 1 if self.index else 'last'}'s "
                                f"new keys and values were never attended (no {NAME!r} "
                                f"attention call after the cache update); call reset()")
+        if self.source is not None:
+            raise RuntimeError(f"clattn: layer {self.index} shares layer {self.source}'s keys "
+                               f"and values (num_kv_shared_layers) and stores none; it was "
+                               f"given new ones")
         self.cumulative_length += int(key_states.shape[-2])
         PENDING.value = (self.owner, self.index, key_states, value_states)
+        RETURNED.record(self.owner, self.index, key_states, value_states)
         return key_states, value_states
 
     def get_mask_sizes(self, query_length: Any) -> tuple[int, int]:
@@ -158,9 +217,14 @@ class ClattnLayer(CacheLayerMixin):
         return self.cumulative_length + q, 0
 
     def get_seq_length(self) -> int:
+        if self.source is not None:
+            return self.owner.layers[self.source].cumulative_length
         return self.cumulative_length
 
     def get_max_length(self) -> int:
+        return -1
+
+    def get_max_cache_shape(self) -> int:  # abstract in transformers 4.56: no fixed size
         return -1
 
     # the sequence operations are the owner's, once for all layers
@@ -218,11 +282,14 @@ class ClattnCache(Cache):
         check_config(cfg)
         self.config = cfg
         self.windows = layer_windows(cfg)
-        super().__init__(layers=[ClattnLayer(self, i, w) for i, w in enumerate(self.windows)])
+        #: shared-KV layer -> the layer whose pool it attends (no pool of its own)
+        self.sources = shared_kv_sources(cfg)
+        super().__init__(layers=[ClattnLayer(self, i, w, self.sources.get(i))
+                                 for i, w in enumerate(self.windows)])
         d = DEFAULTS
         self.device = d["device"] if device is None else device
         self.page_size = int(d["page_size"] if page_size is None else page_size)
-        self.max_cache_len = max_cache_len
+        self.tokens_per_sequence = max_cache_len  # (4.56: Cache.max_cache_len is a property)
         self.num_pages, self.budget_bytes = num_pages, budget_bytes
         self.use_prefill = d["prefill"] if prefill is None else bool(prefill)
         self.backend = d["backend"] if backend is None else backend
@@ -281,11 +348,11 @@ class ClattnCache(Cache):
         self.broken = f"{type(exc).__name__}: {exc}"
 
     def crop(self, tokens_to_remove: int) -> None:
-        """Drop the last ``-tokens_to_remove`` tokens of every row (assisted decoding)."""
+        """Drop the last ``-tokens_to_remove`` tokens of every row (assisted decoding); a
+        positive value (transformers 4.x) is the length to keep."""
         n = int(tokens_to_remove)
-        if n > 0:
-            raise ValueError(f"crop({n}): pass a negative number of tokens to remove (the "
-                             f"absolute-length form is not supported, as in DynamicCache)")
+        if n > 0:  # transformers 4.x's form: the length to keep
+            n = -max(0, self.get_seq_length() - n)
         if n == 0 or self.rows is None:
             return
         for g in self.groups.values():
@@ -382,8 +449,10 @@ class ClattnCache(Cache):
 
     def _make_group(self, window: int | None, shape: "_Shape",
                     batch: int | None = None) -> "_Group":
-        g = _Group(self, window, [i for i, w in enumerate(self.windows) if w == window], shape,
-                   batch)
+        kind = [i for i, w in enumerate(self.windows) if w == window]
+        g = _Group(self, window, [i for i in kind if i not in self.sources], shape, batch)
+        g.members = kind
+        g.local.update({i: g.local[self.sources[i]] for i in kind if i in self.sources})
         g.key = shape.key()
         self.groups[window] = g
         if self.rows is not None:
@@ -427,8 +496,9 @@ class ClattnCache(Cache):
         if self.num_pages is not None:
             return {"num_pages": int(self.num_pages)}
         if self.budget_bytes is not None:  # shared by the kinds in proportion to layers
-            return {"budget_bytes": int(self.budget_bytes) * layers // len(self.layers)}
-        tokens = self.max_cache_len or DEFAULT_MAX_CACHE_LEN
+            return {"budget_bytes": int(self.budget_bytes) * layers //
+                    (len(self.layers) - len(self.sources))}  # layers with pools
+        tokens = self.tokens_per_sequence or DEFAULT_MAX_CACHE_LEN
         return {"num_pages": batch * (math.ceil(tokens / spec.page_size) + 1)}
 
     def cl_device(self) -> Any:
@@ -500,7 +570,10 @@ class _Group:
     def __init__(self, owner: ClattnCache, window: int | None, layers: list[int],
                  shape: _Shape, batch: int | None = None) -> None:
         self.owner, self.window, self.layers, self.shape = owner, window, layers, shape
+        #: the model's layer -> its pool in the kind's cache (a shared-KV layer: its source's)
         self.local = {hf: i for i, hf in enumerate(layers)}
+        #: every layer of the kind, shared-KV layers included: each attends once a step
+        self.members = list(layers)
         self.spec = AttentionSpec(
             num_qo_heads=shape.heads, num_kv_heads=shape.kv_heads, head_dim=shape.head_dim,
             page_size=owner.page_size, dtype=DTYPES[shape.dtype],
@@ -572,4 +645,5 @@ class GroupForward:
         self.done: set = set()
         self.sel: torch.Tensor | None = None
         self.T = 0
+        self.L = 0  # new positions per row (padding included)
         self.mode = "decode"

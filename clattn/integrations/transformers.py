@@ -25,6 +25,7 @@ from __future__ import annotations
 import functools
 import inspect
 import sys
+import threading
 import warnings
 from typing import Any, Callable
 
@@ -36,7 +37,7 @@ from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
 from clattn import CacheFullError, runtime
 
-from .hf_cache import (DEFAULTS, NAME, PENDING, ClattnCache, GroupForward,
+from .hf_cache import (DEFAULTS, NAME, PENDING, RETURNED, ClattnCache, GroupForward,
                        UnsupportedFeatureError, check_config)
 
 __all__ = ["ClattnCache", "ClattnMask", "UnsupportedFeatureError", "attention",
@@ -147,15 +148,46 @@ class ClattnMask:
         self.kv_length = int(args["kv_length"])
         self._patterns: dict = {}
         self._dense = None
+        self._index: Any = None  # what __getitem__ took of the dense mask
 
     @property
     def shape(self) -> tuple:
         return (int(self.args["batch_size"]), 1, self.q_length, self.kv_length)
 
+    def __getattr__(self, name: str) -> Any:
+        """Any other tensor attribute: the model computes with the mask itself (adds a
+        bias to it: ALiBi, Doge's dynamic mask), which clattn does not attend."""
+        if name.startswith("__") or name in ("args", "_patterns", "_dense", "_index"):
+            raise AttributeError(name)
+        raise UnsupportedFeatureError(
+            f"clattn: the model computes with the attention mask (mask.{name}: a bias "
+            f"added to the scores through the mask, as ALiBi and Doge's dynamic mask "
+            f"attention do); clattn attends causal (or sliding-window) masks only")
+
+    def __getitem__(self, index: Any) -> "ClattnMask":
+        """The mask of the last query positions only, ``mask[:, :, slice(-n, None), :]``
+        (Gemma-4 runs its shared-KV layers on the positions whose logits it keeps); any
+        other index is refused by name."""
+        ok = isinstance(index, tuple) and len(index) == 4 and \
+            all(i == slice(None) for i in (index[0], index[1], index[3])) and \
+            isinstance(index[2], slice) and index[2].step is None and \
+            index[2].stop is None and (index[2].start or 0) <= 0
+        if not ok:
+            raise UnsupportedFeatureError(f"clattn: the model indexes the attention mask with "
+                                          f"{index!r}; clattn keeps the last query positions "
+                                          f"of a mask only (mask[:, :, -n:, :])")
+        out = ClattnMask(self.args)
+        out._patterns = self._patterns
+        out.q_length = len(range(self.q_length)[index[2]])
+        out._index = index
+        return out
+
     def dense(self) -> torch.Tensor | None:
         """transformers' eager (additive float) mask for the same arguments."""
         if self._dense is None:
             self._dense = eager_mask(**self.args)
+            if self._index is not None and self._dense is not None:
+                self._dense = self._dense[self._index]
         return self._dense
 
     def check_pattern(self, window: int | None, layer: int) -> None:
@@ -229,10 +261,13 @@ def _evaluate_mask(fn: Callable, window: int | None) -> bool:
         return False
 
 
-def mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0,
-         kv_offset: int = 0, mask_function: Callable | None = None,
+def mask(batch_size: int, q_length: int | None = None, kv_length: int | None = None,
+         q_offset: int = 0, kv_offset: int = 0, mask_function: Callable | None = None,
          attention_mask: torch.Tensor | None = None, **kwargs: Any) -> ClattnMask:
-    """The ``AttentionMaskInterface`` function: no dense mask is built (see ClattnMask)."""
+    """The ``AttentionMaskInterface`` function: no dense mask is built (see ClattnMask).
+    transformers before 5 passes ``cache_position`` (the new positions) for ``q_length``."""
+    if q_length is None:
+        q_length = int(kwargs["cache_position"].shape[0])
     args = dict(batch_size=batch_size, q_length=q_length, kv_length=kv_length,
                 q_offset=q_offset, kv_offset=kv_offset, attention_mask=attention_mask,
                 **kwargs)
@@ -253,11 +288,17 @@ def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
     H, D], None)``.
     """
     pending, PENDING.value = PENDING.value, None
+    if _GENERATING.calls:
+        _GENERATING.calls[-1] += 1
+    if pending is None:
+        pending = _shared_kv(module, key, value)
     if pending is None or pending[2] is not key or pending[3] is not value:
         if pending is not None:
-            exc = RuntimeError("clattn: the keys/values given to attention are not the ones "
-                               "the ClattnCache returned for this layer (the model changed "
-                               "them in between); clattn cannot attend them")
+            exc = UnsupportedFeatureError(
+                f"clattn: layer {pending[1]}: the keys/values given to attention are not the "
+                f"ones the ClattnCache returned (the model changes them between the cache "
+                f"update and attention: differential attention as in DiffLlama, JetMoE's "
+                f"mixture of attention heads); clattn attends the keys and values it stored")
             pending[0].fail(exc)
             raise exc
         return _eager(module, query, key, value, attention_mask, dropout, scaling, kwargs)
@@ -268,6 +309,24 @@ def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
     except BaseException as exc:  # the cache no longer agrees with transformers' count
         owner.fail(exc)
         raise
+
+
+def _shared_kv(module: Any, key: torch.Tensor, value: torch.Tensor) -> tuple | None:
+    """``(owner, layer, key, value)`` when ``module`` is a shared-KV layer of the cache of
+    this thread's forward (``ClattnCache.sources``) attending with the tensors its
+    source layer's ``update`` returned; None otherwise (no cache: the eager fallback)."""
+    owner, index = RETURNED.owner, getattr(module, "layer_idx", None)
+    if owner is None or index not in owner.sources:
+        return None
+    source = owner.sources[index]
+    got = RETURNED.kv.get(source)
+    if got is None or got[0] is not key or got[1] is not value:
+        exc = RuntimeError(f"clattn: layer {index} shares layer {source}'s keys and values "
+                           f"(num_kv_shared_layers) and was given others; clattn attends "
+                           f"the ones layer {source} stored")
+        owner.fail(exc)
+        raise exc
+    return owner, index, key, value
 
 
 def _paged(owner: ClattnCache, index: int, module: Any, query: torch.Tensor,
@@ -291,14 +350,15 @@ def _paged(owner: ClattnCache, index: int, module: Any, query: torch.Tensor,
     g = owner.group(index, module, query, key, value, scaling, kwargs.get("softcap"))
     step = g.step
     local = g.local[index]
-    if step is not None and local in step.done:
+    if step is not None and index in step.done:
         raise RuntimeError("clattn: an earlier forward stopped half-way (an error in the "
                            "model); the cache lost track of it: call cache.reset()")
     if step is None:
         step = g.step = _begin(g, rows, attention_mask, B, L, owner.layers[index])
-    out = _run_layer(g, step, local, query, key, value, _sink_logits(kwargs))
-    step.done.add(local)
-    if len(step.done) == len(g.layers):
+    out = _run_layer(g, step, local, query, key, value, _sink_logits(kwargs),
+                     append=index not in owner.sources)
+    step.done.add(index)
+    if len(step.done) == len(g.members):
         if step.begun:
             g.cache.end()
         g.step = None
@@ -314,7 +374,10 @@ def _refuse(module: Any, query: torch.Tensor, dropout: float, is_causal: Any,
     if torch.is_grad_enabled() and query.requires_grad:
         raise UnsupportedFeatureError("clattn: gradients through attention; clattn runs "
                                       "inference (torch.no_grad() / torch.inference_mode())")
-    if is_causal is False or not getattr(module, "is_causal", True):
+    # is_causal=False beside a clattn mask (GPT-2 in transformers 4.x: "use the mask"):
+    # the mask's pattern is checked to be causal (ClattnMask.check_pattern)
+    if (is_causal is False and not isinstance(attention_mask, ClattnMask)) or \
+            not getattr(module, "is_causal", True):
         raise UnsupportedFeatureError(f"clattn: layer {index} is not causal; clattn "
                                       f"attends causally")
     if position_bias is not None:
@@ -329,6 +392,7 @@ def _refuse(module: Any, query: torch.Tensor, dropout: float, is_causal: Any,
 def _begin(g: Any, rows: list, attention_mask: Any, B: int, L: int, layer: Any) -> Any:
     """Begin the layer kind's step: the new tokens of each row that are not padding."""
     step = GroupForward()
+    step.L = L
     cache = g.cache
     past = layer.cumulative_length - L
     valid = None
@@ -402,13 +466,21 @@ def _tokens(x: torch.Tensor, step: Any) -> np.ndarray:
 
 
 def _run_layer(g: Any, step: Any, local: int, query: torch.Tensor, key: torch.Tensor,
-               value: torch.Tensor, sinks: np.ndarray | None) -> torch.Tensor:
+               value: torch.Tensor, sinks: np.ndarray | None,
+               append: bool = True) -> torch.Tensor:
+    """One layer's append (``append=False``: a shared-KV layer, whose source appended
+    this step's keys and values to the pool ``local``) and attention."""
     B, H, L, D = query.shape
     out = (torch.empty if step.sel is None else torch.zeros)((B, L, H, D), dtype=query.dtype)
     if step.T == 0:
         return out.to(query.device)
+    if L != step.L:  # the last positions' queries only (a Gemma-4 shared-KV layer)
+        full = query.new_zeros((B, H, step.L, D))
+        full[:, :, step.L - L:] = query
+        return _run_layer(g, step, local, full, key, value, sinks, append)[:, step.L - L:]
     cache = g.cache
-    cache.append(local, _tokens(key, step), _tokens(value, step))
+    if append:
+        cache.append(local, _tokens(key, step), _tokens(value, step))
     q = _tokens(query, step)
     flat = out.view(B * L, H, D)
     dest = flat.numpy() if step.sel is None else np.empty((step.T, H, D), q.dtype)
@@ -453,6 +525,44 @@ def _uses_clattn(model: Any) -> bool:
                     getattr(text, "_attn_implementation", None))
 
 
+def _speculative(arguments: dict, gen: Any) -> bool:
+    """Whether the cache prepared with these ``_prepare_cache_for_generation`` arguments
+    will be cropped: the main model of assisted or prompt-lookup decoding, or a draft
+    model (a generate inside another's). transformers 5 asks for it itself
+    (``activate_past_recording``); 4.x crops without asking."""
+    mode = str(arguments.get("generation_mode") or "").lower()
+    return "assisted" in mode or arguments.get("assistant_model") is not None or \
+        bool(getattr(gen, "prompt_lookup_num_tokens", None)) or len(_GENERATING.sizes) > 1
+
+
+class _Generating(threading.local):
+    """The ``generate`` calls in progress in this thread, outermost first: the tokens per
+    sequence each one's cache is sized for (0 until its cache is prepared). An assistant
+    model's ``generate`` runs inside the main model's, once per draft, and keeps the
+    cache its first call made: that cache is sized for the main call's length, which no
+    draft passes (transformers caps each draft at the main ``max_length`` less one)."""
+
+    def __init__(self) -> None:
+        self.sizes: list[int] = []
+        #: calls of the "clattn" attention function during each generate in progress
+        self.calls: list[int] = []
+
+
+def _check_reached(model: Any, calls: int) -> None:
+    """A generate of a model set to clattn that never called clattn's attention (its
+    attention is its own code that the class does not declare, or it has no attention
+    layers: transformers 4.x's OpenAI-GPT and Mamba) is an error naming it, not a silent
+    run on the model's own code."""
+    if calls == 0 and _uses_clattn(model):
+        raise UnsupportedFeatureError(
+            f"clattn: {type(model).__name__} generated without a single call of clattn's "
+            f"attention (its attention does not go through transformers' "
+            f"AttentionInterface, or it has no attention layers); it ran on its own code")
+
+
+_GENERATING = _Generating()
+
+
 def _patch_generate() -> None:
     """Wrap ``GenerationMixin._prepare_cache_for_generation`` (a ClattnCache where it
     would make a DynamicCache for a clattn model) and ``generate`` (accepts
@@ -481,33 +591,52 @@ def _patch_generate() -> None:
                           stacklevel=3)
             gen.cache_implementation = None
         res = prepare(self, *args, **kw)
+        size = a.get("max_cache_length")
+        # prompt lookup's verify step may run past max_length by its draft
+        if size and getattr(gen, "prompt_lookup_num_tokens", None):
+            size += int(gen.prompt_lookup_num_tokens)
+        outer = _GENERATING.sizes
+        if ours and size and outer:
+            # a generate inside another's (an assistant model drafting): its cache lives
+            # on across the outer call's drafts, which never run past the outer length
+            size = max(size, max(outer))
+        if outer and size:
+            outer[-1] = max(outer[-1], int(size))
         if ours:
             _keep_cache_on_restart(type(self))
-            size = a.get("max_cache_length")
-            # prompt lookup's verify step may run past max_length by its draft
-            if size and getattr(gen, "prompt_lookup_num_tokens", None):
-                size += int(gen.prompt_lookup_num_tokens)
             for name in ("cache", "past_key_values"):
                 c = model_kwargs.get(name)
                 if type(c) is DynamicCache and not getattr(c, "_is_user_defined", False):
                     made = model_kwargs[name] = ClattnCache(self, max_cache_len=size,
                                                             page_size=DEFAULTS["page_size"])
-                    if any(getattr(layer, "record_past", False) for layer in c.layers):
-                        made.activate_past_recording()  # an assistant model's cache
+                    if any(getattr(layer, "record_past", False) for layer in c.layers) or \
+                            _speculative(a, gen):
+                        for layer in made.layers:  # (4.x's Cache has no such method)
+                            layer.activate_past_recording()
         return res
 
     generate = GenerationMixin.generate
 
     @functools.wraps(generate)
     def _generate(self, *args: Any, attn_implementation: str | None = None, **kw: Any) -> Any:
-        if attn_implementation is None:
-            return generate(self, *args, **kw)
-        before = self.config._attn_implementation
-        self.set_attn_implementation(attn_implementation)
+        _GENERATING.sizes.append(0)  # the cache length this call sizes for (see above)
+        _GENERATING.calls.append(0)
         try:
-            return generate(self, *args, **kw)
+            if attn_implementation is None:
+                out = generate(self, *args, **kw)
+                _check_reached(self, _GENERATING.calls[-1])
+                return out
+            before = self.config._attn_implementation
+            self.set_attn_implementation(attn_implementation)
+            try:
+                out = generate(self, *args, **kw)
+                _check_reached(self, _GENERATING.calls[-1])
+                return out
+            finally:
+                self.set_attn_implementation(before)
         finally:
-            self.set_attn_implementation(before)
+            _GENERATING.sizes.pop()
+            _GENERATING.calls.pop()
 
     GenerationMixin._prepare_cache_for_generation = _prepare_cache_for_generation
     GenerationMixin.generate = _generate
