@@ -54,6 +54,7 @@ class OneCallPath:
         self.dtype = spec.np_dtype
         self.pool_dtype = spec.pool_dtype
         self.heads = (spec.num_qo_heads, spec.head_dim)
+        self.width_v = spec.head_dim_v  # out's and the split states' width
         opencl.decode_kernels()  # built first: a refit changes the decode geometry
         self._pool_ndim = len(spec.pool_shape(1))
         self._pool_row = spec.pool_shape(1)[1:]
@@ -145,7 +146,8 @@ class OneCallPath:
         H, D = self.heads
         gsz = geom.global_size(B, self.spec.num_kv_heads, plan.num_parts if plan.split else 1)
         fold = opencl.folds(plan)
-        msz = opencl.merge_geometry.sizes(B * H, D) if plan.split and not fold else None
+        msz = opencl.merge_geometry.sizes(B * H, self.width_v) if plan.split and not fold \
+            else None
         table = opencl.plan_table(plan, self.queue) if plan.split else None
         hit = self._plan = (plan, (gsz, geom.local_size()), msz, table, fold)
         return hit
@@ -178,7 +180,7 @@ class OneCallPath:
         B = q.shape[0]
         H, D = self.heads
         if B < 1 or len(plan.part_indptr) != B + 1 or not self._ok(q, (B, H, D), self.dtype) \
-                or not self._ok(out, (B, H, D), self.dtype) or \
+                or not self._ok(out, (B, H, self.width_v), self.dtype) or \
                 not self._ok(lse, (B, H), LSE_DTYPE) or not hasattr(pages, "base_data") or \
                 len(pages.shape) != self._pool_ndim or pages.shape[1:] != self._pool_row or \
                 not self._ok(pages, pages.shape, self.pool_dtype) or pages.shape[0] > INT32_MAX or \

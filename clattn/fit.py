@@ -11,7 +11,6 @@ from typing import Any, Mapping
 
 from .profiles.device_info import extension_names, subgroup_support
 from .profiles.record import Profile
-from .quant import bytes_per_value
 from .rope import parse_rope_scaling
 from .spec import AttentionSpec
 
@@ -163,6 +162,16 @@ class DecodeGeometry:
         return self.bdx * self.bdy * self.bdz
 
 
+def refuse_split_widths(spec: AttentionSpec, kernel: str) -> None:
+    """Raise NotImplementedError, naming ``head_dim_v``, when ``spec``'s values differ in
+    width from its keys and ``kernel`` does not take that yet (docs/contract.md section
+    15 lists where unequal widths run)."""
+    if spec.split_widths:
+        raise NotImplementedError(
+            f"head_dim_v={spec.head_dim_v} != head_dim={spec.head_dim}: the {kernel} kernel "
+            f"takes keys and values of one width; backend='cpu' runs this spec")
+
+
 def _vec_for(d: int, want: int, cap: int = 16) -> int:
     v = 1 << (max(1, min(want, cap)).bit_length() - 1)  # a power of two: OpenCL's widths
     while v > 1 and d % v:
@@ -241,7 +250,7 @@ def _rows_tile(spec: AttentionSpec, want: int, notes: list) -> int:
     if tile != want:
         notes.append(f"tile_rows {want} -> {tile}: the rows kernel takes a power of two up "
                      f"to 16")
-    per_row = spec.head_dim * (bytes_per_value(spec.k_format) + bytes_per_value(spec.v_format))
+    per_row = spec.bytes_per_token / spec.num_kv_heads
     while tile > ROWS_SMALL_BLOCK and tile * per_row > ROWS_BLOCK_BYTES:
         tile //= 2
     return tile
@@ -251,12 +260,12 @@ def _rows_geometry(spec: AttentionSpec, profile: Profile, limits: Limits,
                    native: bool) -> DecodeGeometry:
     notes: list = []
     tile = _rows_tile(spec, profile.tile_rows, notes)
-    vec = _rows_vec(spec.head_dim, profile.vec, limits, notes)
+    vec = _rows_vec(math.gcd(spec.head_dim, spec.head_dim_v), profile.vec, limits, notes)
     interleaved = parse_rope_scaling(spec.rope_scaling, spec.max_position_embeddings).interleaved
     half = spec.rotary_dim // 2
     vec_rope = (not interleaved and half % vec == 0) or \
         (interleaved and vec % 2 == 0 and spec.rotary_dim % vec == 0)
-    nv = spec.head_dim // vec
+    nv = spec.head_dim_v // vec   # chunks of a V row
     # as many chunks per pass (up to 8, dividing nv) as keep their G accumulators each, a
     # value and a weight in 16 vector registers (measured, 8k tokens, one core: group 2
     # 4% faster with 4 than with 2, group 1 2-5% with 6; 8 at group 2 spills, 20% slower)
@@ -306,6 +315,7 @@ def decode_geometry(spec: AttentionSpec, profile: Profile, limits: Limits) -> De
     native = bool(profile.native_fp16 and limits.has_fp16 and spec.dtype == "float16")
     if profile.strategy == "rows":
         return _rows_geometry(spec, profile, limits, native)
+    refuse_split_widths(spec, "tiled decode")
     D, G = spec.head_dim, spec.group_size
     limit = max(1, min(profile.thread_limit, limits.max_work_group_size))
     if limit < profile.thread_limit:
@@ -509,7 +519,7 @@ def _halvings(n: int) -> list[int]:
 
 def _prefill_rows(spec: AttentionSpec, profile: Profile, limits: Limits,
                   native: bool) -> PrefillGeometry:
-    D, G = spec.head_dim, spec.group_size
+    D, G = math.gcd(spec.head_dim, spec.head_dim_v), spec.group_size  # D: what vec divides
     notes = []
     if profile.prefill_vec is None:
         vec = max(_rows_vec(D, profile.vec, limits, notes),
@@ -524,7 +534,8 @@ def _prefill_rows(spec: AttentionSpec, profile: Profile, limits: Limits,
                      f"to {PREFILL_MAX_KB}")
     cap = max(1, PREFILL_ROWS // G)
     if profile.prefill_qb is None:
-        qb = max(1, min(16, PREFILL_ROW_FLOATS // (D * G), cap))
+        qb = max(1, min(16, PREFILL_ROW_FLOATS // ((spec.head_dim + spec.head_dim_v) // 2 * G),
+                        cap))
     else:
         qb = min(profile.prefill_qb, cap)
         if qb != profile.prefill_qb:
@@ -567,6 +578,7 @@ def prefill_geometry(spec: AttentionSpec, profile: Profile, limits: Limits) -> P
         return replace(rows, notes=tuple(rows.notes) + (
             "strategy tiled -> rows (prefill): Mesa's llvmpipe gives wrong results with the "
             "tiled prefill kernel",))
+    refuse_split_widths(spec, "tiled prefill")
     notes: list[str] = []
     if profile.reduction == "subgroup":
         notes.append("reduction subgroup -> local: the prefill kernel reduces through local "

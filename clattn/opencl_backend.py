@@ -27,7 +27,7 @@ from .codegen import render_append, render_decode, render_merge, render_prefill
 from .device import DeviceSetup, build_fitted
 from .device_fit import fit_device
 from .fit import (DecodeGeometry, MergeGeometry, PrefillGeometry, append_geometry,
-                  decode_geometry, merge_geometry, prefill_geometry)
+                  decode_geometry, merge_geometry, prefill_geometry, refuse_split_widths)
 from .launch import Launcher
 from .plan import Plan
 from .rope import kernel_turns, parse_rope_scaling, rope_tables
@@ -87,7 +87,7 @@ class OpenCLBackend:
         spec, setup = self.spec, self.setup
         fit = fit_device(setup.wishes, setup.info, spec, setup.limits)
         self.decode_geometry = fit.geometry
-        self.merge_geometry = merge_geometry(spec.head_dim, spec.dtype, setup.profile,
+        self.merge_geometry = merge_geometry(spec.head_dim_v, spec.dtype, setup.profile,
                                              setup.limits)
         return fit.notes
 
@@ -101,6 +101,7 @@ class OpenCLBackend:
     def fit_append(self) -> MergeGeometry:
         """Fit the KV-cache append and page-copy kernels to the device."""
         spec, setup = self.spec, self.setup
+        refuse_split_widths(spec, "append")
         self.append_geometry = append_geometry(spec.head_dim, spec.dtype, setup.profile,
                                                setup.limits)
         return self.append_geometry
@@ -139,9 +140,9 @@ class OpenCLBackend:
                         setup, self.decode_geometry, build,
                         lambda limits: decode_geometry(spec, setup.profile, limits), "decode")
                 mg = self.merge_geometry
-                merge = rt.launcher(("merge", spec.head_dim, spec.dtype, "float32", mg, sinks),
+                merge = rt.launcher(("merge", spec.head_dim_v, spec.dtype, "float32", mg, sinks),
                                     signatures.MERGE_VARLEN,
-                                    lambda: render_merge(spec.head_dim, spec.dtype, "float32",
+                                    lambda: render_merge(spec.head_dim_v, spec.dtype, "float32",
                                                          mg, sinks=sinks))
                 hit = self._decode[sinks, fold] = (decode, merge)
             return hit
@@ -265,7 +266,7 @@ class OpenCLBackend:
         with self._lock:
             if self._ws is None or self._ws[0] < n_ws:
                 cl = runtime.cl()
-                H, D = self.spec.num_qo_heads, self.spec.head_dim
+                H, D = self.spec.num_qo_heads, self.spec.head_dim_v   # the states' width
                 ctx = self.runtime.context
                 n = max(n_ws, 1)
                 try:
