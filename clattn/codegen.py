@@ -126,7 +126,8 @@ def render_append(spec: AttentionSpec, geom: MergeGeometry) -> str:
         PRAGMAS=(), STRATEGY=geom.strategy, VEC=geom.vec, MH=geom.mh,
         APPEND_SIGNATURE=app.signature(), APPEND_FIXUP=app.fixup(),
         CHECK_SIGNATURE=signatures.APPEND_CHECK.signature(),
-        COPY_SIGNATURE=cp.signature(), COPY_FIXUP=cp.fixup(), **_pool_params(spec))
+        COPY_SIGNATURE=cp.signature(), COPY_FIXUP=cp.fixup(), NBK=spec.layout.blocks(0),
+        NBV=spec.layout.blocks(1), **_pool_params(spec))
 
 
 def render_prefill(spec: AttentionSpec, geom: PrefillGeometry) -> str:

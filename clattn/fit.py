@@ -162,16 +162,6 @@ class DecodeGeometry:
         return self.bdx * self.bdy * self.bdz
 
 
-def refuse_split_widths(spec: AttentionSpec, kernel: str) -> None:
-    """Raise NotImplementedError, naming ``head_dim_v``, when ``spec``'s values differ in
-    width from its keys and ``kernel`` does not take that yet (docs/contract.md section
-    15 lists where unequal widths run)."""
-    if spec.split_widths:
-        raise NotImplementedError(
-            f"head_dim_v={spec.head_dim_v} != head_dim={spec.head_dim}: the {kernel} kernel "
-            f"takes keys and values of one width; backend='cpu' runs this spec")
-
-
 def _vec_for(d: int, want: int, cap: int = 16) -> int:
     v = 1 << (max(1, min(want, cap)).bit_length() - 1)  # a power of two: OpenCL's widths
     while v > 1 and d % v:
@@ -227,7 +217,7 @@ def tiled_local_bytes(d: int, bdx: int, bdz: int, tile: int, heads: int,
     """Local memory of the tiled decode kernel: with the local-memory reduction, the row
     loop's partial dot products and their sums (``bdz x tile`` rows x ``heads`` x
     ``bdx + 1``) and the step's pages; reused after the loop by the merge of the row
-    slices' states (``bdz x heads x (d + 2)``)."""
+    slices' states (``bdz x heads x (d + 2)``, ``d`` the states' width: head_dim_v)."""
     rows = bdz * tile
     local_red = reduction != "subgroup"
     loop = rows * heads * (bdx + 1) if local_red else 0
@@ -315,21 +305,26 @@ def decode_geometry(spec: AttentionSpec, profile: Profile, limits: Limits) -> De
     native = bool(profile.native_fp16 and limits.has_fp16 and spec.dtype == "float16")
     if profile.strategy == "rows":
         return _rows_geometry(spec, profile, limits, native)
-    refuse_split_widths(spec, "tiled decode")
     D, G = spec.head_dim, spec.group_size
+    both = math.gcd(D, spec.head_dim_v)   # vec divides the q/K row and the V row
     limit = max(1, min(profile.thread_limit, limits.max_work_group_size))
     if limit < profile.thread_limit:
         notes.append(f"thread_limit {profile.thread_limit} -> {limit}: the device (or the "
                      f"compiled kernel) allows {limits.max_work_group_size} work-items")
-    vec = _vec_for(D, profile.vec)
-    while D // vec > min(limit, limits.max_work_item_sizes[0]) and vec < 16 and D % (vec * 2) == 0:
+    vec = _vec_for(both, profile.vec)
+    while D // vec > min(limit, limits.max_work_item_sizes[0]) and vec < 16 and \
+            both % (vec * 2) == 0:
         vec *= 2
     reduction, sgs, attr, pragmas = "local", None, "", ()
     if profile.reduction == "subgroup":
-        vec, sgs, attr, pragmas, why = _subgroup_choice(profile, limits, D, vec, limit)
+        sub = _subgroup_choice(profile, limits, D, vec, limit)
+        why = sub[4] if sub[4] or spec.head_dim_v % sub[0] == 0 else \
+            f"a sub-group's lanes take {sub[0]} values each, which head_dim_v " \
+            f"{spec.head_dim_v} is not a multiple of"
         if why:
             notes.append(f"reduction subgroup -> local: {why}")
         else:
+            vec, sgs, attr, pragmas = sub[:4]
             reduction = "subgroup"
     if vec != profile.vec:
         notes.append(f"vec {profile.vec} -> {vec}: head_dim {D} over "
@@ -352,13 +347,13 @@ def decode_geometry(spec: AttentionSpec, profile: Profile, limits: Limits) -> De
                    f"({heads} heads)")
 
     def need() -> int:
-        return tiled_local_bytes(D, bdx, bdz, tile, heads, reduction)
+        return tiled_local_bytes(spec.head_dim_v, bdx, bdz, tile, heads, reduction)
 
     # fewer rows per step (more barriers per row) until local memory fits; the merge of
     # the row slices needs fewer slices, given as many more rows each
     while need() > limits.local_mem_size and (bdz > 1 or tile > 1):
-        if tiled_local_bytes(D, bdx, bdz, 1, heads, "subgroup") > limits.local_mem_size \
-                and bdz > 1:
+        merge_bytes = tiled_local_bytes(spec.head_dim_v, bdx, bdz, 1, heads, "subgroup")
+        if merge_bytes > limits.local_mem_size and bdz > 1:
             bdz //= 2
             tile = min(tile * 2, cap)
             reason = (f"half the row slices, twice the rows each: their merge must fit "
@@ -480,9 +475,11 @@ PREFILL_MAX_KB = 16
 PREFILL_TC, PREFILL_RM, PREFILL_RK = 16, 4, 2
 
 
-def _prefill_local_bytes(d: int, rows: int, kb: int, tc: int) -> int:
-    """q tile, K tile (rows padded by one float), V tile, probabilities, two reductions."""
-    return FLOAT * (rows * d + kb * (d + 1) + kb * d + rows * (kb + 1) + 2 * rows * tc)
+def _prefill_local_bytes(d: int, rows: int, kb: int, tc: int, dv: int | None = None) -> int:
+    """q tile, K tile (rows padded by one float), V tile (``dv`` wide, default ``d``),
+    probabilities, two reductions."""
+    dv = d if dv is None else dv
+    return FLOAT * (rows * d + kb * (d + 1) + kb * dv + rows * (kb + 1) + 2 * rows * tc)
 
 
 class _Cuts:
@@ -578,8 +575,8 @@ def prefill_geometry(spec: AttentionSpec, profile: Profile, limits: Limits) -> P
         return replace(rows, notes=tuple(rows.notes) + (
             "strategy tiled -> rows (prefill): Mesa's llvmpipe gives wrong results with the "
             "tiled prefill kernel",))
-    refuse_split_widths(spec, "tiled prefill")
     notes: list[str] = []
+    Dv, dv_name = spec.head_dim_v, "head_dim_v" if spec.split_widths else "head_dim"
     if profile.reduction == "subgroup":
         notes.append("reduction subgroup -> local: the prefill kernel reduces through local "
                      "memory")
@@ -587,11 +584,12 @@ def prefill_geometry(spec: AttentionSpec, profile: Profile, limits: Limits) -> P
     limit = max(1, min(profile.thread_limit, limits.max_work_group_size))
     cap_x = min(limit, limits.max_work_item_sizes[0])
     want_tc = profile.prefill_tc or PREFILL_TC
-    tc = next(t for t in _halvings(want_tc) if D % t == 0 and t <= cap_x)
+    # the value phase gives each thread of a row group the columns tc + TC * c of a V row
+    tc = next(t for t in _halvings(want_tc) if Dv % t == 0 and t <= cap_x)
     if want_tc > cap_x:
         cuts.cut("prefill_tc", f"at most {cap_x} work-items across the work-group")
-    if D % want_tc:
-        cuts.cut("prefill_tc", f"head_dim {D} is not a multiple of {want_tc} (halved until "
+    if Dv % want_tc:
+        cuts.cut("prefill_tc", f"{dv_name} {Dv} is not a multiple of {want_tc} (halved until "
                                f"it is)")
     rm = profile.prefill_rm or PREFILL_RM
     want_kb = profile.prefill_kb or tc * PREFILL_RK
@@ -610,7 +608,7 @@ def prefill_geometry(spec: AttentionSpec, profile: Profile, limits: Limits) -> P
         rows = qb * G
         rm_eff = rm if -(-rows // rm) <= tr_max else -(-rows // tr_max)
         tr = -(-rows // rm_eff)
-        need = _prefill_local_bytes(D, tr * rm_eff, tc * rk, tc)
+        need = _prefill_local_bytes(D, tr * rm_eff, tc * rk, tc, Dv)
         if need <= limits.local_mem_size:
             break
         if rk > 1:

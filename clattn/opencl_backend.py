@@ -27,7 +27,7 @@ from .codegen import render_append, render_decode, render_merge, render_prefill
 from .device import DeviceSetup, build_fitted
 from .device_fit import fit_device
 from .fit import (DecodeGeometry, MergeGeometry, PrefillGeometry, append_geometry,
-                  decode_geometry, merge_geometry, prefill_geometry, refuse_split_widths)
+                  decode_geometry, merge_geometry, prefill_geometry)
 from .launch import Launcher
 from .plan import Plan
 from .rope import kernel_turns, parse_rope_scaling, rope_tables
@@ -101,7 +101,6 @@ class OpenCLBackend:
     def fit_append(self) -> MergeGeometry:
         """Fit the KV-cache append and page-copy kernels to the device."""
         spec, setup = self.spec, self.setup
-        refuse_split_widths(spec, "append")
         self.append_geometry = append_geometry(spec.head_dim, spec.dtype, setup.profile,
                                                setup.limits)
         return self.append_geometry

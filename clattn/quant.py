@@ -91,6 +91,16 @@ class PageLayout:
         """Storage format of kind 0 (K) or 1 (V)."""
         return self.k_format if kind == 0 else self.v_format
 
+    def blocks(self, kind: int) -> int:
+        """Blocks of up to 32 values a row of kind 0 (K) or 1 (V) is written in (the
+        append's work items; a float row's last block may be shorter)."""
+        return -(-self.width(kind) // BLOCK)
+
+    @property
+    def row_blocks(self) -> int:
+        """Blocks of a token's K and V rows of one head: :meth:`blocks` of both kinds."""
+        return self.blocks(0) + self.blocks(1)
+
     def region_bytes(self, fmt: str, width: int | None = None) -> int:
         """Bytes of one region of ``fmt`` rows ``width`` values wide (default ``head_dim``):
         data rows, then scales (16-byte aligned)."""

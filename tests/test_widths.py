@@ -53,13 +53,6 @@ def scenario(key):
                          sliding_window=win)
 
 
-def lib(target, sc):
-    """The target's decoder for the scenario."""
-    if target.is_cpu:
-        return clattn.BatchDecode(sc.spec, backend="cpu")
-    return clattn.BatchDecode(sc.spec, target.device, backend="opencl", profile=target.profile)
-
-
 def case_for(sc, lengths, **kw):
     if sc.spec.sliding_window:
         kw.setdefault("window", [min(5, n) for n in lengths])
@@ -128,39 +121,27 @@ def test_from_hf_config_mla_and_mimo():
 
 # ---------------------------------------------------------------------------- decode
 @pytest.mark.parametrize("key", list(SHAPES))
-def test_decode(target, key):
+def test_decode(target, get_decoder, key):
     sc = scenario(key)
     ps = sc.spec.page_size
-    dec = built(target, "decode", lambda: lib(target, sc))
-    if dec is None:
-        return
+    dec = get_decoder(sc.spec, target)
     for seed, lengths in enumerate(([0, 1, ps - 1, ps + 1, 3 * ps + 5], [2 * ps, 1])):
         case = case_for(sc, lengths, seed=seed, poison=True)
         args, kw = decode_args(case)
         res = dec.run(*args, **kw)
         assert res.out.shape == (len(lengths), sc.spec.num_qo_heads, sc.spec.head_dim_v)
         compare(res.out, res.lse, *oracle(sc, case), sc.spec.dtype, what=f"{sc} {lengths}: ")
+    # RoPE in the kernel: the keys' leading rotary dims rotate, the values never
+    case = case_for(sc, [ps + 3, 2], seed=9, rope=True, pos_offset=[70_000, 3])
+    args, kw = decode_args(case)
+    res = dec.run(*args, **kw, rotary_mode=1)
+    compare(res.out, res.lse, *oracle(sc, case, rotary_mode=1), sc.spec.dtype,
+            what=f"{sc} rope: ")
     if not target.is_cpu:   # split-KV: partitions of one page, merged on the device
         case = case_for(sc, [5 * ps + 3, ps, 1], seed=7, poison=True)
         args, kw = decode_args(case)
         res = dec.run(*args, **kw, split=ps)
         compare(res.out, res.lse, *oracle(sc, case), sc.spec.dtype, what=f"{sc} split: ")
-
-
-#: the (kernel family, strategy) pairs whose OpenCL kernels take unequal widths (the
-#: others refuse them by name)
-ON_DEVICE = frozenset({("decode", "rows"), ("prefill", "rows")})
-
-
-def built(target, family, make):
-    """``make()`` for ``target``; None (after checking the refusal) where the OpenCL
-    kernels of ``family`` on the target's strategy do not take unequal widths."""
-    strategy = "tiled" if target.name.endswith("-tiled") else "rows"
-    if not target.is_cpu and (family, strategy) not in ON_DEVICE:
-        with pytest.raises(NotImplementedError, match="head_dim_v"):
-            make()
-        return None
-    return make()
 
 
 def test_decode_halves_merge_to_whole():
@@ -213,9 +194,7 @@ def test_output_of_the_wrong_width_refused():
 def test_prefill(target, key):
     sc = scenario(key)
     ps = sc.spec.page_size
-    pre = built(target, "prefill", lambda: get_prefill(sc.spec, target))
-    if pre is None:
-        return
+    pre = get_prefill(sc.spec, target)
     kw = {}
     if sc.spec.sliding_window:
         kw = dict(window=[0, 3, 0], sinks=[0, 1, 0])
@@ -243,8 +222,6 @@ def test_cache_simulation(target, variant):
     out [T, H_qo, D_v], every attend against the oracle."""
     build, rope = CACHE_SPECS[variant]
     spec = clattn.AttentionSpec(4, 2, page_size=4, **build)
-    cache = built(target, "cache", lambda: make_cache(spec, target, num_pages=24, rope=rope))
-    if cache is None:
-        return
+    cache = make_cache(spec, target, num_pages=24, rope=rope)
     counts = simulate(cache, 60, seed=5, rope=rope == "attend")
     assert counts["step"] > 20 and counts["chunk"], counts
