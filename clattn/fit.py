@@ -169,16 +169,27 @@ def _vec_for(d: int, want: int, cap: int = 16) -> int:
     return v
 
 
-def _rows_vec(d: int, want: int, limits: Limits, notes: list, name: str = "vec") -> int:
+def _widths(spec: AttentionSpec) -> tuple[int, str]:
+    """The width every vector of a kernel must divide (head_dim, and head_dim_v where it
+    differs) and its text for the notes."""
+    if not spec.split_widths:
+        return spec.head_dim, f"head_dim {spec.head_dim}"
+    return math.gcd(spec.head_dim, spec.head_dim_v), \
+        f"head_dim {spec.head_dim} and head_dim_v {spec.head_dim_v}"
+
+
+def _rows_vec(spec: AttentionSpec, want: int, limits: Limits, notes: list,
+              name: str = "vec") -> int:
     """The rows kernels' vector width: the profile's (field ``name``), cut to divide
-    head_dim ``d`` and to what the device's compiler builds (``limits.rows_max_vec``);
-    each cut noted."""
+    the rows of ``spec`` (:func:`_widths`) and to what the device's compiler builds
+    (``limits.rows_max_vec``); each cut noted."""
+    d, text = _widths(spec)
     vec = _vec_for(d, want, limits.rows_max_vec)
     if want > limits.rows_max_vec:
         notes.append(f"{name} {want} -> {vec}: this platform's compiler builds the rows "
                      f"kernels with at most {limits.rows_max_vec} floats per vector")
     elif vec != want:
-        notes.append(f"{name} {want} -> {vec}: head_dim {d}")
+        notes.append(f"{name} {want} -> {vec}: {text}")
     return vec
 
 
@@ -250,7 +261,7 @@ def _rows_geometry(spec: AttentionSpec, profile: Profile, limits: Limits,
                    native: bool) -> DecodeGeometry:
     notes: list = []
     tile = _rows_tile(spec, profile.tile_rows, notes)
-    vec = _rows_vec(math.gcd(spec.head_dim, spec.head_dim_v), profile.vec, limits, notes)
+    vec = _rows_vec(spec, profile.vec, limits, notes)
     interleaved = parse_rope_scaling(spec.rope_scaling, spec.max_position_embeddings).interleaved
     half = spec.rotary_dim // 2
     vec_rope = (not interleaved and half % vec == 0) or \
@@ -306,7 +317,7 @@ def decode_geometry(spec: AttentionSpec, profile: Profile, limits: Limits) -> De
     if profile.strategy == "rows":
         return _rows_geometry(spec, profile, limits, native)
     D, G = spec.head_dim, spec.group_size
-    both = math.gcd(D, spec.head_dim_v)   # vec divides the q/K row and the V row
+    both = _widths(spec)[0]   # vec divides the q/K row and the V row
     limit = max(1, min(profile.thread_limit, limits.max_work_group_size))
     if limit < profile.thread_limit:
         notes.append(f"thread_limit {profile.thread_limit} -> {limit}: the device (or the "
@@ -516,13 +527,13 @@ def _halvings(n: int) -> list[int]:
 
 def _prefill_rows(spec: AttentionSpec, profile: Profile, limits: Limits,
                   native: bool) -> PrefillGeometry:
-    D, G = math.gcd(spec.head_dim, spec.head_dim_v), spec.group_size  # D: what vec divides
-    notes = []
+    G = spec.group_size
+    notes: list = []
     if profile.prefill_vec is None:
-        vec = max(_rows_vec(D, profile.vec, limits, notes),
-                  _vec_for(D, limits.native_float, limits.rows_max_vec))
+        vec = max(_rows_vec(spec, profile.vec, limits, notes),
+                  _vec_for(_widths(spec)[0], limits.native_float, limits.rows_max_vec))
     else:
-        vec = _rows_vec(D, profile.prefill_vec, limits, notes, "prefill_vec")
+        vec = _rows_vec(spec, profile.prefill_vec, limits, notes, "prefill_vec")
     kb_field = "prefill_kb" if profile.prefill_kb is not None else "tile_rows"
     want_kb = getattr(profile, kb_field)
     kb = 1 << (min(max(1, want_kb), PREFILL_MAX_KB).bit_length() - 1)

@@ -4,8 +4,8 @@ oracle: the spec's rules, the byte pool's layout, ``from_hf_config`` for the MLA
 target.
 
 Shapes are the models': DeepSeek-V2-Lite (16 heads, q/k 192 = nope 128 + rope 64, v 128)
-and MiniCPM3 (q/k 96 = 64 + 32, v 64), heads shrunk where the case is about rows, plus the
-edge widths (values wider than keys, a value width that is no power of two). Bounds are
+and MiniCPM3 (q/k 96 = 64 + 32, v 64), plus the edge widths (values wider than keys, a
+value width that is no power of two). Bounds are
 ``cases.compare``'s. One build per (spec, target): few specs, many cases each.
 """
 from __future__ import annotations
@@ -44,6 +44,7 @@ SHAPES = {
     "deepseek-v2-lite": (16, 16, 192, 128, 16, F16, False),
     "minicpm3-win": (4, 4, 96, 64, 16, F32, True),
     "wide-v-g4": (8, 2, 64, 160, 8, F32, False),     # values wider than keys, group 4
+    "odd-v": (4, 2, 64, 36, 4, F16, False),          # no power of two: vectors of 4
 }
 
 
