@@ -560,7 +560,9 @@ class _StepInProgress:
         self.checks: dict[int, int] = {}  # layer -> epoch of an append checked on the device
         spec = cache.spec
         self.kv_shape = (tables.T, spec.num_kv_heads, spec.head_dim)
+        self.v_shape = (tables.T, spec.num_kv_heads, spec.head_dim_v)
         self.q_shape = (tables.T, spec.num_qo_heads, spec.head_dim)
+        self.out_shape = (tables.T, spec.num_qo_heads, spec.head_dim_v)
         self.dev = cache.device
         if self.dev is not None:
             self.dev.start(tables)
@@ -575,9 +577,9 @@ class _StepInProgress:
 
     def append(self, layer: int, k: Any, v: Any) -> Any:
         cache, dev, t = self.cache, self.dev, self.tables
-        if dev is None or not (dev.ready(k, self.kv_shape) and dev.ready(v, self.kv_shape)):
+        if dev is None or not (dev.ready(k, self.kv_shape) and dev.ready(v, self.v_shape)):
             self._check("k", k, self.kv_shape)
-            self._check("v", v, self.kv_shape)
+            self._check("v", v, self.v_shape)
         if dev is None:
             if not (is_host(k) and is_host(v)):
                 raise TypeError("append: the CPU backend takes numpy k and v")
@@ -628,21 +630,21 @@ class _StepInProgress:
                 return AttentionResult(*self._decode_host(layer, q, t, out, lse, sink_logits))
             return self._attend_host(layer, q, t.prefill, out, lse, sink_logits)
         if dev.ready(q, self.q_shape) and out is not None and lse is not None and \
-                dev.ready(out, self.q_shape) and dev.ready(lse, self.q_shape[:2], LSE_DTYPE):
+                dev.ready(out, self.out_shape) and dev.ready(lse, self.q_shape[:2], LSE_DTYPE):
             return dev.attend(layer, q, out, lse, sinks=dev.sinks(layer, sink_logits))
         self._check("q", q, self.q_shape)
         self._check_out(out, lse)
         sinks = dev.sinks(layer, sink_logits)
         call = Call(cache.runtime)
         dq = call.input("q", q)
-        dout = call.output("out", out, self.q_shape, cache.spec.np_dtype)
+        dout = call.output("out", out, self.out_shape, cache.spec.np_dtype)
         dlse = call.output("lse", lse, self.q_shape[:2], LSE_DTYPE)
         res = dev.attend(layer, dq, dout, dlse, call.wait_list(), sinks=sinks)
         o, s = call.finish([dout, dlse], list(res.events), host=is_host(q))
         return AttentionResult(o, s, res.event, res.events)
 
     def _check_out(self, out: Any, lse: Any) -> None:
-        for name, a, shape, dt in (("out", out, self.q_shape, self.cache.spec.np_dtype),
+        for name, a, shape, dt in (("out", out, self.out_shape, self.cache.spec.np_dtype),
                                    ("lse", lse, self.q_shape[:2], LSE_DTYPE)):
             if a is not None:
                 check_array(name, a, shape=shape, dtypes=(dt,), writable=True)
@@ -675,7 +677,7 @@ class _StepInProgress:
         if runs.decode is not None:
             out, lse = self._decode_host(layer, q, runs.decode, out, lse, sink_logits)
         else:
-            out = np.empty(self.q_shape, spec.np_dtype) if out is None else out
+            out = np.empty(self.out_shape, spec.np_dtype) if out is None else out
             lse = np.empty(self.q_shape[:2], LSE_DTYPE) if lse is None else lse
         rows = runs.rows
         kw = self._rope_args()

@@ -233,7 +233,7 @@ class CacheDevice:
         geom = self.opencl.append_geometry
         copy_rows = t.n_copies * 2 * spec.num_kv_heads * spec.page_size
         if spec.byte_pool:  # one work-item per (token, head, kind, block); per copied row
-            self.append_sizes = ((t.T * spec.num_kv_heads * 2 * (D // 32),), None)
+            self.append_sizes = ((t.T * spec.num_kv_heads * spec.layout.row_blocks,), None)
         else:
             self.append_sizes = geom.sizes(t.T * spec.num_kv_heads, D)
         self.n_copies = t.n_copies

@@ -65,14 +65,14 @@ def _render_decode(spec: AttentionSpec, fitted: DeviceFit, limits: Limits,
 
 def _render_split_merge(spec: AttentionSpec, fitted: DeviceFit, limits: Limits,
                         args: argparse.Namespace) -> tuple[Any, str]:
-    geom = merge_geometry(spec.head_dim, spec.dtype, fitted.profile, limits)
-    return geom, render_merge(spec.head_dim, spec.dtype, "float32", geom)
+    geom = merge_geometry(spec.head_dim_v, spec.dtype, fitted.profile, limits)
+    return geom, render_merge(spec.head_dim_v, spec.dtype, "float32", geom)
 
 
 def _render_merge(spec: AttentionSpec, fitted: DeviceFit, limits: Limits,
                   args: argparse.Namespace) -> tuple[Any, str]:
-    geom = merge_geometry(spec.head_dim, spec.dtype, fitted.profile, limits)
-    return geom, render_merge(spec.head_dim, spec.dtype, spec.dtype, geom)
+    geom = merge_geometry(spec.head_dim_v, spec.dtype, fitted.profile, limits)
+    return geom, render_merge(spec.head_dim_v, spec.dtype, spec.dtype, geom)
 
 
 def _render_append(spec: AttentionSpec, fitted: DeviceFit, limits: Limits,
@@ -113,7 +113,8 @@ def cmd_render(args: argparse.Namespace) -> int:
     spec = AttentionSpec(args.heads, args.kv_heads, args.head_dim, page_size=args.page_size,
                          dtype=args.dtype, sliding_window=args.sliding_window,
                          rope_scaling=scaling, rotary_dim=args.rotary_dim, softcap=args.softcap,
-                         k_format=args.k_format, v_format=args.v_format)
+                         k_format=args.k_format, v_format=args.v_format,
+                         head_dim_v=args.head_dim_v)
     dev = runtime.select_device(args.device) if args.device != "none" else None
     info = device_info(dev) if dev is not None else {}
     profile = _json_arg("--profile", args.profile) \
@@ -150,6 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--heads", type=int, default=32)
     r.add_argument("--kv-heads", type=int, default=8)
     r.add_argument("--head-dim", type=int, default=128)
+    r.add_argument("--head-dim-v", type=int, help="the values' width (default: --head-dim)")
     r.add_argument("--page-size", type=int, default=16)
     r.add_argument("--dtype", choices=["float16", "float32"], default="float16")
     r.add_argument("--sliding-window", action="store_true")

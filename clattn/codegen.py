@@ -53,7 +53,7 @@ def _attention_params(spec: AttentionSpec, geom: DecodeGeometry | PrefillGeometr
     """Template parameters every attention kernel (decode, prefill) takes from the spec
     and the geometry's number handling; the page storage's are :func:`_pool_params`."""
     return dict(
-        D=spec.head_dim, HQO=spec.num_qo_heads, HKV=spec.num_kv_heads, G=spec.group_size,
+        D=spec.head_dim, DV=spec.head_dim_v, HQO=spec.num_qo_heads, HKV=spec.num_kv_heads, G=spec.group_size,
         PS=spec.page_size, ROT=spec.rotary_dim, ROPE=_rope_pairs(spec),
         SLIDING=spec.sliding_window, SOFTCAP=spec.softcap, DTYPE=_cl_dtype(spec.dtype),
         DENORMS=geom.denorms, STORAGE_HALF=geom.storage_half, NATIVE_HALF=geom.native_fp16,
@@ -88,7 +88,7 @@ def render_decode(spec: AttentionSpec, geom: DecodeGeometry, fused: bool = False
         BDX=geom.bdx, BDY=geom.bdy, BDZ=geom.bdz, GDZ=geom.gdz, USE_LOCAL=geom.use_local,
         REDUCE=geom.reduction, SGS=geom.subgroup_size, SG_ATTR=geom.subgroup_attr,
         FUSED=fused, SINKS=sinks, FOLD=fold, SIGNATURE=table.signature(), FIXUP=table.fixup(),
-        LOCAL=tiled_local(spec.head_dim, geom.bdx, geom.bdz, geom.tile,
+        LOCAL=tiled_local(spec.head_dim_v, geom.bdx, geom.bdz, geom.tile,
                           tiled_heads(spec.group_size, geom.gdz), geom.reduction)
         if geom.strategy == "tiled" else None)
 
@@ -101,7 +101,7 @@ def _pool_params(spec: AttentionSpec) -> dict:
                 VFMT=fmt.get(spec.v_format, spec.v_format), BYTE_POOL=spec.byte_pool,
                 PAGE_BYTES=lay.page_bytes, K_REGION=lay.k_region, V_REGION=lay.v_region,
                 K_ROWB=row_bytes(spec.k_format, spec.head_dim),
-                V_ROWB=row_bytes(spec.v_format, spec.head_dim))
+                V_ROWB=row_bytes(spec.v_format, spec.head_dim_v))
 
 
 def render_merge(head_dim: int, dtype: str, vin: str, geom: MergeGeometry,
@@ -110,7 +110,7 @@ def render_merge(head_dim: int, dtype: str, vin: str, geom: MergeGeometry,
     ``sinks``: the learned-sink epilogue compiled in, as :func:`render_decode`)."""
     pair, varlen = signatures.MERGE_PAIR, signatures.MERGE_VARLEN
     return _lookup().get_template("merge.cl.mako").render(
-        D=head_dim, DTYPE=_cl_dtype(dtype), VIN=_cl_dtype(vin), NATIVE_HALF=geom.native_fp16,
+        D=head_dim, DV=head_dim, DTYPE=_cl_dtype(dtype), VIN=_cl_dtype(vin), NATIVE_HALF=geom.native_fp16,
         DENORMS=geom.denorms, STORAGE_HALF=geom.storage_half, PRAGMAS=(),
         STRATEGY=geom.strategy, VEC=geom.vec, MH=geom.mh, SINKS=sinks,
         PAIR_SIGNATURE=pair.signature(), PAIR_FIXUP=pair.fixup(),
@@ -123,13 +123,14 @@ def render_append(spec: AttentionSpec, geom: MergeGeometry) -> str:
     pool adds :data:`~clattn.signatures.APPEND_CHECK`)."""
     app, cp = signatures.APPEND, signatures.PAGE_COPY
     return _lookup().get_template("append.cl.mako").render(
-        D=spec.head_dim, HKV=spec.num_kv_heads, PS=spec.page_size, ROT=spec.rotary_dim,
+        D=spec.head_dim, DV=spec.head_dim_v, HKV=spec.num_kv_heads, PS=spec.page_size, ROT=spec.rotary_dim,
         ROPE=_rope_pairs(spec), DTYPE=_cl_dtype(spec.dtype),
         NATIVE_HALF=geom.native_fp16, DENORMS=geom.denorms, STORAGE_HALF=geom.storage_half,
         PRAGMAS=(), STRATEGY=geom.strategy, VEC=geom.vec, MH=geom.mh,
         APPEND_SIGNATURE=app.signature(), APPEND_FIXUP=app.fixup(),
         CHECK_SIGNATURE=signatures.APPEND_CHECK.signature(),
-        COPY_SIGNATURE=cp.signature(), COPY_FIXUP=cp.fixup(), **_pool_params(spec))
+        COPY_SIGNATURE=cp.signature(), COPY_FIXUP=cp.fixup(), NBK=spec.layout.blocks(0),
+        NBV=spec.layout.blocks(1), **_pool_params(spec))
 
 
 def render_prefill(spec: AttentionSpec, geom: PrefillGeometry) -> str:

@@ -87,12 +87,11 @@ def batch_decode(spec: AttentionSpec, q: np.ndarray, pages: np.ndarray, page_ind
                         sink_size=sink_size, q_pos=q_pos, k_pos_offset=k_pos_offset,
                         rotary_mode=rotary_mode, sm_scale=sm_scale, rope_scale=rope_scale,
                         rope_theta=rope_theta, out=out, lse=lse)
-    if spec.byte_pool:  # quantized pages: decode the referenced pages to f32 once
-        pages, page_indices = _float_pages(spec, pages, page_indices)
+    kpages, vpages, page_indices = _kv_pages(spec, pages, page_indices)
     B, H, D = q.shape
-    Hkv, G, ps = spec.num_kv_heads, spec.group_size, spec.page_size
+    Hkv, G, ps, Dv = spec.num_kv_heads, spec.group_size, spec.page_size, spec.head_dim_v
     scale = (default_sm_scale(D) if sm_scale is None else float(sm_scale))
-    res_o = np.zeros((B, H, D), dtype=np.float32)
+    res_o = np.zeros((B, H, Dv), dtype=np.float32)
     sink2 = sink_base2(sink_logits, H)
     res_s = np.broadcast_to(sink2, (B, H)).copy()  # an empty chunk: the sink alone
     if rotary_mode == 1:
@@ -115,13 +114,13 @@ def batch_decode(spec: AttentionSpec, q: np.ndarray, pages: np.ndarray, page_ind
                               scaling.interleaved)[0].reshape(Hkv, G, D).astype(np.float32)
         m = np.full((Hkv, G), -np.inf, dtype=np.float32)
         l = np.zeros((Hkv, G), dtype=np.float32)
-        acc = np.zeros((Hkv, G, D), dtype=np.float32)
+        acc = np.zeros((Hkv, G, Dv), dtype=np.float32)
         for r0 in range(0, n_rows, BLOCK_ROWS):
             o = offs[r0:r0 + BLOCK_ROWS]
             pid = page_indices[p0 + o // ps]
             slot = o % ps
-            k = pages[pid, 0, :, slot, :].astype(np.float32)  # [rows, Hkv, D]
-            v = pages[pid, 1, :, slot, :].astype(np.float32)
+            k = kpages[pid, :, slot, :].astype(np.float32)  # [rows, Hkv, D]
+            v = vpages[pid, :, slot, :].astype(np.float32)  # [rows, Hkv, D_v]
             if rotary_mode == 1:
                 pos = (int(k_pos_offset[b]) + np.arange(r0, r0 + len(o))) * float(rope_scale)
                 k = _rope.rotate(k.transpose(1, 0, 2), pos, inv, att,
@@ -136,10 +135,10 @@ def batch_decode(spec: AttentionSpec, q: np.ndarray, pages: np.ndarray, page_ind
             acc = acc * alpha[..., None] + np.einsum("hgr,rhd->hgd", p, v, dtype=np.float32)
             m = m_new
         o, st = finish_state(*add_sink(m, l, acc, sink2.reshape(Hkv, G)))
-        res_o[b] = o.reshape(H, D)
+        res_o[b] = o.reshape(H, Dv)
         res_s[b] = st.reshape(H)
     if out is None:
-        out = np.empty((B, H, D), dtype=spec.np_dtype)
+        out = np.empty((B, H, Dv), dtype=spec.np_dtype)
     if lse is None:
         lse = np.empty((B, H), dtype=LSE_DTYPE)
     out[...] = res_o
@@ -177,12 +176,11 @@ def batch_prefill(spec: AttentionSpec, q: np.ndarray, pages: np.ndarray, qo_indp
                          rope_scale=rope_scale, rope_theta=rope_theta, out=out, lse=lse,
                          custom_mask=custom_mask, mask_indptr=mask_indptr)
     t = args.tables
-    if spec.byte_pool:
-        pages, page_indices = _float_pages(spec, pages, page_indices)
+    kpages, vpages, page_indices = _kv_pages(spec, pages, page_indices)
     T, H, D = q.shape
-    Hkv, G, ps = spec.num_kv_heads, spec.group_size, spec.page_size
+    Hkv, G, ps, Dv = spec.num_kv_heads, spec.group_size, spec.page_size, spec.head_dim_v
     scale = np.float32(default_sm_scale(D) if sm_scale is None else float(sm_scale))
-    res_o = np.zeros((T, H, D), dtype=np.float32)
+    res_o = np.zeros((T, H, Dv), dtype=np.float32)
     sink2 = sink_base2(sink_logits, H)
     res_s = np.broadcast_to(sink2, (T, H)).copy()  # a query that attends nothing: the sink
     if rotary_mode == 1:
@@ -213,12 +211,12 @@ def batch_prefill(spec: AttentionSpec, q: np.ndarray, pages: np.ndarray, qo_indp
             qb = qb.reshape(len(rows_q), Hkv, G, D)
             m = np.full((Hkv, G, len(rows_q)), -np.inf, dtype=np.float32)
             l = np.zeros_like(m)
-            acc = np.zeros((Hkv, G, len(rows_q), D), dtype=np.float32)
+            acc = np.zeros((Hkv, G, len(rows_q), Dv), dtype=np.float32)
             for r0 in range(0, int(rows_q[-1]) + 1, BLOCK_ROWS):
                 o = offs[r0:min(r0 + BLOCK_ROWS, int(rows_q[-1]) + 1)]
                 pid = page_indices[p0 + o // ps]
-                k = pages[pid, 0, :, o % ps, :].astype(np.float32)  # [rows, Hkv, D]
-                v = pages[pid, 1, :, o % ps, :].astype(np.float32)
+                k = kpages[pid, :, o % ps, :].astype(np.float32)  # [rows, Hkv, D]
+                v = vpages[pid, :, o % ps, :].astype(np.float32)  # [rows, Hkv, D_v]
                 if rotary_mode == 1:
                     pos = (kpos + np.arange(r0, r0 + len(o))) * float(rope_scale)
                     k = _rope.rotate(k.transpose(1, 0, 2), pos, inv, att,
@@ -251,11 +249,11 @@ def batch_prefill(spec: AttentionSpec, q: np.ndarray, pages: np.ndarray, qo_indp
                 o = np.where(kept[:, None], o, np.float32(0))
                 st = np.where(kept, st, sink2.reshape(Hkv, G, 1))
             res_o[qs + i0:qs + i0 + len(rows_q)] = o.transpose(2, 0, 1, 3) \
-                .reshape(len(rows_q), H, D)
+                .reshape(len(rows_q), H, Dv)
             res_s[qs + i0:qs + i0 + len(rows_q)] = st.transpose(2, 0, 1) \
                 .reshape(len(rows_q), H)
     if out is None:
-        out = np.empty((T, H, D), dtype=spec.np_dtype)
+        out = np.empty((T, H, Dv), dtype=spec.np_dtype)
     if lse is None:
         lse = np.empty((T, H), dtype=LSE_DTYPE)
     out[...] = res_o
@@ -263,16 +261,20 @@ def batch_prefill(spec: AttentionSpec, q: np.ndarray, pages: np.ndarray, qo_indp
     return out, lse
 
 
-def _float_pages(spec: AttentionSpec, pool: np.ndarray,
-                 page_indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(f32 pages [n, 2, H_kv, page_size, D] of the pages the table names, the table
-    renumbered into them); indices out of the pool clamp as in the kernels."""
+def _kv_pages(spec: AttentionSpec, pool: np.ndarray,
+              page_indices: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(keys [n, H_kv, page_size, D], values [n, H_kv, page_size, D_v], table)``: a float
+    pool's own K and V views with the table as given; for a byte pool the f32 pages the
+    table names, decoded once, and the table renumbered into them (indices out of the
+    pool clamp as in the kernels)."""
+    if not spec.byte_pool:
+        return pool[:, 0], pool[:, 1], page_indices
     idx = np.clip(page_indices.astype(np.int64), 0, max(pool.shape[0] - 1, 0))
     used, renum = np.unique(idx, return_inverse=True)
     if pool.shape[0] == 0:
         used = used[:0]
     k, v = unpack_pool(pool, spec.layout, used)
-    return np.stack([k, v], axis=1), renum.astype(np.int32).reshape(page_indices.shape)
+    return k, v, renum.astype(np.int32).reshape(page_indices.shape)
 
 
 def _merge_arrays(v: np.ndarray, s: np.ndarray, axis: int) -> tuple[np.ndarray, np.ndarray]:

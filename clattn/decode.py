@@ -254,7 +254,7 @@ class BatchDecode:
         args = check_decode(spec, q, pages, page_indptr, page_indices, last_page_len,
                             out=out, lse=lse, **kw)
         check_sink_logits(spec, sink_logits)
-        B, H, D = args.B, spec.num_qo_heads, spec.head_dim
+        B, H, D = args.B, spec.num_qo_heads, spec.head_dim_v   # D: out's width
         plan = self._checked_plan(plan, args, split)
         rt = self.setup.runtime
         call = Call(rt, queue, wait_for)

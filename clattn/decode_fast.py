@@ -55,6 +55,7 @@ class OneCallPath:
         self.dtype = spec.np_dtype
         self.pool_dtype = spec.pool_dtype
         self.heads = (spec.num_qo_heads, spec.head_dim)
+        self.width_v = spec.head_dim_v  # out's and the split states' width
         self._pool_ndim = len(spec.pool_shape(1))
         self._pool_row = spec.pool_shape(1)[1:]
         self._scalars: dict = {}
@@ -146,7 +147,7 @@ class OneCallPath:
         B = q.shape[0]
         H, D = self.heads
         if B < 1 or len(plan.part_indptr) != B + 1 or not self._ok(q, (B, H, D), self.dtype) \
-                or not self._ok(out, (B, H, D), self.dtype) or \
+                or not self._ok(out, (B, H, self.width_v), self.dtype) or \
                 not self._ok(lse, (B, H), LSE_DTYPE) or not hasattr(pages, "base_data") or \
                 len(pages.shape) != self._pool_ndim or pages.shape[1:] != self._pool_row or \
                 not self._ok(pages, pages.shape, self.pool_dtype) or pages.shape[0] > INT32_MAX or \

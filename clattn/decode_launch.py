@@ -96,7 +96,7 @@ def plan_launch(opencl: Any, plan: Plan, batch: int, queue: Any) -> PlanLaunch:
     merge_sizes = merge_args = None
     if not fold:
         H = spec.num_qo_heads
-        merge_sizes = opencl.merge_geometry.sizes(batch * H, spec.head_dim)
+        merge_sizes = opencl.merge_geometry.sizes(batch * H, spec.head_dim_v)
         merge_args = dict(vin=(ws_o, 0), sv=(ws_s, 0), indptr=table, fixed_k=-1,
                           skip_single=1, n_states=plan.n_ws, N=batch, H=H)
     return PlanLaunch(plan, batch, fold, sizes, table, split_args, merge_sizes, merge_args)

@@ -38,7 +38,7 @@ class DecodeStep:
         opencl = self._opencl = dec.opencl
         self._rt = opencl.runtime
         self._shapes = ((args.B, spec.num_qo_heads, spec.head_dim), spec.pool_shape(num_pages),
-                        (args.B, spec.num_qo_heads))
+                        (args.B, spec.num_qo_heads), (args.B, spec.num_qo_heads, spec.head_dim_v))
         self._dtype = spec.np_dtype
         self._pool_dtype = spec.pool_dtype
         self._table_events = list(events)  # uploads of the tables: waited for once
@@ -55,7 +55,7 @@ class DecodeStep:
         ctx = self._rt.context
         for a, shape, dt in ((q, self._shapes[0], self._dtype),
                              (pages, self._shapes[1], self._pool_dtype),
-                             (out, self._shapes[0], self._dtype),
+                             (out, self._shapes[3], self._dtype),
                              (lse, self._shapes[2], LSE_DTYPE)):
             if a is not None and not launchable(a, ctx, shape, dt):
                 return False
@@ -86,7 +86,7 @@ class DecodeStep:
         call = Call(self._rt, queue, wait_for)
         sinks = sink_args(call, sink_logits)
         dq, dpages = call.input("q", q), call.input("pages", pages)
-        dout = call.output("out", out, self._shapes[0], self._dtype)
+        dout = call.output("out", out, self._shapes[3], self._dtype)
         dlse = call.output("lse", lse, self._shapes[2], LSE_DTYPE)
         events: tuple = ()
         if self.batch > 0:

@@ -11,7 +11,6 @@ from typing import Any, Mapping
 
 from .profiles.device_info import extension_names, subgroup_support
 from .profiles.record import Profile
-from .quant import bytes_per_value
 from .rope import parse_rope_scaling
 from .spec import AttentionSpec
 
@@ -170,16 +169,27 @@ def _vec_for(d: int, want: int, cap: int = 16) -> int:
     return v
 
 
-def _rows_vec(d: int, want: int, limits: Limits, notes: list, name: str = "vec") -> int:
+def _widths(spec: AttentionSpec) -> tuple[int, str]:
+    """The width every vector of a kernel must divide (head_dim, and head_dim_v where it
+    differs) and its text for the notes."""
+    if not spec.split_widths:
+        return spec.head_dim, f"head_dim {spec.head_dim}"
+    return math.gcd(spec.head_dim, spec.head_dim_v), \
+        f"head_dim {spec.head_dim} and head_dim_v {spec.head_dim_v}"
+
+
+def _rows_vec(spec: AttentionSpec, want: int, limits: Limits, notes: list,
+              name: str = "vec") -> int:
     """The rows kernels' vector width: the profile's (field ``name``), cut to divide
-    head_dim ``d`` and to what the device's compiler builds (``limits.rows_max_vec``);
-    each cut noted."""
+    the rows of ``spec`` (:func:`_widths`) and to what the device's compiler builds
+    (``limits.rows_max_vec``); each cut noted."""
+    d, text = _widths(spec)
     vec = _vec_for(d, want, limits.rows_max_vec)
     if want > limits.rows_max_vec:
         notes.append(f"{name} {want} -> {vec}: this platform's compiler builds the rows "
                      f"kernels with at most {limits.rows_max_vec} floats per vector")
     elif vec != want:
-        notes.append(f"{name} {want} -> {vec}: head_dim {d}")
+        notes.append(f"{name} {want} -> {vec}: {text}")
     return vec
 
 
@@ -245,7 +255,8 @@ def tiled_local(d: int, bdx: int, bdz: int, tile: int, heads: int,
                 reduction: str) -> TiledLocal:
     """The :class:`TiledLocal` layout of the tiled decode kernel at this geometry:
     ``bdz x tile`` rows per step, ``heads`` query heads per work-item, the dot products
-    reduced through local memory unless ``reduction`` is ``"subgroup"``."""
+    reduced through local memory unless ``reduction`` is ``"subgroup"``; ``d`` is the
+    states' width (the value head size, ``head_dim_v``)."""
     rows = bdz * tile
     local_red = reduction != "subgroup"
     partials = rows * heads * bdx if local_red else 0
@@ -276,7 +287,7 @@ def _rows_tile(spec: AttentionSpec, want: int, notes: list) -> int:
     if tile != want:
         notes.append(f"tile_rows {want} -> {tile}: the rows kernel takes a power of two up "
                      f"to 16")
-    per_row = spec.head_dim * (bytes_per_value(spec.k_format) + bytes_per_value(spec.v_format))
+    per_row = spec.bytes_per_token / spec.num_kv_heads
     while tile > ROWS_SMALL_BLOCK and tile * per_row > ROWS_BLOCK_BYTES:
         tile //= 2
     return tile
@@ -286,12 +297,12 @@ def _rows_geometry(spec: AttentionSpec, profile: Profile, limits: Limits,
                    native: bool) -> DecodeGeometry:
     notes: list = []
     tile = _rows_tile(spec, profile.tile_rows, notes)
-    vec = _rows_vec(spec.head_dim, profile.vec, limits, notes)
+    vec = _rows_vec(spec, profile.vec, limits, notes)
     interleaved = parse_rope_scaling(spec.rope_scaling, spec.max_position_embeddings).interleaved
     half = spec.rotary_dim // 2
     vec_rope = (not interleaved and half % vec == 0) or \
         (interleaved and vec % 2 == 0 and spec.rotary_dim % vec == 0)
-    nv = spec.head_dim // vec
+    nv = spec.head_dim_v // vec   # chunks of a V row
     # as many chunks per pass (up to 8, dividing nv) as keep their G accumulators each, a
     # value and a weight in 16 vector registers (measured, 8k tokens, one core: group 2
     # 4% faster with 4 than with 2, group 1 2-5% with 6; 8 at group 2 spills, 20% slower)
@@ -342,19 +353,25 @@ def decode_geometry(spec: AttentionSpec, profile: Profile, limits: Limits) -> De
     if profile.strategy == "rows":
         return _rows_geometry(spec, profile, limits, native)
     D, G = spec.head_dim, spec.group_size
+    both = _widths(spec)[0]   # vec divides the q/K row and the V row
     limit = max(1, min(profile.thread_limit, limits.max_work_group_size))
     if limit < profile.thread_limit:
         notes.append(f"thread_limit {profile.thread_limit} -> {limit}: the device (or the "
                      f"compiled kernel) allows {limits.max_work_group_size} work-items")
-    vec = _vec_for(D, profile.vec)
-    while D // vec > min(limit, limits.max_work_item_sizes[0]) and vec < 16 and D % (vec * 2) == 0:
+    vec = _vec_for(both, profile.vec)
+    while D // vec > min(limit, limits.max_work_item_sizes[0]) and vec < 16 and \
+            both % (vec * 2) == 0:
         vec *= 2
     reduction, sgs, attr, pragmas = "local", None, "", ()
     if profile.reduction == "subgroup":
-        vec, sgs, attr, pragmas, why = _subgroup_choice(profile, limits, D, vec, limit)
+        sub = _subgroup_choice(profile, limits, D, vec, limit)
+        why = sub[4] if sub[4] or spec.head_dim_v % sub[0] == 0 else \
+            f"a sub-group's lanes take {sub[0]} values each, which head_dim_v " \
+            f"{spec.head_dim_v} is not a multiple of"
         if why:
             notes.append(f"reduction subgroup -> local: {why}")
         else:
+            vec, sgs, attr, pragmas = sub[:4]
             reduction = "subgroup"
     if vec != profile.vec:
         notes.append(f"vec {profile.vec} -> {vec}: head_dim {D} over "
@@ -377,13 +394,13 @@ def decode_geometry(spec: AttentionSpec, profile: Profile, limits: Limits) -> De
                    f"({heads} heads)")
 
     def need() -> int:
-        return tiled_local_bytes(D, bdx, bdz, tile, heads, reduction)
+        return tiled_local_bytes(spec.head_dim_v, bdx, bdz, tile, heads, reduction)
 
     # fewer rows per step (more barriers per row) until local memory fits; the merge of
     # the row slices needs fewer slices, given as many more rows each
     while need() > limits.local_mem_size and (bdz > 1 or tile > 1):
-        if tiled_local_bytes(D, bdx, bdz, 1, heads, "subgroup") > limits.local_mem_size \
-                and bdz > 1:
+        merge_bytes = tiled_local_bytes(spec.head_dim_v, bdx, bdz, 1, heads, "subgroup")
+        if merge_bytes > limits.local_mem_size and bdz > 1:
             bdz //= 2
             tile = min(tile * 2, cap)
             reason = (f"half the row slices, twice the rows each: their merge must fit "
@@ -505,9 +522,11 @@ PREFILL_MAX_KB = 16
 PREFILL_TC, PREFILL_RM, PREFILL_RK = 16, 4, 2
 
 
-def _prefill_local_bytes(d: int, rows: int, kb: int, tc: int) -> int:
-    """q tile, K tile (rows padded by one float), V tile, probabilities, two reductions."""
-    return FLOAT * (rows * d + kb * (d + 1) + kb * d + rows * (kb + 1) + 2 * rows * tc)
+def _prefill_local_bytes(d: int, rows: int, kb: int, tc: int, dv: int | None = None) -> int:
+    """q tile, K tile (rows padded by one float), V tile (``dv`` wide, default ``d``),
+    probabilities, two reductions."""
+    dv = d if dv is None else dv
+    return FLOAT * (rows * d + kb * (d + 1) + kb * dv + rows * (kb + 1) + 2 * rows * tc)
 
 
 class _Cuts:
@@ -544,13 +563,13 @@ def _halvings(n: int) -> list[int]:
 
 def _prefill_rows(spec: AttentionSpec, profile: Profile, limits: Limits,
                   native: bool) -> PrefillGeometry:
-    D, G = spec.head_dim, spec.group_size
-    notes = []
+    G = spec.group_size
+    notes: list = []
     if profile.prefill_vec is None:
-        vec = max(_rows_vec(D, profile.vec, limits, notes),
-                  _vec_for(D, limits.native_float, limits.rows_max_vec))
+        vec = max(_rows_vec(spec, profile.vec, limits, notes),
+                  _vec_for(_widths(spec)[0], limits.native_float, limits.rows_max_vec))
     else:
-        vec = _rows_vec(D, profile.prefill_vec, limits, notes, "prefill_vec")
+        vec = _rows_vec(spec, profile.prefill_vec, limits, notes, "prefill_vec")
     kb_field = "prefill_kb" if profile.prefill_kb is not None else "tile_rows"
     want_kb = getattr(profile, kb_field)
     kb = 1 << (min(max(1, want_kb), PREFILL_MAX_KB).bit_length() - 1)
@@ -559,7 +578,8 @@ def _prefill_rows(spec: AttentionSpec, profile: Profile, limits: Limits,
                      f"to {PREFILL_MAX_KB}")
     cap = max(1, PREFILL_ROWS // G)
     if profile.prefill_qb is None:
-        qb = max(1, min(16, PREFILL_ROW_FLOATS // (D * G), cap))
+        qb = max(1, min(16, PREFILL_ROW_FLOATS // ((spec.head_dim + spec.head_dim_v) // 2 * G),
+                        cap))
     else:
         qb = min(profile.prefill_qb, cap)
         if qb != profile.prefill_qb:
@@ -603,6 +623,7 @@ def prefill_geometry(spec: AttentionSpec, profile: Profile, limits: Limits) -> P
             "strategy tiled -> rows (prefill): Mesa's llvmpipe gives wrong results with the "
             "tiled prefill kernel",))
     notes: list[str] = []
+    Dv, dv_name = spec.head_dim_v, "head_dim_v" if spec.split_widths else "head_dim"
     if profile.reduction == "subgroup":
         notes.append("reduction subgroup -> local: the prefill kernel reduces through local "
                      "memory")
@@ -610,11 +631,12 @@ def prefill_geometry(spec: AttentionSpec, profile: Profile, limits: Limits) -> P
     limit = max(1, min(profile.thread_limit, limits.max_work_group_size))
     cap_x = min(limit, limits.max_work_item_sizes[0])
     want_tc = profile.prefill_tc or PREFILL_TC
-    tc = next(t for t in _halvings(want_tc) if D % t == 0 and t <= cap_x)
+    # the value phase gives each thread of a row group the columns tc + TC * c of a V row
+    tc = next(t for t in _halvings(want_tc) if Dv % t == 0 and t <= cap_x)
     if want_tc > cap_x:
         cuts.cut("prefill_tc", f"at most {cap_x} work-items across the work-group")
-    if D % want_tc:
-        cuts.cut("prefill_tc", f"head_dim {D} is not a multiple of {want_tc} (halved until "
+    if Dv % want_tc:
+        cuts.cut("prefill_tc", f"{dv_name} {Dv} is not a multiple of {want_tc} (halved until "
                                f"it is)")
     rm = profile.prefill_rm or PREFILL_RM
     want_kb = profile.prefill_kb or tc * PREFILL_RK
@@ -633,7 +655,7 @@ def prefill_geometry(spec: AttentionSpec, profile: Profile, limits: Limits) -> P
         rows = qb * G
         rm_eff = rm if -(-rows // rm) <= tr_max else -(-rows // tr_max)
         tr = -(-rows // rm_eff)
-        need = _prefill_local_bytes(D, tr * rm_eff, tc * rk, tc)
+        need = _prefill_local_bytes(D, tr * rm_eff, tc * rk, tc, Dv)
         if need <= limits.local_mem_size:
             break
         if rk > 1:

@@ -88,7 +88,7 @@ class OpenCLBackend:
         if self._decode_fit is None:
             spec, setup = self.spec, self.setup
             fit = fit_device(setup.wishes, setup.info, spec, setup.limits)
-            self._decode_fit = (fit.geometry, merge_geometry(spec.head_dim, spec.dtype,
+            self._decode_fit = (fit.geometry, merge_geometry(spec.head_dim_v, spec.dtype,
                                                              setup.profile, setup.limits),
                                 fit.notes)
         return self._decode_fit
@@ -170,9 +170,9 @@ class OpenCLBackend:
                         setup, self.decode_geometry, build,
                         lambda limits: decode_geometry(spec, setup.profile, limits), "decode")
                 mg = self.merge_geometry
-                merge = rt.launcher(("merge", spec.head_dim, spec.dtype, "float32", mg, sinks),
+                merge = rt.launcher(("merge", spec.head_dim_v, spec.dtype, "float32", mg, sinks),
                                     signatures.MERGE_VARLEN,
-                                    lambda: render_merge(spec.head_dim, spec.dtype, "float32",
+                                    lambda: render_merge(spec.head_dim_v, spec.dtype, "float32",
                                                          mg, sinks=sinks))
                 hit = self._decode[sinks, fold] = (decode, merge)
             return hit
@@ -296,7 +296,7 @@ class OpenCLBackend:
         with self._lock:
             if self._ws is None or self._ws[0] < n_ws:
                 cl = runtime.cl()
-                H, D = self.spec.num_qo_heads, self.spec.head_dim
+                H, D = self.spec.num_qo_heads, self.spec.head_dim_v   # the states' width
                 ctx = self.runtime.context
                 n = max(n_ws, 1)
                 try:

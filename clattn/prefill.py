@@ -288,7 +288,7 @@ class BatchPrefill:
                              last_page_len, out=out, lse=lse, **kw)
         check_sink_logits(spec, sink_logits)
         t = args.tables
-        T, H, D = args.total_q, spec.num_qo_heads, spec.head_dim
+        T, H, D = args.total_q, spec.num_qo_heads, spec.head_dim_v   # D: out's width
         plan = self._checked_plan(plan, args)
         opencl = self.opencl
         call = Call(opencl.runtime, queue, wait_for)

@@ -25,10 +25,11 @@ quantized (ValueError, nothing written). Dequantized values are exact products i
 so every backend reads the same numbers. :func:`to_ggml_blocks` and
 :func:`from_ggml_blocks` convert to and from ggml's interleaved blocks.
 
-Pool layout when K or V is quantized: ``uint8 [P, page_bytes]``; a page holds the keys
-of KV heads 0..H_kv-1, then their values; the region of one (kind, head) is the
-``page_size`` data rows (``row_bytes`` each, 16-byte aligned), then, for quantized
-kinds, their ``page_size x head_dim / 32`` f16 scales.
+Pool layout when K or V is quantized, or when keys and values differ in width (``head_dim``
+for K, ``head_dim_v`` for V): ``uint8 [P, page_bytes]``; a page holds the keys of KV
+heads 0..H_kv-1, then their values; the region of one (kind, head) is the ``page_size``
+data rows of its kind's width (``row_bytes`` each), then, for quantized kinds, their
+``page_size x width / 32`` f16 scales, the region padded to a multiple of 16 bytes.
 """
 from __future__ import annotations
 
@@ -70,27 +71,51 @@ def bytes_per_value(fmt: str) -> float:
 
 @dataclass(frozen=True)
 class PageLayout:
-    """Byte layout of one page of a pool whose K or V pages are quantized."""
+    """Byte layout of one page of a byte pool (K or V quantized, or of unequal widths).
+
+    ``head_dim`` is the width of a key row, ``head_dim_v`` of a value row (None: the same).
+    """
 
     k_format: str
     v_format: str
     num_kv_heads: int
     page_size: int
     head_dim: int
+    head_dim_v: int | None = None
 
-    def region_bytes(self, fmt: str) -> int:
-        """Bytes of one (kind, head) region: data rows, then scales (16-byte aligned)."""
-        data = self.page_size * row_bytes(fmt, self.head_dim)
-        scales = self.page_size * (self.head_dim // BLOCK) * 2 if fmt in QUANTIZED else 0
+    def width(self, kind: int) -> int:
+        """Values per row of kind 0 (K) or 1 (V)."""
+        return self.head_dim if kind == 0 or self.head_dim_v is None else self.head_dim_v
+
+    def format(self, kind: int) -> str:
+        """Storage format of kind 0 (K) or 1 (V)."""
+        return self.k_format if kind == 0 else self.v_format
+
+    def blocks(self, kind: int) -> int:
+        """Blocks of up to 32 values a row of kind 0 (K) or 1 (V) is written in (the
+        append's work items; a float row's last block may be shorter)."""
+        return -(-self.width(kind) // BLOCK)
+
+    @property
+    def row_blocks(self) -> int:
+        """Blocks of a token's K and V rows of one head: :meth:`blocks` of both kinds."""
+        return self.blocks(0) + self.blocks(1)
+
+    def region_bytes(self, fmt: str, width: int | None = None) -> int:
+        """Bytes of one region of ``fmt`` rows ``width`` values wide (default ``head_dim``):
+        data rows, then scales (16-byte aligned)."""
+        width = self.head_dim if width is None else width
+        data = self.page_size * row_bytes(fmt, width)
+        scales = self.page_size * (width // BLOCK) * 2 if fmt in QUANTIZED else 0
         return -(-(data + scales) // 16) * 16
 
     @property
     def k_region(self) -> int:
-        return self.region_bytes(self.k_format)
+        return self.region_bytes(self.k_format, self.width(0))
 
     @property
     def v_region(self) -> int:
-        return self.region_bytes(self.v_format)
+        return self.region_bytes(self.v_format, self.width(1))
 
     @property
     def page_bytes(self) -> int:
@@ -304,11 +329,12 @@ def from_ggml_blocks(blocks: np.ndarray, fmt: str) -> tuple[np.ndarray, np.ndarr
 
 def region_views(pool: np.ndarray, layout: PageLayout, kind: int) -> tuple[np.ndarray, np.ndarray | None]:
     """Views ``(data uint8 [P, H_kv, page_size, row_bytes], scales f16 [P, H_kv,
-    page_size, D/32] or None)`` of the K (``kind`` 0) or V (1) regions of a byte pool."""
-    fmt = layout.k_format if kind == 0 else layout.v_format
+    page_size, D/32] or None)`` of the K (``kind`` 0) or V (1) regions of a byte pool
+    (``D`` the kind's width)."""
+    fmt = layout.format(kind)
     P = pool.shape[0]
-    H, ps, D = layout.num_kv_heads, layout.page_size, layout.head_dim
-    reg = layout.region_bytes(fmt)
+    H, ps, D = layout.num_kv_heads, layout.page_size, layout.width(kind)
+    reg = layout.region_bytes(fmt, D)
     start = layout.region_offset(kind, 0)
     regions = pool[:, start:start + H * reg].reshape(P, H, reg)
     rb = row_bytes(fmt, D)
@@ -321,11 +347,12 @@ def region_views(pool: np.ndarray, layout: PageLayout, kind: int) -> tuple[np.nd
 
 
 def pack_pool(k: np.ndarray, v: np.ndarray, layout: PageLayout) -> np.ndarray:
-    """A byte pool from float keys and values ``[P, H_kv, page_size, D]``."""
+    """A byte pool from float keys ``[P, H_kv, page_size, D]`` and values ``[P, H_kv,
+    page_size, D_v]`` (``D``, ``D_v``: the layout's widths)."""
     P = k.shape[0]
     pool = np.zeros((P, layout.page_bytes), np.uint8)
     for kind, x in ((0, k), (1, v)):
-        fmt = layout.k_format if kind == 0 else layout.v_format
+        fmt = layout.format(kind)
         data, sc = region_views(pool, layout, kind)
         if fmt in QUANTIZED:
             qd, qs = quantize(x, fmt, "keys" if kind == 0 else "values")
@@ -337,11 +364,12 @@ def pack_pool(k: np.ndarray, v: np.ndarray, layout: PageLayout) -> np.ndarray:
 
 def unpack_pool(pool: np.ndarray, layout: PageLayout,
                 pages: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """Float32 ``(k, v) [n, H_kv, page_size, D]`` of the given pages (default: all)."""
+    """Float32 ``k [n, H_kv, page_size, D]`` and ``v [n, H_kv, page_size, D_v]`` of the
+    given pages (default: all)."""
     sel = pool if pages is None else pool[np.asarray(pages)]
     out = []
     for kind in (0, 1):
-        fmt = layout.k_format if kind == 0 else layout.v_format
+        fmt = layout.format(kind)
         data, sc = region_views(np.ascontiguousarray(sel), layout, kind)
         if fmt in QUANTIZED:
             out.append(dequantize(data, sc, fmt))

@@ -47,7 +47,9 @@ class AttentionSpec:
     ``k_format``/``v_format`` store the keys/values of the pages as ``"float16"``,
     ``"float32"``, ``"q8_0"`` or ``"q4_0"`` (:mod:`clattn.quant`; default: ``dtype``).
     ``rope_scaling`` is a Hugging Face ``rope_scaling`` dict (or None); it and
-    ``rotary_dim`` only matter when a call passes ``rotary_mode=1``.
+    ``rotary_dim`` only matter when a call passes ``rotary_mode=1``. ``head_dim`` is the
+    width of queries and keys, ``head_dim_v`` of values and of the output (default:
+    ``head_dim``); unequal widths make the pool a byte pool (:mod:`clattn.quant`'s layout).
     """
 
     num_qo_heads: int
@@ -62,10 +64,13 @@ class AttentionSpec:
     max_position_embeddings: int | None = None
     k_format: str | None = None
     v_format: str | None = None
+    head_dim_v: int | None = None
     _rope_key: Any = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
-        for name in ("num_qo_heads", "num_kv_heads", "head_dim", "page_size"):
+        if self.head_dim_v is None:
+            object.__setattr__(self, "head_dim_v", self.head_dim)
+        for name in ("num_qo_heads", "num_kv_heads", "head_dim", "head_dim_v", "page_size"):
             v = getattr(self, name)
             if not is_int(v) or v < 1:
                 raise ValueError(f"{name}={v!r}: must be a positive integer")
@@ -76,13 +81,15 @@ class AttentionSpec:
                 f"num_kv_heads={self.num_kv_heads}: GQA needs an integer group size")
         if self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim}: must be even (RoPE pairs dims)")
-        page_values = 2 * self.num_kv_heads * self.page_size * self.head_dim
-        if page_values > INT32_MAX or self.num_qo_heads * self.head_dim > INT32_MAX:
+        page_values = self.num_kv_heads * self.page_size * (self.head_dim + self.head_dim_v)
+        widest = max(self.head_dim, self.head_dim_v)
+        if page_values > INT32_MAX or self.num_qo_heads * widest > INT32_MAX:
             raise ValueError(
                 f"page_size={self.page_size}, num_kv_heads={self.num_kv_heads}, num_qo_heads="
-                f"{self.num_qo_heads}, head_dim={self.head_dim}: a page's values (2 x "
-                f"num_kv_heads x page_size x head_dim) and a token's query values must each "
-                f"stay below 2**31 (the kernels index them with 32-bit ints)")
+                f"{self.num_qo_heads}, head_dim={self.head_dim}, head_dim_v={self.head_dim_v}: "
+                f"a page's values (num_kv_heads x page_size x (head_dim + head_dim_v)) and a "
+                f"token's query and output values must each stay below 2**31 (the kernels "
+                f"index them with 32-bit ints)")
         try:
             dt = str(np.dtype(self.dtype)) if self.dtype is not None else None
         except TypeError:  # a name numpy does not know (e.g. "bfloat16")
@@ -93,13 +100,14 @@ class AttentionSpec:
         if not isinstance(self.sliding_window, (bool, np.bool_)):
             raise TypeError(f"sliding_window={self.sliding_window!r}: must be True or False")
         object.__setattr__(self, "sliding_window", bool(self.sliding_window))
-        for name in ("k_format", "v_format"):
+        for name, wname in (("k_format", "head_dim"), ("v_format", "head_dim_v")):
             fmt = dt if getattr(self, name) is None else getattr(self, name)
+            width = getattr(self, wname)
             if fmt not in KV_FORMATS:
                 raise ValueError(f"{name}={fmt!r}: must be one of {list(KV_FORMATS)}")
-            if fmt in QUANTIZED and self.head_dim % BLOCK:
+            if fmt in QUANTIZED and width % BLOCK:
                 raise ValueError(f"{name}={fmt!r}: quantized blocks are {BLOCK} values along "
-                                 f"head_dim; head_dim={self.head_dim} is not a multiple of {BLOCK}")
+                                 f"the row; {wname}={width} is not a multiple of {BLOCK}")
             object.__setattr__(self, name, fmt)
         rd = self.head_dim if self.rotary_dim is None else self.rotary_dim
         if not isinstance(rd, (int, np.integer)) or rd < 2 or rd % 2 or rd > self.head_dim:
@@ -136,7 +144,8 @@ class AttentionSpec:
     def __hash__(self) -> int:  # rope_scaling is a dict: hash its frozen form instead
         return hash((self.num_qo_heads, self.num_kv_heads, self.head_dim, self.page_size,
                      self.dtype, self.sliding_window, self._rope_key, self.rotary_dim,
-                     self.softcap, self.max_position_embeddings, self.k_format, self.v_format))
+                     self.softcap, self.max_position_embeddings, self.k_format, self.v_format,
+                     self.head_dim_v))
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, AttentionSpec) and hash(self) == hash(other) and \
@@ -156,15 +165,22 @@ class AttentionSpec:
         return self.np_dtype.itemsize
 
     @property
+    def split_widths(self) -> bool:
+        """True when values are not as wide as keys (``head_dim_v != head_dim``)."""
+        return self.head_dim_v != self.head_dim
+
+    @property
     def byte_pool(self) -> bool:
-        """True when the pool is a byte array (K and V not both stored as ``dtype``)."""
-        return not (self.k_format == self.dtype and self.v_format == self.dtype)
+        """True when the pool is a byte array: K and V not both stored as ``dtype``, or of
+        unequal widths (``[P, 2, H_kv, page_size, D]`` holds one width)."""
+        return not (self.k_format == self.dtype and self.v_format == self.dtype) or \
+            self.split_widths
 
     @property
     def layout(self) -> PageLayout:
         """Byte layout of a page of a byte pool."""
         return PageLayout(self.k_format, self.v_format, self.num_kv_heads, self.page_size,
-                          self.head_dim)
+                          self.head_dim, self.head_dim_v)
 
     def pool_shape(self, num_pages: int) -> tuple[int, ...]:
         """Shape of a pool of ``num_pages`` pages (its dtype: :attr:`pool_dtype`)."""
@@ -179,28 +195,41 @@ class AttentionSpec:
     @property
     def bytes_per_token(self) -> float:
         """Pool bytes one token takes per layer (K and V, every KV head, scales included)."""
-        return self.num_kv_heads * self.head_dim * (bytes_per_value(self.k_format) +
-                                                    bytes_per_value(self.v_format))
+        return self.num_kv_heads * (self.head_dim * bytes_per_value(self.k_format) +
+                                    self.head_dim_v * bytes_per_value(self.v_format))
 
     def key(self) -> str:
-        """A stable text key (for caches and kernel names)."""
-        return json.dumps([self.num_qo_heads, self.num_kv_heads, self.head_dim, self.page_size,
-                           self.dtype, self.sliding_window, self.rope_scaling, self.rotary_dim,
-                           self.softcap, self.max_position_embeddings, self.k_format,
-                           self.v_format], sort_keys=True)
+        """A stable text key (for caches and kernel names); ``head_dim_v`` enters it only
+        where it differs from ``head_dim``."""
+        fields = [self.num_qo_heads, self.num_kv_heads, self.head_dim, self.page_size,
+                  self.dtype, self.sliding_window, self.rope_scaling, self.rotary_dim,
+                  self.softcap, self.max_position_embeddings, self.k_format, self.v_format]
+        if self.split_widths:
+            fields.append(self.head_dim_v)
+        return json.dumps(fields, sort_keys=True)
 
     @classmethod
     def from_hf_config(cls, config: Mapping[str, Any], *, page_size: int = 16,
                        dtype: str = "float16", sliding_window: bool | None = None) -> "AttentionSpec":
         """Build a spec from a Hugging Face ``config.json`` dict.
 
-        Reads heads, ``head_dim`` (or hidden_size / heads), ``rope_scaling``,
+        Reads heads, ``head_dim`` (or hidden_size / heads), ``v_head_dim``, ``rope_scaling``,
         ``partial_rotary_factor``/``rotary_dim`` and ``attn_logit_softcapping``.
-        ``sliding_window`` defaults to whether the config declares a window.
+        ``sliding_window`` defaults to whether the config declares a window. Multi-head
+        latent attention (DeepSeek-V2/V3, MiniCPM3: the config has ``qk_nope_head_dim``) is
+        read in its decompressed form: queries and keys ``qk_nope_head_dim +
+        qk_rope_head_dim`` wide, values ``v_head_dim``; its RoPE'd dims are the trailing
+        ``qk_rope_head_dim``, which the in-kernel RoPE does not cover (such a model rotates
+        q and k itself and calls with ``rotary_mode=0``), so ``rotary_dim`` is left at its
+        default.
         """
         h = config.get("num_attention_heads", config.get("n_head"))
         kv = config.get("num_key_value_heads") or h
-        hd = config.get("head_dim") or (config.get("hidden_size", config.get("n_embd")) // h)
+        hdv = config.get("v_head_dim")
+        if config.get("qk_nope_head_dim") is not None:  # MLA, decompressed
+            hd = config["qk_nope_head_dim"] + config.get("qk_rope_head_dim", 0)
+        else:
+            hd = config.get("head_dim") or (config.get("hidden_size", config.get("n_embd")) // h)
         rd = config.get("rotary_dim")
         frac = config.get("partial_rotary_factor", config.get("rotary_pct"))  # NeoX: rotary_pct
         if rd is None and frac is not None:
@@ -217,7 +246,8 @@ class AttentionSpec:
             use = config.get("use_sliding_window")
             sliding_window = bool(config.get("sliding_window")) and \
                 (default_on if use is None else bool(use))
-        return cls(num_qo_heads=h, num_kv_heads=kv, head_dim=hd, page_size=page_size,
+        return cls(num_qo_heads=h, num_kv_heads=kv, head_dim=hd, head_dim_v=hdv,
+                   page_size=page_size,
                    dtype=dtype, sliding_window=sliding_window, rope_scaling=scaling,
                    rotary_dim=rd, softcap=config.get("attn_logit_softcapping"),
                    max_position_embeddings=config.get("max_position_embeddings",

@@ -121,9 +121,9 @@ def check_operands(spec: AttentionSpec, q: Any, pages: Any, out: Any = None,
 
 
 def check_outputs(spec: AttentionSpec, B: int, out: Any = None, lse: Any = None) -> None:
-    """``out [B, H_qo, D]`` of the spec's dtype and ``lse [B, H_qo]`` f32, writable."""
+    """``out [B, H_qo, D_v]`` of the spec's dtype and ``lse [B, H_qo]`` f32, writable."""
     if out is not None:
-        check_array("out", out, shape=(B, spec.num_qo_heads, spec.head_dim),
+        check_array("out", out, shape=(B, spec.num_qo_heads, spec.head_dim_v),
                     dtypes=(spec.np_dtype,), writable=True)
     if lse is not None:
         check_array("lse", lse, shape=(B, spec.num_qo_heads), dtypes=(LSE_DTYPE,),

@@ -9,7 +9,8 @@ clattn_page_copy  copy-on-write: for each copy c of the [C, 3] table (src page, 
                   rows), rows [0, rows) of every (kind, head) of page src go to page dst.
 
 Template parameters (clattn.codegen.render_append; geometry clattn.fit.append_geometry):
-  D, HKV, PS          head_dim, KV heads, page size
+  D, DV, HKV, PS      head_dim (K), head_dim_v (V: a byte pool where it differs), KV
+                      heads, page size
   ROT, ROPE           rotary dims; their pairing (clattn.kernel_exprs.RopePairs)
   DTYPE, NATIVE_HALF, DENORMS, PRAGMAS   storage type and the prelude's switches
   STRATEGY, VEC, MH   rows (CPU drivers): work-groups of one work-item, each striding over
@@ -23,8 +24,9 @@ Every index is checked or clamped: a slot outside the pool, or a copy whose dest
 is outside it, writes nothing; a copy's source page and row count are clamped. Values
 without RoPE are copied bit for bit.
 
-Byte pools (K or V not stored as DTYPE; append_bytes.clh.mako): one work-item per
-(token, head, kind, block of 32 values), whatever the strategy. clattn_append_check runs
+Byte pools (K or V not stored as DTYPE, or DV != D; append_bytes.clh.mako): one work-item
+per (token, head, kind, block of up to 32 values: NBK key blocks, NBV value blocks),
+whatever the strategy. clattn_append_check runs
 first and sets flags[0] = epoch when a block of a quantized kind holds inf/NaN or a scale
 beyond f16; clattn_append then writes nothing at all (the cache reports it).
 </%doc>

@@ -4,24 +4,26 @@
 ## d = amax / 127 (q8_0) or m / -8 (q4_0, m the first value of largest magnitude, +0 when
 ## all are zero), stored as f16(d); id = 1 / d (0 when |d| < 2^-125); each code
 ## round_half_away(x * id) (q8_0) or min(15, trunc(x * id + 8.5)) (q4_0), every
-## operation one correctly rounded f32 operation.
+## operation one correctly rounded f32 operation. A key row is D values wide in NBK blocks,
+## a value row DV in NBV (clattn.quant.PageLayout.blocks: a float row's last block may be
+## shorter than 32; a quantized row is whole blocks).
 <%namespace name="c" file="common.clh.mako"/>
 <%
-NB = D // 32
 QUANT = ("q8_0", "q4_0")
-def scale_bytes(fmt):
-    return NB * 2 if fmt in QUANT else 0
-ITEMS = "n_tokens * %d" % (HKV * 2 * NB)
+NT = NBK + NBV   # work items of a (token, head)
+def scale_bytes(fmt, width):
+    return width // 32 * 2 if fmt in QUANT else 0
+ITEMS = "n_tokens * %d" % (HKV * NT)
 %>\
 typedef uchar kv_t;     /* element of the pool: bytes */
 
-/* the 32 values of block b of a row as they are stored: a key rotated at position pos
-   when rotate is 1 (the float path's formula and angles) */
-inline void clattn_block(const __global st_t* row, const int b, const int rotate,
-                         const int pos, const __global float2* tt, const float rope_att,
-                         float* x)
+/* the cnt (<= 32) values of block b of a row as they are stored: a key rotated at
+   position pos when rotate is 1 (the float path's formula and angles) */
+inline void clattn_block(const __global st_t* row, const int b, const int cnt,
+                         const int rotate, const int pos, const __global float2* tt,
+                         const float rope_att, float* x)
 {
-    for (int i = 0; i < 32; ++i) {
+    for (int i = 0; i < cnt; ++i) {
         const int e = b * 32 + i;
         float val = ${c.loadv(1, "row + e")};
         if (rotate && e < ${ROT}) {
@@ -98,14 +100,14 @@ inline float clattn_block_max(const float* x, int* finite)
     return m;
 }
 
-## store block b of values x (private float[32]) of format fmt into the region at byte
-## offset reg (row r)
-<%def name="store_block(fmt, rowb)">
+## store block b of values x (private float[32], cnt of them) of format fmt and row width
+## `width` into the region at byte offset reg (row r)
+<%def name="store_block(fmt, rowb, width)">
 % if fmt in QUANT:
 <% q4 = int(fmt == "q4_0") %>\
                 int finite;
                 const float m = clattn_block_max(x, &finite);
-                __global uchar* sc = pages + reg + ${PS * rowb} + ((ulong)r * ${NB} + b) * 2;
+                __global uchar* sc = pages + reg + ${PS * rowb} + ((ulong)r * ${width // 32} + b) * 2;
                 const float d32 = clattn_scale32(m, ${q4});
                 vstore_half_rte(d32, 0, (__global half*)sc);
                 const float id = clattn_inv_scale(d32);
@@ -120,7 +122,7 @@ inline float clattn_block_max(const float* x, int* finite)
 % else:
 <% et = "half" if fmt == "half" else "float" %>\
                 __global ${et}* dst = (__global ${et}*)(pages + reg + (ulong)r * ${rowb}) + b * 32;
-                for (int j = 0; j < 32; ++j) {
+                for (int j = 0; j < cnt; ++j) {
 %   if fmt == "half":
                     vstore_half_rte(x[j], j, dst);
 %   else:
@@ -130,14 +132,21 @@ inline float clattn_block_max(const float* x, int* finite)
 % endif
 </%def>
 
-## one (token, head, kind, block) item: t, h, kind, b, the source row and its values
+## the kind of item `it` (0: a key block, 1: a value block)
+<%def name="item_kind()">
+            const int rem = it % ${NT}, kind = rem >= ${NBK};
+</%def>
+## one (token, head, kind, block) item after item_kind: t, h, b, cnt (its values), the
+## source row and its values
 <%def name="item_setup()">
-            const int b = it % ${NB}, kind = (it / ${NB}) & 1, th = it / ${2 * NB};
+            const int b = kind ? rem - ${NBK} : rem, th = it / ${NT};
             const int t = th / ${HKV}, h = th % ${HKV};
-            const __global st_t* row = (kind ? v : k) + ((ulong)t * ${HKV} + h) * ${D};
+            const int cnt = min(32, (kind ? ${DV} : ${D}) - b * 32);
+            const __global st_t* row = kind ? v + ((ulong)t * ${HKV} + h) * ${DV}
+                                            : k + ((ulong)t * ${HKV} + h) * ${D};
             const int pos = rotary_mode && kind == 0 ? k_pos[t] : 0;
             float x[32];
-            clattn_block(row, b, rotary_mode && kind == 0, pos,
+            clattn_block(row, b, cnt, rotary_mode && kind == 0, pos,
                          rope_turns + (pos >= long_from ? ${ROT // 2} : 0), rope_att, x);
 </%def>
 
@@ -145,9 +154,10 @@ __kernel void clattn_append_check(${CHECK_SIGNATURE})
 {
     ${APPEND_FIXUP}
     for (int it = get_global_id(0); it < ${ITEMS}; it += get_global_size(0)) {
+${item_kind()}
 % for kind, fmt in ((0, KFMT), (1, VFMT)):
 %   if fmt not in QUANT:
-        if ((it / ${NB} & 1) == ${kind})
+        if (kind == ${kind})
             continue;   /* a float kind holds any value */
 %   endif
 % endfor
@@ -168,6 +178,7 @@ __kernel void clattn_append(${APPEND_SIGNATURE})
         return;   /* the check found a value the format cannot hold: nothing is written */
     const long cap = (long)max(num_pages, 0) * ${PS};
     for (int it = get_global_id(0); it < ${ITEMS}; it += get_global_size(0)) {
+${item_kind()}
 ${item_setup()}
         const long flat = (long)slots[t];
         if (flat < 0 || flat >= cap)
@@ -176,10 +187,10 @@ ${item_setup()}
         const int r = (int)(flat % ${PS});
         if (kind == 0) {
             const ulong reg = page * ${PAGE_BYTES} + (ulong)h * ${K_REGION};
-${store_block(KFMT, K_ROWB)}
+${store_block(KFMT, K_ROWB, D)}
         } else {
             const ulong reg = page * ${PAGE_BYTES} + ${HKV * K_REGION} + (ulong)h * ${V_REGION};
-${store_block(VFMT, V_ROWB)}
+${store_block(VFMT, V_ROWB, DV)}
         }
     }
 }
@@ -210,9 +221,9 @@ __kernel void clattn_page_copy(${COPY_SIGNATURE})
         __global ushort* dr = (__global ushort*)(pages + (ulong)dst * ${PAGE_BYTES} + at);
         const __global ushort* sr = (const __global ushort*)(pages + (ulong)src * ${PAGE_BYTES} + at);
         if (kind == 0) {
-${copy_region(K_ROWB, scale_bytes(KFMT))}
+${copy_region(K_ROWB, scale_bytes(KFMT, D))}
         } else {
-${copy_region(V_ROWB, scale_bytes(VFMT))}
+${copy_region(V_ROWB, scale_bytes(VFMT, DV))}
         }
     }
 }

@@ -1,8 +1,8 @@
 <%doc>
 Pieces shared by the two decode templates (decode_rows.cl.mako, decode_tiled.cl.mako):
 the per-sequence set-up (attended chunk, partition rows) and the K/V row address.
-Parameters: PS, HKV, D, SLIDING, SOFTCAP, FUSED (the append fused in: fused_append),
-FOLD (the split merge folded in: fold_parts, merge_state.clh.mako's merges),
+Parameters: PS, HKV, D, DV (the widths of a K and a V row: a pool of unequal widths is
+a byte pool), SLIDING, SOFTCAP, FUSED (the append fused in: fused_append), FOLD (the split merge folded in: fold_parts, merge_state.clh.mako's merges),
 FIXUP (the pointer fix-up rendered from the
 decode argument table, clattn.signatures.DECODE), and the page storage: KFMT, VFMT
 ("half", "float", "q8_0", "q4_0"), BYTE_POOL (the pool is bytes: K or V not stored
@@ -99,12 +99,12 @@ ${page_ptr(kind, name, "clattn_page_of(page_indices, p0, %s, sink, wo, num_pages
 % if not BYTE_POOL:
 const __global kv_t* ${name} = pages + ((((ulong)(${page}) * 2 + ${kind}) * ${HKV} + kvh) * ${PS} + (${slot})) * ${D};\
 % else:
-<% fmt = KFMT if kind == 0 else VFMT; rowb = K_ROWB if kind == 0 else V_ROWB %>\
+<% fmt, rowb, width = (KFMT, K_ROWB, D) if kind == 0 else (VFMT, V_ROWB, DV) %>\
 const ulong ${name}_reg = clattn_region_of(${page}, ${kind}, kvh);
             const __global uchar* ${name} = pages + ${name}_reg + (ulong)(${slot}) * ${rowb};\
 %   if fmt in ("q8_0", "q4_0"):
 
-            const __global ushort* ${name}_s = (const __global ushort*)(pages + ${name}_reg + ${PS * rowb}) + (${slot}) * ${D // 32};\
+            const __global ushort* ${name}_s = (const __global ushort*)(pages + ${name}_reg + ${PS * rowb}) + (${slot}) * ${width // 32};\
 %   endif
 % endif
 </%def>

@@ -2,11 +2,12 @@
 clattn paged-KV decode attention, "rows" strategy (CPU drivers): one work-item per
 (sequence b, KV head, partition p); global (B, HKV, NP), local (1, 1, 1). Blocks of TILE
 rows; private accumulators for all G query heads of the KV head, every loop over
-head_dim chunks (NV = D / VEC) and heads unrolled, so a CPU compiler keeps them in
+head_dim chunks (NV = D / VEC of q and K, NVV = DV / VEC of V and out) and heads unrolled, so a CPU compiler keeps them in
 registers. The semantics are docs/contract.md's.
 
 Template parameters (clattn.codegen.render_decode, from clattn.fit.DecodeGeometry):
-  D, HQO, HKV, G, PS   head_dim, query heads, KV heads, group size, page size
+  D, DV, HQO, HKV, G, PS  head_dim (q, K), head_dim_v (V, out), query heads, KV heads,
+                       group size, page size
   ROT, ROPE            rotary dims; their pairing (clattn.kernel_exprs.RopePairs)
   SLIDING, SOFTCAP     window + sinks compiled in; soft-cap value or None
   DTYPE, NATIVE_HALF   storage type; convert half vectors natively (cl_khr_fp16)
@@ -15,7 +16,7 @@ Template parameters (clattn.codegen.render_decode, from clattn.fit.DecodeGeometr
                        vectors of W = min(TILE, VEC) lanes (so no vector is wider than
                        the loads, which the compiler builds)
   VEC_ROPE             keys rotated VEC lanes at a time (else through a private row)
-  V_CHUNKS             head_dim chunks of V accumulated per pass over a block's rows
+  V_CHUNKS             chunks of V accumulated per pass over a block's rows
   PREFETCH             blocks ahead whose K/V rows are prefetched (0: none; clang's
                        __builtin_prefetch, where clattn.compiler_probe found it works)
   STORAGE_HALF         f16 converted through clang's __fp16 (common.clh.mako)
@@ -37,7 +38,7 @@ write out of bounds (counters: the host sizes it for the launch's batch, B x HKV
 <%! from clattn import kernel_exprs as kx %>\
 ${c.prelude(poly=True)}
 ${d.setup()}
-<% NV = D // VEC %>\
+<% NV, NVV = D // VEC, DV // VEC %>\
 ## rotate the private float array f[D] (a row of q or k) at position pos
 <%def name="rotate_row(f, pos=None)">
         {
@@ -65,7 +66,7 @@ ${d.setup()}
 ## scale multiplies its partial dot product (K) or the weight (V) once, not every value:
 ## CPB chunks of V values per block of 32.
 <%
-V, HALF, CPB, NB = VEC, ROT // 2, max(32 // VEC, 1), D // 32
+V, HALF, CPB, NB, NBV = VEC, ROT // 2, max(32 // VEC, 1), D // 32, DV // 32
 FV, UI = kx.vtype("float", V), kx.vtype("uint", V)
 NRV = ROPE.vectors(V) if VEC_ROPE else 0   # rotated vectors
 KQ, VQ = KFMT in kx.QUANTIZED, VFMT in kx.QUANTIZED
@@ -138,7 +139,7 @@ ${rotate_row("f", "q_pos[b]")}
        (one sum per row of a block, added up after the loop) */
     float m${g} = -INFINITY, base${g} = 0.0f;
     ${FT} lv${g} = 0.0f;
-%   for i in range(NV):
+%   for i in range(NVV):
     ${FV} a${g}_${i} = 0.0f;
 %   endfor
 % endfor
@@ -309,7 +310,7 @@ ${rotate_row("f")}
                     const float nb = clattn_exp_base(mx);
                     if (mx > m${g}) {
                         const float alpha = clattn_exp2_1(m${g} - nb);
-%   for i in range(NV):
+%   for i in range(NVV):
                         a${g}_${i} *= alpha;
 %   endfor
                         lv${g} *= alpha;
@@ -346,7 +347,7 @@ ${rotate_row("f")}
            at a time (rows past n: scale 0, weight 0), then the codes, VCH chunks of the
            block per pass over the rows */
 <% VCH = max(k for k in range(1, CPB + 1) if CPB % k == 0 and k <= V_CHUNKS) %>
-%   for bb in range(NB):
+%   for bb in range(NBV):
         {
             float vsc[${TILE}] __attribute__((aligned(64)));
             for (int j = 0; j < ${TILE}; ++j)
@@ -375,7 +376,7 @@ ${rotate_row("f")}
         }
 %   endfor
 % else:
-% for i0 in range(0, NV, V_CHUNKS):
+% for i0 in range(0, NVV, V_CHUNKS):
         for (int j = 0; j < n; ++j) {
 %   for i in range(i0, i0 + V_CHUNKS):
             const ${FV} v${i - i0} = ${lane(1, i, "vrow[j]", "vrow_s[j]")};
@@ -407,14 +408,14 @@ ${rotate_row("f")}
         const float st = direct ? clattn_part_lse(m${g}, l${g}, r_hi > r_lo)
                                 : clattn_state_lse(m${g}, l${g});
         if (direct) {
-            __global st_t* op = out + ((ulong)b * ${HQO} + h) * ${D};
-%   for i in range(NV):
+            __global st_t* op = out + ((ulong)b * ${HQO} + h) * ${DV};
+%   for i in range(NVV):
             ${c.storev(V, "a%d_%d * inv" % (g, i), "op + %d" % (i * V))}
 %   endfor
             lse[(ulong)b * ${HQO} + h] = st;
         } else {
-            __global float* op = ws_o + ((ulong)ws_at * ${HQO} + h) * ${D};
-%   for i in range(NV):
+            __global float* op = ws_o + ((ulong)ws_at * ${HQO} + h) * ${DV};
+%   for i in range(NVV):
             ${("op[%d] = a%d_%d * inv;" % (i, g, i)) if V == 1 else ("vstore%d(a%d_%d * inv, 0, op + %d);" % (V, g, i, i * V))}
 %   endfor
             ws_s[(ulong)ws_at * ${HQO} + h] = st;

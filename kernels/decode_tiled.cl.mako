@@ -2,7 +2,8 @@
 clattn paged-KV decode attention, "tiled" strategy (GPUs): one work-group per (sequence b,
 KV head x GDZ head slices, partition p); local (BDX, 1, BDZ): tx across head_dim (VEC
 floats each), tz across row slices. Every work-item keeps q, the running state and the
-accumulator of all GI = ceil(G / GDZ) query heads of its head slice in registers, so each
+accumulator of all GI = ceil(G / GDZ) query heads (V and out: DV dims, lane tx holding the
+VEC-wide chunks tx, tx + BDX, ... of them, NC chunks; NC = 1 when DV == D) of its head slice in registers, so each
 K and V row is loaded from global memory once per work-group and serves every head. A
 step is BDZ x TILE rows (slice tz scores TILE of them); the BDX partial dot products of a
 row are reduced through sub-groups (REDUCE == "subgroup": a sub-group is one slice, no
@@ -12,7 +13,7 @@ work-group (a lane's read shared by sub-group broadcast or through local memory)
 merge of the BDZ slices' states. The semantics are docs/contract.md's.
 
 Template parameters (clattn.codegen.render_decode, from clattn.fit.DecodeGeometry):
-  D, HQO, HKV, G, PS, ROT, ROPE, SLIDING, SOFTCAP, DTYPE, NATIVE_HALF  as in rows
+  D, DV, HQO, HKV, G, PS, ROT, ROPE, SLIDING, SOFTCAP, DTYPE, NATIVE_HALF  as in rows
   VEC, TILE            floats per work-item; rows per slice per step
   BDX, BDY, BDZ, GDZ   work-group shape (BDX = D / VEC, BDY = 1); head slices per KV head
   USE_LOCAL            unused (K/V live in registers; clattn.fit always sets it off)
@@ -77,6 +78,12 @@ LOCAL_RED = REDUCE != "subgroup"
 # local memory (clattn.fit.tiled_local, which the fit reads too): the loop's partials and
 # their sums, then (reused) the merge's states
 SCRATCH = LOCAL.scratch
+NC = -(-DV // (BDX * VEC))   # V chunks per lane: chunk c is dims (c * BDX + tx) * VEC ..
+def vlane(c):
+    return "(%d + tx) * %d" % (c * BDX, VEC)
+def vguard(c):
+    """the condition that lane tx holds V chunk c (always, but in the last of a ragged DV)"""
+    return "1" if (c * BDX + BDX) * VEC <= DV else "%s < %d" % (vlane(c), DV)
 %>\
 __kernel __attribute__((reqd_work_group_size(${BDX}, 1, ${BDZ})))
 ${SG_ATTR}
@@ -111,9 +118,13 @@ ${d.fused_append("part == nparts_b - 1 && tz == 0", ["tx * %d" % VEC], VEC, fenc
         qv[g] *= sm_scale${" * CLATTN_LOG2E" if SOFTCAP is None else ""};
     }
     const int kpos0 = rotary_mode ? k_pos_offset[b] : 0;
-    ${c.fv(VEC)} acc[${GI}];
+    ${c.fv(VEC)} acc[${GI}][${NC}];
     float m[${GI}], l[${GI}];
-    for (int g = 0; g < ${GI}; ++g) { acc[g] = 0.0f; m[g] = -INFINITY; l[g] = 0.0f; }
+    for (int g = 0; g < ${GI}; ++g) {
+        for (int cc = 0; cc < ${NC}; ++cc) acc[g][cc] = 0.0f;
+        m[g] = -INFINITY;
+        l[g] = 0.0f;
+    }
 
 % if LOCAL_RED:
     /* the first step's pages, one page-table read per row */
@@ -191,7 +202,7 @@ ${d.fused_append("part == nparts_b - 1 && tz == 0", ["tx * %d" % VEC], VEC, fenc
                 s[j][g] = r0 + j < r_hi ? exp2(s[j][g] - base) : 0.0f;
                 sum += s[j][g];
             }
-            acc[g] *= alpha;
+            for (int cc = 0; cc < ${NC}; ++cc) acc[g][cc] *= alpha;
             m[g] = mx;
             l[g] = sum;
         }
@@ -200,24 +211,31 @@ ${d.fused_append("part == nparts_b - 1 && tz == 0", ["tx * %d" % VEC], VEC, fenc
             const int row = r0 + j;
             if (row < r_hi) {
                 ${d.page_ptr(1, "vp", "pg[j]", "clattn_slot_of(row, sink, wo)")}
-                const ${c.fv(VEC)} vx = ${kl(1, VEC, "vp", "tx * %d" % VEC)};
-                for (int g = 0; g < ${GI}; ++g) acc[g] += s[j][g] * vx;
+% for cc in range(NC):
+                if (${vguard(cc)}) {
+                    const ${c.fv(VEC)} vx = ${kl(1, VEC, "vp", vlane(cc))};
+                    for (int g = 0; g < ${GI}; ++g) acc[g][${cc}] += s[j][g] * vx;
+                }
+% endfor
             }
         }
     }
 
-    /* merge the BDZ row slices' states: o_red[BDZ][GI][D], md[BDZ][GI][2] */
+    /* merge the BDZ row slices' states: o_red[BDZ][GI][DV], md[BDZ][GI][2] */
 % if LOCAL_RED:
     barrier(CLK_LOCAL_MEM_FENCE);   /* the loop's local arrays are reused */
 % endif
     __local float* o_red = scratch;
     __local float* md = scratch + ${LOCAL.states};
     for (int g = 0; g < ${GI}; ++g) {
-% if VEC == 1:
-        o_red[(tz * ${GI} + g) * ${D} + tx] = acc[g];
-% else:
-        vstore${VEC}(acc[g], 0, o_red + (tz * ${GI} + g) * ${D} + tx * ${VEC});
-% endif
+% for cc in range(NC):
+        if (${vguard(cc)})
+%   if VEC == 1:
+            o_red[(tz * ${GI} + g) * ${DV} + ${vlane(cc)}] = acc[g][${cc}];
+%   else:
+            vstore${VEC}(acc[g][${cc}], 0, o_red + (tz * ${GI} + g) * ${DV} + ${vlane(cc)});
+%   endif
+% endfor
         if (tx == 0) { md[(tz * ${GI} + g) * 2] = m[g]; md[(tz * ${GI} + g) * 2 + 1] = l[g]; }
     }
     barrier(CLK_LOCAL_MEM_FENCE);
@@ -226,16 +244,20 @@ ${d.fused_append("part == nparts_b - 1 && tz == 0", ["tx * %d" % VEC], VEC, fenc
         float mt = -INFINITY;
         for (int z = 0; z < ${BDZ}; ++z) mt = clattn_max_nan(mt, md[(z * ${GI} + g) * 2]);
         float lt = 0.0f;
-        ${c.fv(VEC)} ot = 0.0f;
+        ${c.fv(VEC)} ot[${NC}];
+        for (int cc = 0; cc < ${NC}; ++cc) ot[cc] = 0.0f;
         for (int z = 0; z < ${BDZ}; ++z) {
             const int zi = z * ${GI} + g;
             const float w = clattn_state_weight(md[zi * 2], mt);   /* empty slice: 0 */
             lt += md[zi * 2 + 1] * w;
-% if VEC == 1:
-            ot += o_red[zi * ${D} + tx] * w;
-% else:
-            ot += vload${VEC}(0, o_red + zi * ${D} + tx * ${VEC}) * w;
-% endif
+% for cc in range(NC):
+            if (${vguard(cc)})
+%   if VEC == 1:
+                ot[${cc}] += o_red[zi * ${DV} + ${vlane(cc)}] * w;
+%   else:
+                ot[${cc}] += vload${VEC}(0, o_red + zi * ${DV} + ${vlane(cc)}) * w;
+%   endif
+% endfor
         }
         /* rows that all scored -inf: broken, or for a split-KV partition empty with its
            output marked NaN (decode_rows.cl.mako) */
@@ -243,18 +265,25 @@ ${d.fused_append("part == nparts_b - 1 && tz == 0", ["tx * %d" % VEC], VEC, fenc
         ${c.add_sink("mt", "lt", "CLATTN_SINK(direct && use_sinks, h)", SINKS)}
         const float inv = clattn_part_inv(lt, r_hi > r_lo) * alpha;
         const float st = direct ? clattn_part_lse(mt, lt, r_hi > r_lo) : clattn_state_lse(mt, lt);
-        ot *= inv;
         if (direct) {
-            __global st_t* op = out + ((ulong)b * ${HQO} + h) * ${D} + tx * ${VEC};
-            ${c.storev(VEC, "ot", "op")}
+% for cc in range(NC):
+            if (${vguard(cc)}) {
+                __global st_t* op = out + ((ulong)b * ${HQO} + h) * ${DV} + ${vlane(cc)};
+                ${c.storev(VEC, "ot[%d] * inv" % cc, "op")}
+            }
+% endfor
             if (tx == 0) lse[(ulong)b * ${HQO} + h] = st;
         } else {
-            __global float* op = ws_o + ((ulong)ws_at * ${HQO} + h) * ${D} + tx * ${VEC};
-% if VEC == 1:
-            op[0] = ot;
-% else:
-            vstore${VEC}(ot, 0, op);
-% endif
+% for cc in range(NC):
+            if (${vguard(cc)}) {
+                __global float* op = ws_o + ((ulong)ws_at * ${HQO} + h) * ${DV} + ${vlane(cc)};
+%   if VEC == 1:
+                op[0] = ot[${cc}] * inv;
+%   else:
+                vstore${VEC}(ot[${cc}] * inv, 0, op);
+%   endif
+            }
+% endfor
             if (tx == 0) ws_s[(ulong)ws_at * ${HQO} + h] = st;
         }
     }
@@ -286,7 +315,10 @@ ${d.fused_append("part == nparts_b - 1 && tz == 0", ["tx * %d" % VEC], VEC, fenc
         const int hi = clamp(part_indptr[b + 1], lo, n_ws);
         for (int g = tz; g < ${GI} && g0 + g < ${G} && hi - lo >= 2; g += ${BDZ}) {
             const int h = kvh * ${G} + g0 + g;
-${m.varlen_tiled("ws_o", "ws_s", "out", "lse", "b", "h", HQO, "lo", "hi", "1", "tx", VEC, "float", SINKS, fresh=True)}
+%   for cc in range(NC):
+            if (${vguard(cc)})
+${m.varlen_tiled("ws_o", "ws_s", "out", "lse", "b", "h", HQO, "lo", "hi", "1", "(%d + tx)" % (cc * BDX), VEC, "float", SINKS, fresh=True)}
+%   endfor
         }
     }
 % endif

@@ -7,13 +7,14 @@ keeps is in private arrays (a CPU core's L1):
   * q transposed, qt[d] = the M rows' element d as NRV vectors, so that scores, the
     causal mask and the online softmax run across rows, VEC rows per vector, with no
     horizontal sums: scores of NK keys x RG row vectors per register tile;
-  * the accumulators row-major, acc[r] = head_dim as NV vectors: the values are added
+  * the accumulators row-major, acc[r] = head_dim_v as NVV vectors: the values are added
     in register tiles of MV rows x NI vectors, each weight broadcast from memory;
   * keys and values, KB rows per block, converted to f32 (keys rotated) once per block.
 The semantics are docs/prefill.md's.
 
 Template parameters (clattn.codegen.render_prefill, from clattn.fit.PrefillGeometry):
-  D, HQO, HKV, G, PS   head_dim, query heads, KV heads, group size, page size
+  D, DV, HQO, HKV, G, PS  head_dim (q, K), head_dim_v (V, out), query heads, KV heads,
+                       group size, page size
   ROT, ROPE            rotary dims; their pairing (clattn.kernel_exprs.RopePairs)
   SLIDING, SOFTCAP     window + sinks compiled in; soft-cap value or None
   DTYPE, NATIVE_HALF   storage type of q and out; native half conversions (cl_khr_fp16)
@@ -33,8 +34,8 @@ ${pc.setup()}
 ## (vloadN/vstoreN/select are library calls some CPU drivers do not inline)
 <%
 assert KB <= 25, "clattn_mask_bits gives a block's bits in one word"
-V, NV = VEC, D // VEC                             # head_dim vectors of a row
-M, NRV, RG, NK, MV, NI = kx.prefill_rows_tiles(QB * G, KB, NV, V)
+V, NV, NVV = VEC, D // VEC, DV // VEC            # vectors of a q/K row, of a V row
+M, NRV, RG, NK, MV, NI = kx.prefill_rows_tiles(QB * G, KB, NVV, V)
 FV, IV = kx.vtype("float", V), kx.vtype("int", V)
 def lane(kind, i, name):
     """float<V> of head_dim chunk i of the K (0) / V (1) row at `name`, any format."""
@@ -61,13 +62,13 @@ __kernel void clattn_prefill(${SIGNATURE})
     const int rows_v = (rows + ${MV - 1}) / ${MV} * ${MV};     /* rows the value tiles cover */
 
     ${FV} qt[${D}][${NRV}];                /* q, transposed: element d of every row */
-    ${FV} acc[${M}][${NV}];                /* accumulators, row-major */
+    ${FV} acc[${M}][${NVV}];               /* accumulators, row-major */
     ${FV} mr[${NRV}], lr[${NRV}];          /* running max and sum of every row */
     ${IV} lim[${NRV}];                     /* last chunk row every row attends; -1: none */
     ${IV} mk[${KB}][${NRV}];               /* the custom mask of the block: -1 kept, 0 not */
     float pt[${KB}][${M}] __attribute__((aligned(64)));   /* weights of the block: key-major */
     float alpha[${M}] __attribute__((aligned(64)));
-    ${FV} kf[${KB}][${NV}], vf[${KB}][${NV}];
+    ${FV} kf[${KB}][${NV}], vf[${KB}][${NVV}];
     float cs[${ROT // 2}], sn[${ROT // 2}];
 
     /* q of every row: rotated at its query's position, scaled (log2 units) */
@@ -87,7 +88,7 @@ __kernel void clattn_prefill(${SIGNATURE})
             for (int e = 0; e < ${D}; ++e) f[e] = 0.0f;
         }
         for (int e = 0; e < ${D}; ++e) ((float*)qt[e])[r] = f[e] * qscale;
-        for (int e = 0; e < ${NV}; ++e) acc[r][e] = 0.0f;
+        for (int e = 0; e < ${NVV}; ++e) acc[r][e] = 0.0f;
     }
     for (int v = 0; v < ${NRV}; ++v) {
         mr[v] = -INFINITY;
@@ -110,6 +111,8 @@ __kernel void clattn_prefill(${SIGNATURE})
                 ${d.row_ptr(1, "vp", "r0 + j")}
 % for i in range(NV):
                 kf[j][${i}] = ${lane(0, i, "kp")};
+% endfor
+% for i in range(NVV):
                 vf[j][${i}] = ${lane(1, i, "vp")};
 % endfor
                 if (rotary_mode) {
@@ -121,7 +124,8 @@ __kernel void clattn_prefill(${SIGNATURE})
                     clattn_rotate_cs((float*)kf[j], c2, s2, rope_att);
                 }
             } else {
-                for (int e = 0; e < ${NV}; ++e) { kf[j][e] = 0.0f; vf[j][e] = 0.0f; }
+                for (int e = 0; e < ${NV}; ++e) kf[j][e] = 0.0f;
+                for (int e = 0; e < ${NVV}; ++e) vf[j][e] = 0.0f;
             }
         }
         /* the custom mask of the block's keys for every live row (one word of bits per
@@ -193,7 +197,7 @@ __kernel void clattn_prefill(${SIGNATURE})
            value is never multiplied (0 * inf would be NaN) */
         if (mfull && r0 + n - 1 <= QLIM(0)) {
             for (int r = 0; r < rows_v; r += ${MV}) {
-                for (int e = 0; e < ${NV}; e += ${NI}) {
+                for (int e = 0; e < ${NVV}; e += ${NI}) {
 % for a in range(MV):
 %   for ci in range(NI):
                     ${FV} o${a}_${ci} = acc[r + ${a}][e + ${ci}] * alpha[r + ${a}];
@@ -222,7 +226,7 @@ __kernel void clattn_prefill(${SIGNATURE})
         } else {
             for (int r = 0; r < rows; ++r) {
                 const int jn = min(n, ((int*)lim)[r] - r0 + 1);
-                for (int e = 0; e < ${NV}; ++e) {
+                for (int e = 0; e < ${NVV}; ++e) {
                     ${FV} o = acc[r][e] * alpha[r];
                     for (int j = 0; j < jn; ++j)
                         if (((int*)mk[j])[r]) o += pt[j][r] * vf[j][e];
@@ -239,8 +243,8 @@ __kernel void clattn_prefill(${SIGNATURE})
         const int seen = KEEPS_ANY(i, ((int*)lim)[r]);   /* rows attended: all scoring -inf breaks it */
         ${c.add_sink("mf", "l", "CLATTN_SINK(use_sinks, kvh * %d + r %% %d)" % (G, G))}
         const float inv = clattn_part_inv(l, seen) * alpha;
-        __global st_t* op = out + at * ${D};
-        for (int e = 0; e < ${NV}; ++e) {
+        __global st_t* op = out + at * ${DV};
+        for (int e = 0; e < ${NVV}; ++e) {
             const ${FV} o = acc[r][e] * inv;
             ${c.storev(V, "o", "op + e * %d" % V)}
         }

@@ -9,12 +9,12 @@ keys (FlashAttention-2's loop, without tensor cores):
      head_dim from the local q and K tiles; the causal mask; the rows' tile maxima
      reduced across the TC threads of the row group through local memory;
   3. weights 2^(s - max) to local memory, their sums reduced the same way;
-  4. values: each thread an RM x RD register tile (its rows x head_dim columns
+  4. values: each thread an RM x RD register tile (its rows x head_dim_v columns
      tc + TC * c), from the local weights and V tile.
 The q tile is loaded (rotated, scaled) once. The semantics are docs/prefill.md's.
 
 Template parameters (clattn.codegen.render_prefill, from clattn.fit.PrefillGeometry):
-  D, HQO, HKV, G, PS, ROT, ROPE, SLIDING, SOFTCAP, DTYPE, NATIVE_HALF  as in rows
+  D, DV, HQO, HKV, G, PS, ROT, ROPE, SLIDING, SOFTCAP, DTYPE, NATIVE_HALF  as in rows
   QB, KB               queries per work-group; keys per tile
   TC, TR, RM           threads per row group, row groups, rows per thread
   SIGNATURE, FIXUP     parameter list and pointer fix-up from clattn.signatures.PREFILL
@@ -32,7 +32,7 @@ ${d.q4_helpers()}
 <%
 MP = TR * RM      # rows of the q tile (QB * G live at most)
 RK = KB // TC     # keys per thread in the score phase
-RD = D // TC      # head_dim columns per thread in the value phase
+RD = DV // TC     # head_dim_v columns per thread in the value phase
 NT = TC * TR
 def kl(kind, name, lane):
     """One float of a K (0) / V (1) row at `name`, any page format."""
@@ -63,7 +63,7 @@ void clattn_prefill(${SIGNATURE})
 
     __local float q_tile[${MP}][${D}];
     __local float k_tile[${KB}][${D + 1}];    /* padded: threads read rows tc + TC * k */
-    __local float v_tile[${KB}][${D}];
+    __local float v_tile[${KB}][${DV}];
     __local float p_tile[${MP}][${KB + 1}];
     __local float red_m[${MP}][${TC}];
     __local float red_l[${MP}][${TC}];
@@ -94,6 +94,7 @@ void clattn_prefill(${SIGNATURE})
 
     for (int r0 = 0; r0 < r_end; r0 += ${KB}) {
         /* 1. K (rotated) and V of the tile; rows past r_end are 0 */
+% if DV == D:
         for (int x = tid; x < ${KB * D}; x += ${NT}) {
             const int j = x / ${D}, e = x % ${D};
             const int row = r0 + j;
@@ -108,6 +109,29 @@ void clattn_prefill(${SIGNATURE})
             k_tile[j][e] = kx;
             v_tile[j][e] = vx;
         }
+% else:
+        for (int x = tid; x < ${KB * D}; x += ${NT}) {
+            const int j = x / ${D}, e = x % ${D};
+            const int row = r0 + j;
+            float kx = 0.0f;
+            if (row < r_end) {
+                ${d.row_ptr(0, "kp", "row")}
+                kx = ${kl(0, "kp", "e")};
+                if (rotary_mode && e < ${ROT}) ${rotated("kx", kl(0, "kp", capture(partner, "e")), "e", "kpos0 + row")}
+            }
+            k_tile[j][e] = kx;
+        }
+        for (int x = tid; x < ${KB * DV}; x += ${NT}) {
+            const int j = x / ${DV}, e = x % ${DV};
+            const int row = r0 + j;
+            float vx = 0.0f;
+            if (row < r_end) {
+                ${d.row_ptr(1, "vp", "row")}
+                vx = ${kl(1, "vp", "e")};
+            }
+            v_tile[j][e] = vx;
+        }
+% endif
         barrier(CLK_LOCAL_MEM_FENCE);
 
         /* 2. scores of the thread's RM rows x RK keys; tile maxima per row */
@@ -185,7 +209,7 @@ void clattn_prefill(${SIGNATURE})
         const int seen = KEEPS_ANY(i, lim[a]);   /* rows attended: all scoring -inf breaks it */
         ${c.add_sink("m[a]", "l[a]", "CLATTN_SINK(use_sinks, kvh * %d + row %% %d)" % (G, G))}
         const float inv = clattn_part_inv(l[a], seen) * alpha;
-        __global st_t* op = out + at * ${D};
+        __global st_t* op = out + at * ${DV};
         for (int cc = 0; cc < ${RD}; ++cc) {
             const float o = acc[a][cc] * inv;
             ${c.storev(1, "o", "op + tc + %d * cc" % TC)}

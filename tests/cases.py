@@ -118,6 +118,10 @@ def make_case(spec, lengths, *, seed=0, page_size=None, window=None, sinks=None,
 
     ``poison=True`` fills every slot nobody may read (spare pages, the tail of each last
     page) with NaN, so reading out of range shows up as NaN.
+
+    A spec whose values differ in width from its keys (``head_dim_v``) gets its byte pool
+    in ``pages`` and, for the oracle, the float keys ``[P, H_kv, page_size, D]`` and
+    values ``[P, H_kv, page_size, D_v]`` as stored, in ``kv``.
     """
     rng = np.random.default_rng(seed)
     ps = int(page_size or spec.page_size)
@@ -130,7 +134,11 @@ def make_case(spec, lengths, *, seed=0, page_size=None, window=None, sinks=None,
     H_qo, H_kv, D = spec.num_qo_heads, spec.num_kv_heads, spec.head_dim
 
     q = rng.standard_normal((B, H_qo, D)).astype(dt)
-    pages = rng.standard_normal((P, 2, H_kv, ps, D)).astype(dt)
+    if spec.split_widths:
+        pages = [rng.standard_normal((P, H_kv, ps, w)).astype(dt)
+                 for w in (D, spec.head_dim_v)]
+    else:
+        pages = rng.standard_normal((P, 2, H_kv, ps, D)).astype(dt)
     pool = rng.permutation(P) if shuffle_pages else np.arange(P)
     page_indptr = np.zeros(B + 1, dtype=np.int32)
     page_indptr[1:] = np.cumsum(npages)
@@ -144,12 +152,22 @@ def make_case(spec, lengths, *, seed=0, page_size=None, window=None, sinks=None,
                 used[page_indices[page_indptr[b] + o // ps], o % ps] = True
         for p in range(P):
             for slot in range(ps):
-                if not used[p, slot]:
+                if not used[p, slot] and spec.split_widths:
+                    for x in pages:
+                        x[p, :, slot, :] = np.nan
+                elif not used[p, slot]:
                     pages[p, :, :, slot, :] = np.nan
+    kv = None
+    if spec.split_widths:
+        from clattn import quant
 
+        pages = quant.pack_pool(pages[0], pages[1], spec.layout)
+        kv = quant.unpack_pool(pages, spec.layout)
     case = dict(q=q, pages=pages, page_indptr=page_indptr, page_indices=page_indices,
                 last_page_len=last_page_len, stored=np.array(lengths, dtype=np.int32),
                 page_size=ps, dtype=dt)
+    if kv is not None:
+        case["kv"] = kv
     rows = list(lengths)
     if window is not None or sinks is not None:
         if window is None:
@@ -291,7 +309,14 @@ def oracle(sc, case, **call):
     from naive import naive_decode
 
     args, kw = decode_args(case)
+    args = (args[0], oracle_pages(case)) + args[2:]
     return naive_decode(*args, **kw, **sc.oracle, **dict(sc.call, **call))
+
+
+def oracle_pages(case):
+    """The pages as ``naive_decode`` takes them: the pool, or ``(keys, values)`` of a case
+    whose values differ in width from its keys."""
+    return case["kv"] if "kv" in case else case["pages"]
 
 
 __all__ = ["make_case", "compare", "decode_args", "Scenario", "spec_scenario", "config_scenario",

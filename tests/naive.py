@@ -230,7 +230,11 @@ def naive_decode(q, pages, page_indptr, page_indices, last_page_len, *, window_o
                  rope_theta=10000.0, sm_scale=None, rope_scaling=None, rotary_dim=None,
                  softcap=None, max_position_embeddings=None, interleaved=None, inv_freq_fn=None,
                  keep=None, sink_logits=None):
-    """``(out[B, H_qo, D], lse[B, H_qo])`` in float64, lse base 2; empty chunk -> (0, -inf).
+    """``(out[B, H_qo, D_v], lse[B, H_qo])`` in float64, lse base 2; empty chunk -> (0, -inf).
+
+    ``pages``: the pool ``[P, 2, H_kv, page_size, D]`` (keys at ``[:, 0]``, values at
+    ``[:, 1]``), or a pair ``(keys [P, H_kv, page_size, D], values [P, H_kv, page_size,
+    D_v])`` for values of another width than the keys.
 
     ``keep``: per sequence, one bool per chunk row; only the rows it marks True are
     attended (none: empty, as an empty chunk).
@@ -246,13 +250,19 @@ def naive_decode(q, pages, page_indptr, page_indices, last_page_len, *, window_o
     dims (2i, 2i+1) instead of (i, i + rotary_dim/2); None means "when rope_type is gptj".
     """
     q = np.asarray(q).astype(np.float64)
-    pages = np.asarray(pages)
+    if isinstance(pages, tuple):
+        kpages, vpages = (np.asarray(x) for x in pages)
+    else:
+        pages = np.asarray(pages)
+        assert pages.shape[1] == 2
+        kpages, vpages = pages[:, 0], pages[:, 1]
     page_indptr = [int(v) for v in np.asarray(page_indptr)]
     page_indices = [int(v) for v in np.asarray(page_indices)]
     last_page_len = [int(v) for v in np.asarray(last_page_len)]
     B, H_qo, D = q.shape
-    _, two, H_kv, page_size, D2 = pages.shape
-    assert two == 2 and D2 == D and H_qo % H_kv == 0
+    _, H_kv, page_size, D2 = kpages.shape
+    Dv = vpages.shape[-1]
+    assert D2 == D and vpages.shape[:3] == kpages.shape[:3] and H_qo % H_kv == 0
     group = H_qo // H_kv
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(D)
@@ -263,7 +273,7 @@ def naive_decode(q, pages, page_indptr, page_indices, last_page_len, *, window_o
         interleaved = rtype == "gptj"
     windowed = window_offset is not None
 
-    out = np.zeros((B, H_qo, D), dtype=np.float64)
+    out = np.zeros((B, H_qo, Dv), dtype=np.float64)
     lse = np.full((B, H_qo), -np.inf, dtype=np.float64)
     if sink_logits is not None:
         sink_logits = [float(x) for x in np.asarray(sink_logits)]
@@ -294,12 +304,12 @@ def naive_decode(q, pages, page_indptr, page_indices, last_page_len, *, window_o
                 o = offsets[r]
                 page = page_indices[begin + o // page_size]
                 slot = o % page_size
-                k = pages[page, 0, kvh, slot].astype(np.float64)
+                k = kpages[page, kvh, slot].astype(np.float64)
                 if rotary_mode == 1:
                     k = naive_rotate(k, (int(k_pos_offset[b]) + r) * float(rope_scale),
                                      inv_freq, af, rd, interleaved)
                 keys.append(k)
-                values.append(pages[page, 1, kvh, slot].astype(np.float64))
+                values.append(vpages[page, kvh, slot].astype(np.float64))
             for h in range(kvh * group, (kvh + 1) * group):
                 qv = q[b, h]
                 if rotary_mode == 1:
@@ -314,7 +324,7 @@ def naive_decode(q, pages, page_indptr, page_indices, last_page_len, *, window_o
                 sink = [] if sink_logits is None else [sink_logits[h]]
                 m = max(scores + sink)
                 total = 0.0
-                acc = np.zeros(D, dtype=np.float64)
+                acc = np.zeros(Dv, dtype=np.float64)
                 for s, v in zip(scores, values):
                     w = math.exp(s - m)
                     total += w

@@ -149,6 +149,12 @@ PREFILL_VARIANTS = {
                           rotary_dim=16), [0, 10], [3, 5], rope=True),
     "prefill-tiled-f32-norope": lambda: values_variant(
         SMALL_TILED, dict(SMALL, dtype="float32"), [6, 1], [5, 2]),
+    # values of another width than the keys (a byte pool)
+    "prefill-rows-widths-f16": lambda: values_variant(
+        "generic-cpu", dict(SMALL, head_dim=32, head_dim_v=16, dtype="float16"), [5, 0],
+        [3, 6]),
+    "prefill-tiled-widths-f32": lambda: values_variant(
+        SMALL_TILED, dict(SMALL, head_dim_v=24, dtype="float32"), [6, 1], [5, 2]),
     "prefill-mask-rows": lambda: mask_variant("generic-cpu"),
     "prefill-mask-tiled": lambda: mask_variant(SMALL_TILED),
     "prefill-rows-f32-learned-sinks": lambda: values_variant(
@@ -162,6 +168,7 @@ PREFILL_VARIANTS = {
 }
 #: without RoPE (sincos on a private pointer stops Oclgrind's uninitialised-value plugin)
 PREFILL_NO_ROPE = ("prefill-rows-vec1-f16-softcap", "prefill-rows-vec16-f16-window",
-                   "prefill-tiled-f32-norope", "prefill-mask-rows", "prefill-mask-tiled",
+                   "prefill-tiled-f32-norope", "prefill-rows-widths-f16",
+                   "prefill-tiled-widths-f32", "prefill-mask-rows", "prefill-mask-tiled",
                    "prefill-rows-f32-learned-sinks", "prefill-tiled-f16-learned-sinks",
                    "prefill-adversarial-rows-norope", "prefill-adversarial-tiled-norope")

@@ -276,6 +276,15 @@ VARIANTS = {
     # workspace is filled with NaN before each run)
     "rows-growing-split-workspace": lambda: growing_workspace_variant("generic-cpu"),
     "tiled-growing-split-workspace": lambda: growing_workspace_variant(SMALL_TILED),
+    # values of another width than the keys (a byte pool): narrower, split and folded; wider,
+    # in three V chunks per lane of the tiled kernel (the last one ragged)
+    "rows-fold-widths-f32-split": lambda: decode_variant(
+        ROWS_FOLD, dict(num_qo_heads=4, num_kv_heads=2, head_dim=32, head_dim_v=16,
+                        page_size=4, dtype="float32"), [0, 1, 13], splits=(False, 4)),
+    "tiled-widths-f16-split": lambda: decode_variant(
+        dict(SMALL_TILED, vec=1), dict(num_qo_heads=4, num_kv_heads=2, head_dim=16,
+                                       head_dim_v=40, page_size=4, dtype="float16"),
+        [9, 0, 5], splits=(False, 4)),
     # merges alone
     "merge-rows-f32": lambda: merge_variant("generic-cpu", "float32"),
     "merge-rows-f16": lambda: merge_variant("generic-cpu", "float16"),
@@ -297,7 +306,8 @@ VARIANTS = {
 NO_ROPE = ("rows-f32-split", "rows-f32-split-learned-sinks", "tiled-f16-split-learned-sinks",
            "rows-fold-f32-split-learned-sinks", "tiled-separate-f16-split-learned-sinks",
            "adversarial-rows-fold-norope",
-           "rows-vec1-f16", "tiled-local-f32-g1-tile2",
+           "rows-vec1-f16", "tiled-local-f32-g1-tile2", "rows-fold-widths-f32-split",
+           "tiled-widths-f16-split",
            "tiled-subgroup-fallback-f16", "merge-rows-f32", "merge-rows-f16", "merge-tiled-f32",
            "merge-tiled-f16", "adversarial-rows-norope", "adversarial-tiled-local-norope")
 

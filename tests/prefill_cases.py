@@ -15,7 +15,7 @@ import math
 
 import numpy as np
 
-from cases import make_case
+from cases import make_case, oracle_pages
 from naive import ScoredLse, longrope_use_long, naive_decode, naive_inv_freq, rope_type_of
 
 
@@ -54,7 +54,8 @@ def _kept(fn):
     def wrapper(sc, case, *, causal=True, q_pos=None, mask=None, **call):
         h = hashlib.sha1(repr((fn.__name__, sc.name, causal, sorted(call.items()))).encode())
         for k in sorted(case):
-            h.update(k.encode() + np.ascontiguousarray(case[k]).tobytes())
+            for x in case[k] if isinstance(case[k], tuple) else (case[k],):  # kv: a pair
+                h.update(k.encode() + np.ascontiguousarray(x).tobytes())
         h.update(np.asarray(q_pos).tobytes())
         for m in mask or ():
             h.update(repr(np.shape(m)).encode() + np.ascontiguousarray(m).tobytes())
@@ -113,7 +114,7 @@ def naive_prefill(sc, case, *, causal=True, q_pos=None, mask=None, **call):
                       k_pos_offset=np.full(n, int(case["k_pos_offset"][b])),
                       inv_freq_fn=lambda _pos, f=base_fn, last=first + n - 1: f(last))
         q = case["q"][case["qo_indptr"][b]:case["qo_indptr"][b + 1]]
-        parts.append(naive_decode(q, case["pages"], np.array(t["indptr"]),
+        parts.append(naive_decode(q, oracle_pages(case), np.array(t["indptr"]),
                                   np.array(t["idx"], np.int32), np.array(t["last"]),
                                   **kw, **orc, **call))
     o_all = np.concatenate([p[0] for p in parts])
@@ -136,9 +137,10 @@ def fast_oracle(sc, case, *, causal=True, q_pos=None, **call):
     for b, n in enumerate(case["chunks"]):
         stored, p0 = int(case["stored"][b]), int(case["page_indptr"][b])
         offs = np.arange(stored)
-        kv = case["pages"][case["page_indices"][p0 + offs // ps], :, :, offs % ps]
-        kv = kv.astype(np.float64)
-        k, v = np.repeat(kv[:, 0], G, axis=1), np.repeat(kv[:, 1], G, axis=1)   # [rows, H, D]
+        kp, vp = case["kv"] if "kv" in case else (case["pages"][:, 0], case["pages"][:, 1])
+        idx = case["page_indices"][p0 + offs // ps]
+        k, v = (np.repeat(x[idx, :, offs % ps].astype(np.float64), G, axis=1)
+                for x in (kp, vp))                                         # [rows, H, D(_v)]
         q = case["q"][case["qo_indptr"][b]:case["qo_indptr"][b + 1]].astype(np.float64)
         s = np.einsum("qhd,rhd->hqr", q, k) * scale
         if cap:

@@ -63,9 +63,10 @@ class History:
         self.seqs: dict = {}
 
     def add(self, sid, window=None, sink=0, pos=0):
-        shape = (self.layers, 0, self.spec.num_kv_heads, self.spec.head_dim)
+        shape = (self.layers, 0, self.spec.num_kv_heads)
         dt = np.float32 if self.spec.byte_pool else self.spec.np_dtype
-        self.seqs[sid] = dict(k=np.zeros(shape, dt), v=np.zeros(shape, dt), window=window,
+        self.seqs[sid] = dict(k=np.zeros(shape + (self.spec.head_dim,), dt),
+                              v=np.zeros(shape + (self.spec.head_dim_v,), dt), window=window,
                               sink=sink, pos=pos)
 
     def stored(self, x, kind):
@@ -94,8 +95,8 @@ class History:
         return np.concatenate([np.arange(sink), np.arange(start, length)])
 
     def oracle(self, layer, ids, ks, vs, q, rope, cache):
-        """float64 (out, lse) of the step's tokens; ks/vs: the step's new [T, H, D]."""
-        pieces, qpos, kpo, t = [], [], [], 0
+        """float64 (out, lse) of the step's tokens; ks/vs: the step's new [T, H, D(_v)]."""
+        kpieces, vpieces, qpos, kpo, t = [], [], [], [], 0
         for sid, n in ids:
             s = self.seqs[sid]
             k = np.concatenate([s["k"][layer], ks[t:t + n]])
@@ -103,12 +104,13 @@ class History:
             base = s["k"].shape[1]
             for i in range(n):
                 r = self.rows(sid, base + i + 1)
-                pieces.append(np.stack([k[r], v[r]], axis=1))  # [rows, 2, H, D]
+                kpieces.append(k[r])  # [rows, H, D]
+                vpieces.append(v[r])  # [rows, H, D_v]
                 qpos.append(s["pos"] + len(r) - 1)
                 kpo.append(s["pos"])
             t += n
-        pages = np.concatenate(pieces)[:, :, :, None, :]  # one row per page
-        counts = [len(p) for p in pieces]
+        pages = tuple(np.concatenate(x)[:, :, None, :] for x in (kpieces, vpieces))  # a row a page
+        counts = [len(p) for p in kpieces]
         indptr = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
         kw = {}
         if rope:
@@ -116,7 +118,7 @@ class History:
                       rope_scaling=cache.spec.rope_scaling,
                       max_position_embeddings=cache.spec.max_position_embeddings,
                       rope_theta=cache.rope_theta)
-        return naive_decode(q, pages, indptr, np.arange(len(pages), dtype=np.int32),
+        return naive_decode(q, pages, indptr, np.arange(len(pages[0]), dtype=np.int32),
                             np.ones(len(counts), np.int32), **kw)
 
     def commit(self, layer_k, layer_v, ids):
@@ -197,7 +199,7 @@ def simulate(cache, steps, seed, rope):
             T = sum(ns)
             assert cache.num_tokens == T
             ks = rng.standard_normal((L, T, Hkv, D)).astype(dt)
-            vs = rng.standard_normal((L, T, Hkv, D)).astype(dt)
+            vs = rng.standard_normal((L, T, Hkv, spec.head_dim_v)).astype(dt)
             ks_st, vs_st = hist.stored(ks, 0), hist.stored(vs, 1)
             cancel = rng.random() < 0.05
             for layer in range(L):

@@ -64,10 +64,12 @@ def _cache(spec, profile, layers=1, **kw):
     return cache
 
 
-def simulation_variant(profile, dtype, window, rope, seed=0, formats=None):
+def simulation_variant(profile, dtype, window, rope, seed=0, formats=None, head_dim_v=None):
     import clattn
     from test_cache import simulate
     build = dict(sliding_window=True) if window else {}
+    if head_dim_v:  # values of another width: a byte pool
+        build.update(head_dim_v=head_dim_v)
     if rope == "attend":
         build.update(rope_scaling=LLAMA3, max_position_embeddings=4096)
     D = 16
@@ -294,6 +296,8 @@ VARIANTS = {
     "cache-tiled-f32-window": lambda: simulation_variant(SMALL_TILED, "float32", True, None),
     "cache-tiled-f16-rope-attend": lambda: simulation_variant(SMALL_TILED, "float16", True,
                                                               "attend"),
+    "cache-rows-f16-widths-window": lambda: simulation_variant(
+        "generic-cpu", "float16", True, None, seed=3, head_dim_v=40),
     "cache-rows-growing-split": lambda: growing_split_variant({"strategy": "rows"}),
     "cache-tiled-growing-split": lambda: growing_split_variant(SMALL_TILED),
     "append-adversarial-rows-f16": lambda: adversarial_variant("generic-cpu", "float16", False),

@@ -69,3 +69,15 @@ def test_render_unknown_kind_is_refused(capsys):
     with pytest.raises(SystemExit):
         cli.main(["render", "attention"])
     assert "invalid choice" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kind,strategy", sorted(k for k in TEMPLATES if k[0] != "half-probe"))
+def test_render_values_of_another_width(capsys, kind, strategy):
+    """--head-dim-v: DeepSeek-V2-Lite's decompressed heads (q/k 192, v 128); the merges
+    take states as wide as the values."""
+    head, out = _render(capsys, kind, "--strategy", strategy, "--heads", "16",
+                        "--kv-heads", "16", "--head-dim", "192", "--head-dim-v", "128")
+    assert "head_dim=192" in head[0] and "head_dim_v=128" in head[0]
+    assert "${" not in out
+    if kind in ("decode", "prefill"):
+        assert "* 128" in out and "* 192" in out   # out rows 128 wide, q rows 192

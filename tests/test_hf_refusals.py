@@ -5,10 +5,10 @@ architecture the installed transformers registers).
 Tiny random-weight models are built from configs (2 layers, hidden size 64, a 128-token
 vocabulary). Models whose attention module does not call transformers'
 ``AttentionInterface`` (GPT-Neo, Bloom, MPT) would stay on their own attention
-whatever ``attn_implementation`` says, and multi-head latent attention (DeepSeek-V2)
-caches compressed latents: asking either for ``"clattn"`` is an
+whatever ``attn_implementation`` says: asking them for ``"clattn"`` is an
 ``UnsupportedFeatureError`` naming why, at model creation, ``set_attn_implementation``
-and ``generate(attn_implementation=...)``. Architectures the tests elsewhere do not build
+and ``generate(attn_implementation=...)``. (Multi-head latent attention runs, decompressed:
+tests/test_transformers_mla.py.) Architectures the tests elsewhere do not build
 generate eager's tokens on the CPU backend.
 """
 from __future__ import annotations
@@ -38,10 +38,6 @@ NO_INTERFACE = {
     "bloom": dict(n_layer=2, n_head=4),
     "mpt": dict(d_model=64, n_layers=2, n_heads=4, max_seq_len=256),
 }
-MLA = {"deepseek_v2": dict(num_key_value_heads=4, moe_intermediate_size=32, n_routed_experts=4,
-                           n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=1,
-                           kv_lora_rank=16, q_lora_rank=None, qk_nope_head_dim=16,
-                           qk_rope_head_dim=8, v_head_dim=16, topk_group=1, n_group=1)}
 #: architectures that run on clattn and that tests/test_transformers.py does not build
 RUNS = {
     "gpt2": dict(n_embd=64, n_layer=2, n_head=4),       # learned absolute positions
@@ -95,13 +91,6 @@ def refused_everywhere(model_type: str, extra: dict, match: str) -> None:
 def test_models_without_the_attention_interface_are_refused_by_name(model_type):
     refused_everywhere(model_type, NO_INTERFACE[model_type],
                        r"ForCausalLM does not attend through transformers' AttentionInterface")
-
-
-def test_multi_head_latent_attention_is_refused_by_name():
-    match = r"multi-head latent attention \(MLA: config.kv_lora_rank=16"
-    refused_everywhere("deepseek_v2", MLA["deepseek_v2"], match)
-    with pytest.raises(UnsupportedFeatureError, match=match):
-        ClattnCache(tiny("deepseek_v2", MLA["deepseek_v2"]), backend="cpu")
 
 
 #: classes that build their own 4D mask in transformers 4.x: refused by name there

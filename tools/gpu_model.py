@@ -329,7 +329,7 @@ def variant(profile: str, shape: str) -> Variant:
                      "the device loads the same bytes natively)")
 
     def need(x):
-        return tiled_local_bytes(spec.head_dim, x.bdx, x.bdz, x.tile,
+        return tiled_local_bytes(spec.head_dim_v, x.bdx, x.bdz, x.tile,
                                   tiled_heads(spec.group_size, x.gdz), x.reduction)
     fitted = g
     while need(fitted) > OCLGRIND_LOCAL and (fitted.bdz > 1 or fitted.tile > 1):

@@ -9,7 +9,11 @@ each layer appends its new keys and values and attends, the last layer ends it.
 
 The attention function (:mod:`clattn.integrations.transformers`) finds the cache through
 :data:`PENDING`: ``update`` records the layer and the tensors it returned, the attention
-call that follows in the same thread takes them. docs/transformers.md is the user's page.
+call that follows in the same thread takes them. A multi-head latent attention model
+(``config.kv_lora_rank``: DeepSeek-V2/V3, MiniCPM3) hands ``update`` its new latents and
+expands what it returns into per-head keys and values (the decompressed form): the
+attention call then takes those expansions of the same new tokens
+(:func:`expanded_from`). docs/transformers.md is the user's page.
 """
 from __future__ import annotations
 
@@ -26,7 +30,7 @@ from clattn import runtime
 from clattn.spec import LSE_DTYPE, AttentionSpec
 
 __all__ = ["ClattnCache", "ClattnLayer", "UnsupportedFeatureError", "check_config",
-           "layer_windows", "shared_kv_sources"]
+           "expanded_from", "layer_windows", "shared_kv_sources"]
 
 NAME = "clattn"  # the attn_implementation a ClattnCache works with
 #: the default device and options of the caches made for generate (what
@@ -75,18 +79,11 @@ RETURNED = _Returned()
 
 def check_config(config: Any) -> None:
     """Raise :class:`UnsupportedFeatureError` for a (text) config whose attention clattn
-    cannot hold in its cache: an encoder-decoder, multi-head latent attention, ALiBi, or
-    a layer type other than full and sliding attention (:func:`layer_windows`)."""
+    cannot hold in its cache: an encoder-decoder, ALiBi, or a layer type other than full
+    and sliding attention (:func:`layer_windows`)."""
     if getattr(config, "is_encoder_decoder", False):
         raise UnsupportedFeatureError("clattn: encoder-decoder models (cross-attention) "
                                       "are not supported; decoder-only models are")
-    rank = getattr(config, "kv_lora_rank", None)
-    if rank:
-        raise UnsupportedFeatureError(
-            f"clattn: multi-head latent attention (MLA: config.kv_lora_rank={rank}, as in "
-            f"DeepSeek-V2/V3) is not supported: such a model caches compressed latents and "
-            f"expands them into keys and values of another head size at every step, while "
-            f"clattn's pages hold the keys and values themselves; use 'eager' or 'sdpa'")
     if getattr(config, "alibi", False) is True:
         raise UnsupportedFeatureError(
             "clattn: ALiBi (config.alibi=True: a linear position bias added to the scores "
@@ -116,6 +113,25 @@ def shared_kv_sources(config: Any) -> dict[int, int]:
                 f"{types[i]!r} layer (num_kv_shared_layers={shared}) and there is none")
         out[i] = earlier[-1]
     return out
+
+
+def latent_attention(config: Any) -> bool:
+    """Whether ``config`` is multi-head latent attention (``kv_lora_rank``): its cache
+    update takes latents, which the model expands into keys and values afterwards."""
+    return bool(getattr(config, "kv_lora_rank", None))
+
+
+def expanded_from(owner: "ClattnCache", cached: tuple, key: torch.Tensor,
+                  value: torch.Tensor) -> bool:
+    """Whether the ``key``/``value`` an attention call got are what the cache update of
+    its layer returned (``cached``): the same tensors, or, for multi-head latent
+    attention, their expansions (per-head keys and values of the same batch rows and new
+    positions)."""
+    if cached[0] is key and cached[1] is value:
+        return True
+    return latent_attention(owner.config) and all(
+        x.dim() == 4 and x.shape[0] == cached[0].shape[0] and x.shape[-2] == cached[0].shape[-2]
+        for x in (key, value))
 
 
 def layer_windows(config: Any) -> list[int | None]:
@@ -522,16 +538,17 @@ class _Shape:
     def __init__(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  scaling: float, softcap: float | None) -> None:
         self.heads, self.head_dim = int(query.shape[1]), int(query.shape[-1])
+        self.head_dim_v = int(value.shape[-1])
         self.kv_heads = int(key.shape[1])
         self.dtype = query.dtype
         self.scaling = float(scaling)
         self.softcap = None if softcap is None else float(softcap)
-        if key.shape[-1] != self.head_dim or value.shape[-1] != self.head_dim or \
-                value.shape[1] != self.kv_heads:
+        if key.shape[-1] != self.head_dim or value.shape[1] != self.kv_heads:
             raise UnsupportedFeatureError(
-                f"clattn: q/k/v head sizes differ (q {tuple(query.shape)}, k "
-                f"{tuple(key.shape)}, v {tuple(value.shape)}); clattn needs one head_dim "
-                f"for queries, keys and values")
+                f"clattn: q/k head sizes or k/v head counts differ (q {tuple(query.shape)}, "
+                f"k {tuple(key.shape)}, v {tuple(value.shape)}); clattn needs one head_dim "
+                f"for queries and keys (values may differ: head_dim_v) and as many value "
+                f"heads as key heads")
         if self.dtype not in DTYPES or key.dtype != self.dtype or value.dtype != self.dtype:
             raise UnsupportedFeatureError(
                 f"clattn: dtype {query.dtype} (k {key.dtype}, v {value.dtype}); clattn "
@@ -541,13 +558,14 @@ class _Shape:
     def key(self) -> tuple:
         """The key ``ClattnCache.group`` compares a layer's tensors' shapes with."""
         d = self.head_dim
-        return (self.heads, d, self.kv_heads, d, self.kv_heads, d, self.dtype, self.dtype,
-                self.dtype, self.scaling, self.softcap)
+        return (self.heads, d, self.kv_heads, d, self.kv_heads, self.head_dim_v, self.dtype,
+                self.dtype, self.dtype, self.scaling, self.softcap)
 
     def record(self) -> dict:
         """JSON-able fields that :meth:`from_items` makes the shape again from."""
         return {"heads": self.heads, "kv_heads": self.kv_heads, "head_dim": self.head_dim,
-                "dtype": DTYPES[self.dtype], "scaling": self.scaling, "softcap": self.softcap}
+                "head_dim_v": self.head_dim_v, "dtype": DTYPES[self.dtype],
+                "scaling": self.scaling, "softcap": self.softcap}
 
     @classmethod
     def from_items(cls, rec: dict) -> "_Shape":
@@ -555,12 +573,15 @@ class _Shape:
         by_name = {v: k for k, v in DTYPES.items()}
         heads, kv, d, dt = (int(rec["heads"]), int(rec["kv_heads"]), int(rec["head_dim"]),
                             by_name[rec["dtype"]])
+        dv = int(rec.get("head_dim_v", d))
         q, k = torch.empty(1, heads, 0, d, dtype=dt), torch.empty(1, kv, 0, d, dtype=dt)
-        return cls(q, k, k, rec["scaling"], rec["softcap"])
+        v = torch.empty(1, kv, 0, dv, dtype=dt)
+        return cls(q, k, v, rec["scaling"], rec["softcap"])
 
     def items(self) -> dict:
         return {"query heads": self.heads, "kv heads": self.kv_heads,
-                "head_dim": self.head_dim, "dtype": self.dtype, "scaling": self.scaling,
+                "head_dim": self.head_dim, "head_dim_v": self.head_dim_v,
+                "dtype": self.dtype, "scaling": self.scaling,
                 "softcap": self.softcap}
 
 
@@ -576,7 +597,7 @@ class _Group:
         self.members = list(layers)
         self.spec = AttentionSpec(
             num_qo_heads=shape.heads, num_kv_heads=shape.kv_heads, head_dim=shape.head_dim,
-            page_size=owner.page_size, dtype=DTYPES[shape.dtype],
+            head_dim_v=shape.head_dim_v, page_size=owner.page_size, dtype=DTYPES[shape.dtype],
             sliding_window=window is not None, softcap=shape.softcap,
             k_format=owner.k_format, v_format=owner.v_format)
         dev = owner.cl_device()
@@ -621,13 +642,14 @@ class _Group:
             self.step = None
 
     def buffers_for(self, T: int) -> tuple:
-        """Device ``q``, ``out`` [T, H, D] and ``lse`` [T, H] (reused per step size)."""
+        """Device ``q`` [T, H, D], ``out`` [T, H, D_v] and ``lse`` [T, H] (reused per step
+        size)."""
         hit = self.buffers.pop(T, None)
         if hit is None:
             cl = runtime.cl()
             H, D, dt = self.spec.num_qo_heads, self.spec.head_dim, self.spec.np_dtype
             hit = (cl.array.empty(self.queue, (T, H, D), dt),
-                   cl.array.empty(self.queue, (T, H, D), dt),
+                   cl.array.empty(self.queue, (T, H, self.spec.head_dim_v), dt),
                    cl.array.empty(self.queue, (T, H), LSE_DTYPE))
         self.buffers[T] = hit  # most recent last
         while len(self.buffers) > _BUFFERS_KEPT:

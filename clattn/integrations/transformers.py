@@ -38,7 +38,7 @@ from transformers.masking_utils import AttentionMaskInterface, eager_mask
 from clattn import CacheFullError, runtime
 
 from .hf_cache import (DEFAULTS, NAME, PENDING, RETURNED, ClattnCache, GroupForward,
-                       UnsupportedFeatureError, check_config)
+                       UnsupportedFeatureError, check_config, expanded_from)
 
 __all__ = ["ClattnCache", "ClattnMask", "UnsupportedFeatureError", "attention",
            "check_model", "mask", "register"]
@@ -86,7 +86,7 @@ def check_model(model: Any) -> None:
     A model class whose attention does not call transformers' ``AttentionInterface``
     (GPT-Neo, Falcon, Bloom, MPT: their attention modules are their own code) never
     reaches clattn's attention function whatever ``attn_implementation`` says; a config
-    clattn's cache cannot hold (multi-head latent attention, encoder-decoder) is refused
+    clattn's cache cannot hold (encoder-decoder) is refused
     as :class:`ClattnCache` refuses it. Run when ``"clattn"`` is asked of a model (its
     creation, ``set_attn_implementation``, ``generate(attn_implementation=...)``).
     """
@@ -283,16 +283,17 @@ def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
               position_bias: torch.Tensor | None = None, **kwargs: Any) -> tuple:
     """The ``AttentionInterface`` function ``"clattn"``.
 
-    ``query [B, H, L, D]`` (RoPE applied by the model), ``key``/``value`` ``[B, H_kv, L,
-    D]``: the new tokens, as a :class:`ClattnCache` returned them. Returns ``(out [B, L,
-    H, D], None)``.
+    ``query [B, H, L, D]`` (RoPE applied by the model), ``key [B, H_kv, L, D]``,
+    ``value [B, H_kv, L, D_v]``: the new tokens, as a :class:`ClattnCache` returned them
+    (or, multi-head latent attention, expanded from what it returned). Returns ``(out
+    [B, L, H, D_v], None)``.
     """
     pending, PENDING.value = PENDING.value, None
     if _GENERATING.calls:
         _GENERATING.calls[-1] += 1
     if pending is None:
         pending = _shared_kv(module, key, value)
-    if pending is None or pending[2] is not key or pending[3] is not value:
+    if pending is None or not expanded_from(pending[0], pending[2:], key, value):
         if pending is not None:
             exc = UnsupportedFeatureError(
                 f"clattn: layer {pending[1]}: the keys/values given to attention are not the "
@@ -470,7 +471,8 @@ def _run_layer(g: Any, step: Any, local: int, query: torch.Tensor, key: torch.Te
                append: bool = True) -> torch.Tensor:
     """One layer's append (``append=False``: a shared-KV layer, whose source appended
     this step's keys and values to the pool ``local``) and attention."""
-    B, H, L, D = query.shape
+    B, H, L, _ = query.shape
+    D = value.shape[-1]   # the output is as wide as the values
     out = (torch.empty if step.sel is None else torch.zeros)((B, L, H, D), dtype=query.dtype)
     if step.T == 0:
         return out.to(query.device)
