@@ -33,6 +33,10 @@ ALIASES = dict(n_embd=64, d_model=64, n_head=4, n_heads=4, num_heads=4, ffn_dim=
                n_routed_experts=4, num_experts_per_tok=2, kv_channels=16,
                hidden_size_per_layer_input=8, vocab_size_per_layer_input=VOCAB,
                global_head_dim=16, laurel_rank=4, rotary_dim=8)
+#: the sizes of multi-head latent attention (``kv_lora_rank``): keys of nope + rope = 24,
+#: values of 16 (unequal widths)
+MLA = dict(kv_lora_rank=32, q_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+           v_head_dim=16)
 LAYERS = 2
 MAX_PARAMETERS = 5_000_000  # a tiny model has far fewer: more means a size was not set
 
@@ -100,6 +104,12 @@ def tiny_config(model_type: str) -> Any:
         if isinstance(value, (list, tuple)) and len(value) == n and n > 1 and \
                 not name.startswith("_"):
             kw[name] = type(value)(value[i] for i in keep)
+    if getattr(default, "kv_lora_rank", None):  # multi-head latent attention: its sizes
+        kw.update(MLA, num_key_value_heads=SIZES["num_attention_heads"])  # one per head
+        if getattr(default, "q_lora_rank", None) is None:
+            kw.pop("q_lora_rank")
+        if "head_dim" in kw:  # the rotary part's size, where the class names it so
+            kw["head_dim"] = MLA["qk_rope_head_dim"]
     if getattr(default, "num_kv_shared_layers", 0):
         kw["num_kv_shared_layers"] = 0  # tests/test_shared_kv.py runs it with sharing
     with warnings.catch_warnings():
@@ -189,7 +199,8 @@ REFUSED = {
                      "qwen3_5_moe_text", "qwen3_5_text", "qwen3_next", "qwen4_exp_text",
                      "recurrent_gemma", "zamba", "zamba2", "falcon_h1", "zaya",
                      "inkling2_loop_text", "inkling2_text", "inkling_text", "lfm3",
-                     "deepseek_v4", "kolibri1_1"], "recurrent"),
+                     "deepseek_v4", "kolibri1_1", "axk2", "bailing_hybrid", "deepseek_v32",
+                     "dots3_note_text", "glm_moe_dsa", "hy_v4", "kimi_linear"], "recurrent"),
     "llama4_text": "chunked",
     "diffllama": "keys changed", "jetmoe": "keys changed",
     "doge": "mask bias",
@@ -199,13 +210,13 @@ REFUSED = {
 #: a name it does not set, a nested config, a required setting): each is a gap of the
 #: sweep, not a result; where another test covers the class it says which
 NOT_BUILT = {
+    "axk1": "attention sizes under names the sweep does not set",
     "beam": "head sizes derived from settings the sweep does not set",
     "blt": "byte-level patcher: sizes in nested configs",
     "cohere_compass_text": "layer types the default config cannot take",
     "dbrx": "nested attention config",
     "dory": "position settings the sweep does not set",
     "dots1": "MoE sizes left None",
-    "dots3_note_text": "per-layer configs",
     "ergo": "sizes under other names",
     "fuyu": "multimodal sizes",
     "gemma3n_text": "per-layer sizes (tests/test_shared_kv.py builds it, KV sharing on)",

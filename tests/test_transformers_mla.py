@@ -131,4 +131,4 @@ def test_cpu_backend(name):
 def test_gpu_kernels(device, name="DeepSeek-V2-Lite"):
     """The tiled decode, prefill and append kernels of a GPU profile on the CPU drivers."""
     cache = check_same(name, False, device, profile=GPU_PROFILE)
-    assert {g.cache.decoder.profile.strategy for g in cache.groups.values()} == {"tiled"}
+    assert {g.cache.profile.strategy for g in cache.groups.values()} == {"tiled"}
