@@ -8,8 +8,7 @@ from dataclasses import replace
 from typing import Any, Callable
 
 from . import runtime
-from .codegen import render_append, render_decode, render_half_probe, render_merge, \
-    render_prefill
+from .codegen import render_append, render_decode, render_half_probe, render_merge, render_prefill
 from .device import probed_limits, resolve_profile
 from .device_fit import DeviceFit, fit_device
 from .fit import Limits, append_geometry, merge_geometry, prefill_geometry

@@ -33,7 +33,8 @@ from typing import Any
 
 import numpy as np
 
-from .runtime import cl as _cl, is_simulator
+from .runtime import cl as _cl
+from .runtime import is_simulator
 
 _RESULTS: dict = {}  # (what, device pointer) -> bool
 _LOCK = threading.Lock()

@@ -12,8 +12,13 @@ from . import rope as _rope
 from .mask import unpack_mask
 from .quant import QUANTIZED, quantize, region_views, unpack_pool
 from .spec import LOG2E, LSE_DTYPE, AttentionSpec, default_sm_scale
-from .validate import check_decode, check_merge_k, check_merge_pair, check_prefill, \
-    check_sink_logits
+from .validate import (
+    check_decode,
+    check_merge_k,
+    check_merge_pair,
+    check_prefill,
+    check_sink_logits,
+)
 
 BLOCK_ROWS = 4096  # rows gathered at once per sequence (bounds temporary memory)
 

@@ -20,8 +20,14 @@ from .profiles.record import Profile
 from .result import AttentionResult
 from .spec import INDEX_DTYPE, INT32_MAX, LSE_DTYPE, AttentionSpec
 from .staging import Call, check_host_call, run_on_host, sink_args, upload_tables
-from .validate import check_array, check_decode, check_sink_logits, check_tables, \
-    chunk_lengths, is_host
+from .validate import (
+    check_array,
+    check_decode,
+    check_sink_logits,
+    check_tables,
+    chunk_lengths,
+    is_host,
+)
 
 _CPU_PROFILE = Profile(name="cpu-backend", strategy="rows")
 

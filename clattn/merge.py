@@ -15,9 +15,9 @@ import numpy as np
 
 from . import cpu_backend, runtime, signatures
 from .codegen import render_merge
+from .device import device_setup, warn_cpu_fallback, warn_notes
 from .fit import merge_geometry
 from .profiles.record import Profile
-from .device import device_setup, warn_cpu_fallback, warn_notes
 from .spec import LSE_DTYPE
 from .staging import Call
 from .validate import check_array, check_merge_k, check_merge_pair, is_host

@@ -26,8 +26,15 @@ from . import runtime, signatures
 from .codegen import render_append, render_decode, render_merge, render_prefill
 from .device import DeviceSetup, build_fitted
 from .device_fit import fit_device
-from .fit import (DecodeGeometry, MergeGeometry, PrefillGeometry, append_geometry,
-                  decode_geometry, merge_geometry, prefill_geometry)
+from .fit import (
+    DecodeGeometry,
+    MergeGeometry,
+    PrefillGeometry,
+    append_geometry,
+    decode_geometry,
+    merge_geometry,
+    prefill_geometry,
+)
 from .launch import Launcher
 from .plan import Plan
 from .rope import kernel_turns, parse_rope_scaling, rope_tables

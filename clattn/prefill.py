@@ -23,8 +23,15 @@ from .profiles.record import Profile
 from .result import AttentionResult
 from .spec import INDEX_DTYPE, LSE_DTYPE, AttentionSpec
 from .staging import Call, check_host_call, run_on_host, sink_args, upload_tables
-from .validate import PrefillArgs, check_array, check_indptr, check_prefill, \
-    check_sink_logits, chunk_lengths, is_host
+from .validate import (
+    PrefillArgs,
+    check_array,
+    check_indptr,
+    check_prefill,
+    check_sink_logits,
+    chunk_lengths,
+    is_host,
+)
 
 
 @dataclass(frozen=True)

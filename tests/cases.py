@@ -292,9 +292,9 @@ def config_scenario(name, cfg, *, heads=None, dtype="float16", page_size=16,
                     sliding_window=None):
     """A scenario for ``AttentionSpec.from_hf_config(cfg)``; ``heads=(H_qo, H_kv)`` shrinks
     the model (head_dim kept) for small decodes."""
-    from clattn import AttentionSpec
-
     from hf_oracle import read_config, shrink
+
+    from clattn import AttentionSpec
 
     if heads is not None:
         cfg = shrink(cfg, *heads)

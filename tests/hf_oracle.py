@@ -47,7 +47,6 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 import numpy as np
-
 from naive import naive_inv_freq
 
 DEFAULT_ROPE_THETA = 10000.0

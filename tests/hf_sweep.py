@@ -256,8 +256,7 @@ def run(model_type: str, **where: Any) -> tuple[str, str]:
     layer never saw a token (it skipped clattn) or an eager attention call (a
     RuntimeWarning, made an error here) fail an assertion."""
     import clattn.integrations.transformers as cltf
-    from clattn.integrations.hf_cache import (ClattnCache, UnsupportedFeatureError,
-                                              check_config)
+    from clattn.integrations.hf_cache import ClattnCache, UnsupportedFeatureError, check_config
 
     try:
         with warnings.catch_warnings():

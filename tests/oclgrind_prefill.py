@@ -50,8 +50,9 @@ def values_variant(profile, spec_kw, cached, chunks, *, window=None, sinks=None,
 def adversarial_variant(profile, rope=True):
     """Garbage tables as device arrays (no host value checks): clamped, no NaN; the
     kernel takes the split of q from the plan, so a garbage qo_indptr changes nothing."""
-    from clattn import AttentionSpec, runtime
     from prefill_cases import prefill_case
+
+    from clattn import AttentionSpec, runtime
     cl = runtime.cl()
     spec = AttentionSpec(4, 2, 16, page_size=4, dtype="float32", sliding_window=True,
                          rope_scaling=LLAMA3 if rope else None, max_position_embeddings=131072)
@@ -98,10 +99,11 @@ def adversarial_variant(profile, rope=True):
 def mask_variant(profile):
     """A custom mask (odd bit counts, a fully masked query) causal and not against the
     oracle; then garbage device mask tables over a 3-byte mask: clamped, no NaN."""
-    import clattn
     from cases import compare, spec_scenario
-    from clattn import runtime
     from prefill_cases import naive_prefill, prefill_case, run
+
+    import clattn
+    from clattn import runtime
     sc = spec_scenario("mask", 4, 2, 16, page_size=4, dtype="float32")
     pre = _prefill(sc.spec, profile)
     case = prefill_case(sc.spec, [6, 1], [5, 2], seed=2)

@@ -5,11 +5,11 @@ import sys
 import warnings
 
 import numpy as np
+from cases import compare, decode_args, make_case
+from naive import naive_decode
 
 import clattn
 from clattn import quant, runtime
-from cases import compare, decode_args, make_case
-from naive import naive_decode
 
 PROFILES = {"rows": "generic-cpu",
             "tiled": {"strategy": "tiled", "thread_limit": 32}}

@@ -29,9 +29,10 @@ LLAMA3 = {"rope_type": "llama3", "factor": 32.0, "high_freq_factor": 4.0,
 
 
 def _cl():
-    import clattn  # noqa: F401  (ICD set-up before pyopencl looks for platforms)
     import pyopencl as cl
     import pyopencl.array  # noqa: F401
+
+    import clattn  # noqa: F401  (ICD set-up before pyopencl looks for platforms)
     return cl
 
 
@@ -96,9 +97,10 @@ def decode_variant(profile, spec_kw, lengths, *, window=None, sinks=None, rope=F
 
 
 def merge_variant(profile, dtype, D=16):
-    import clattn
     from cases import compare, merge_cases
     from naive import naive_merge, naive_merge_k
+
+    import clattn
     cl = _cl()
     dev = _device()
     rng = np.random.default_rng(1)

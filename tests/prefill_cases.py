@@ -14,7 +14,6 @@ import hashlib
 import math
 
 import numpy as np
-
 from cases import make_case, oracle_pages
 from naive import ScoredLse, longrope_use_long, naive_decode, naive_inv_freq, rope_type_of
 

@@ -16,13 +16,13 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+from cases import compare
+from naive import naive_decode, naive_inv_freq, naive_rotate
 
 import clattn
 from clattn import quant, runtime
 from clattn.cache import LayerIndexError, StepError, StepShapeError
 from clattn.cache_tables import DuplicateSequenceError, PopTooLongError, UnknownSequenceError
-from cases import compare
-from naive import naive_decode, naive_inv_freq, naive_rotate
 
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "high_freq_factor": 4.0,
           "low_freq_factor": 1.0, "original_max_position_embeddings": 64}
@@ -689,11 +689,12 @@ def test_cancel_keeps_a_copy_another_holder_wrote_past(target):
 @pytest.mark.parametrize("dtype", ["float16", "float32"])
 def test_append_renders_for_every_profile(dtype):
     """Every built-in profile renders the append and copy kernels from their tables."""
+    from test_signatures import _expected, _parsed
+
     from clattn import signatures
     from clattn.codegen import render_append
     from clattn.fit import Limits, append_geometry
     from clattn.profiles import builtin_profiles
-    from test_signatures import _expected, _parsed
     spec = clattn.AttentionSpec(8, 2, 64, page_size=16, dtype=dtype, rotary_dim=32,
                                 rope_scaling={"rope_type": "gptj"})
     for name, prof in sorted(builtin_profiles().items()):

@@ -65,8 +65,9 @@ def _cache(spec, profile, layers=1, **kw):
 
 
 def simulation_variant(profile, dtype, window, rope, seed=0, formats=None, head_dim_v=None):
-    import clattn
     from test_cache import simulate
+
+    import clattn
     build = dict(sliding_window=True) if window else {}
     if head_dim_v:  # values of another width: a byte pool
         build.update(head_dim_v=head_dim_v)
@@ -88,8 +89,9 @@ def growing_split_variant(profile):
     """Steps whose split plans need more workspace than the cache's first
     (tests/test_cache.py), every step split into one-page partitions (every token on the
     decode kernel, whose plans use the workspace)."""
-    import clattn
     from test_cache import SPLIT_EVERY_STEP, growing_split_steps
+
+    import clattn
     spec = clattn.AttentionSpec(2, 1, 16, page_size=4, dtype="float32")
     cache = _cache(spec, dict(profile, **SPLIT_EVERY_STEP), num_pages=24, prefill=False)
     print(f"workspace states per step: {growing_split_steps(cache)}", flush=True)
@@ -150,8 +152,11 @@ def adversarial_variant(profile, dtype, rope):
 def fused_variant(profile, dtype, rope, split):
     """tests/test_cache_fused.py's scenario on the simulator: the fused launches write
     and read the same bits as the separate ones."""
+    from test_cache_fused import LLAMA3 as SCALING
+    from test_cache_fused import SPLIT_EVERY_STEP as SPLIT
+    from test_cache_fused import equal, scenario
+
     import clattn
-    from test_cache_fused import LLAMA3 as SCALING, SPLIT_EVERY_STEP as SPLIT, equal, scenario
     window = rope is not None
     spec = clattn.AttentionSpec(2, 1, 16, page_size=4, dtype=dtype, sliding_window=window,
                                 rope_scaling=SCALING if rope else None,

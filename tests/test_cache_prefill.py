@@ -12,12 +12,12 @@ import warnings
 
 import numpy as np
 import pytest
+from cases import compare
+from conftest import Target
+from naive import naive_inv_freq, naive_rotate
+from test_cache import LLAMA3, SPLIT_EVERY_STEP, History, make_cache, pool_host
 
 import clattn
-from cases import compare
-from naive import naive_inv_freq, naive_rotate
-from conftest import Target
-from test_cache import LLAMA3, SPLIT_EVERY_STEP, History, make_cache, pool_host
 
 F32, F16 = "float32", "float16"
 DECODE, PREFILL, MIXED = ("decode",), ("prefill",), ("decode", "prefill")

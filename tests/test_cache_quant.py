@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from naive import naive_inv_freq, naive_rotate
+from test_cache import make_cache, pool_host
 
 import clattn
 from clattn import quant, runtime
-from naive import naive_inv_freq, naive_rotate
-from test_cache import make_cache, pool_host
 
 FORMATS = [("q8_0", "q4_0"), ("q4_0", "q8_0")]
 

@@ -3,12 +3,11 @@ prefetch of the CPU kernels, and the kernels with both off (the standard code ev
 other driver runs)."""
 import numpy as np
 import pytest
+from cases import compare, decode_args, make_case, oracle, spec_scenario
 
 import clattn
 from clattn import codegen, compiler_probe
 from clattn.runtime import Runtime
-
-from cases import compare, decode_args, make_case, oracle, spec_scenario
 
 
 def test_probe_floats_cover_every_rounding_case():

@@ -14,15 +14,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
-import clattn
-
 from cases import compare, spec_scenario
 from conftest import DEVICES
 from naive import ScoredLse, naive_decode
 from prefill_cases import naive_prefill, prefill_case, run
 from test_cache import make_cache
 from test_prefill import get_prefill
+
+import clattn
 
 F16, F32 = "float16", "float32"
 #: a windowed f32 scenario (group 4, soft-cap) and an f16 one (group 1, page of 4 rows)

@@ -5,12 +5,12 @@ import warnings
 
 import numpy as np
 import pytest
+from cases import compare, decode_args, make_case
+from naive import naive_decode
 
 import clattn
 from clattn import runtime
 from clattn.decode_fast import OneCallPath
-from cases import compare, decode_args, make_case
-from naive import naive_decode
 
 
 def _decoder(spec, device):

@@ -4,11 +4,11 @@ import warnings
 
 import numpy as np
 import pytest
+from cases import compare, decode_args, make_case
+from naive import naive_decode
 
 import clattn
 from clattn import runtime
-from cases import compare, decode_args, make_case
-from naive import naive_decode
 
 
 def _layers(spec, case, n, seed):

@@ -7,14 +7,20 @@ rotary dims, group sizes), each against the oracle.
 """
 import numpy as np
 import pytest
+from cases import (
+    Scenario,
+    compare,
+    config_scenario,
+    decode_args,
+    lse_bound,
+    make_case,
+    spec_scenario,
+)
+from model_configs import model
+from naive import naive_decode
 
 from clattn.cpu_backend import batch_decode
 from clattn.spec import AttentionSpec
-
-from cases import Scenario, compare, config_scenario, decode_args, lse_bound, make_case, \
-    spec_scenario
-from model_configs import model
-from naive import naive_decode
 
 DTYPES = ["float32", "float16"]
 

@@ -13,14 +13,15 @@ import os
 
 import numpy as np
 import pytest
+from cases import decode_args, make_case
+from conftest import DEVICES
+from prefill_cases import prefill_case
+from prefill_cases import run as run_prefill
 
 import clattn
 from clattn import cli, runtime
 from clattn.tune import ceilings, command, session
 from clattn.tune.report import CeilingsResult
-from cases import decode_args, make_case
-from conftest import DEVICES
-from prefill_cases import prefill_case, run as run_prefill
 
 cl = runtime.cl()
 SPEC = clattn.AttentionSpec(4, 2, 32, page_size=4, dtype="float16")

@@ -4,15 +4,14 @@ import json
 from pathlib import Path
 
 import pytest
+from cases import config_scenario
+from model_configs import load_models, model
 
 import clattn
 from clattn.codegen import render_decode
-from clattn.fit import Limits, decode_geometry
 from clattn.device_fit import fit_device
+from clattn.fit import Limits, decode_geometry
 from clattn.profiles import builtin_profiles, match
-
-from cases import config_scenario
-from model_configs import load_models, model
 
 RECORDS = json.loads((Path(__file__).parent / "data" / "devices.json").read_text())["records"]
 # Llama-3-8B, Qwen2.5-0.5B (group 7, head_dim 64), Gemma-2 (head_dim 256), Phi-3 (head_dim 96)

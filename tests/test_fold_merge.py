@@ -19,14 +19,13 @@ import warnings
 
 import numpy as np
 import pytest
+from cases import decode_args, make_case, oracle, spec_scenario
+from test_kernels import SPLIT_LENGTHS, WIN, assert_same, check, host, window_case
+from test_sinks import sinks_for
 
 import clattn
 from clattn import quant
 from clattn.profiles import get_profile
-
-from cases import decode_args, make_case, oracle, spec_scenario
-from test_kernels import SPLIT_LENGTHS, WIN, assert_same, check, host, window_case
-from test_sinks import sinks_for
 
 cl = pytest.importorskip("pyopencl")
 import pyopencl.array as cla  # noqa: E402

@@ -35,16 +35,16 @@ import warnings
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, event, given, settings
-from hypothesis import strategies as st
-
-import clattn
-from clattn import cpu_backend, runtime
 from cases import compare, lse_bound, make_case, out_bound
 from conftest import DEVICES, cl_queue, get_decoder
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
 from naive import ScoredLse, naive_decode
 from prefill_cases import naive_prefill, prefill_case
 from test_prefill import get_prefill
+
+import clattn
+from clattn import cpu_backend, runtime
 
 #: examples per test and target (CLATTN_FUZZ_EXAMPLES raises it for a deeper local run)
 FUZZ = settings(max_examples=int(os.environ.get("CLATTN_FUZZ_EXAMPLES", 60)), deadline=None,

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from test_cache_quant import adversarial_blocks
 
 from clattn import quant
-from test_cache_quant import adversarial_blocks
 
 gguf = pytest.importorskip("gguf", reason="the gguf package (the test extra) is the reference")
 from gguf import GGMLQuantizationType, quants  # noqa: E402

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
-import clattn
-from clattn import runtime
 from prefill_cases import prefill_case, run
 from test_cache import make_cache, pool_host
 from test_prefill import SCENARIOS, get_prefill
+
+import clattn
+from clattn import runtime
 
 #: a block's scale is f16(amax / 127) (q8_0) or f16(m / -8) (q4_0), the quotient rounded
 #: to f32 first; f16 rounds 65520 and above to inf, so a block is refused exactly when
@@ -46,7 +46,6 @@ def test_batch_remap_past_the_batch_changes_nothing(method, arg, index):
     forked: the rows, every sequence's pages and the free pages stay as they were (a
     window model: two layer kinds' caches)."""
     import torch
-
     from test_cache import check_pool
     from test_transformers import VOCAB, filled_cache
 

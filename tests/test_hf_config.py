@@ -12,14 +12,13 @@ import math
 
 import numpy as np
 import pytest
-
-from clattn import AttentionSpec
-from clattn.cpu_backend import batch_decode
-
 from cases import compare, decode_args, make_case
 from hf_oracle import read_config, shrink
 from model_configs import model, model_names
 from naive import naive_decode
+
+from clattn import AttentionSpec
+from clattn.cpu_backend import batch_decode
 
 L3 = "llama3"
 # name: (H_qo, H_kv, head_dim, rotary_dim, interleaved, rope type as clattn spells it,

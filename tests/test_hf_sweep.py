@@ -16,10 +16,9 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import hf_sweep
 import pytest
 import torch
-
-import hf_sweep
 from conftest import DEVICES
 
 TYPES = hf_sweep.causal_lm_types()

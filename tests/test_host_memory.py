@@ -10,12 +10,12 @@ from pathlib import Path
 import numpy as np
 import pyopencl as cl
 import pytest
-
-import clattn
-from clattn import host_memory
 from cases import compare
 from conftest import device_indices
 from naive import naive_decode
+
+import clattn
+from clattn import host_memory
 
 
 @pytest.mark.parametrize("text, mode", [

@@ -3,10 +3,10 @@ for is rebuilt smaller with one warning, and still computes the right thing."""
 import numpy as np
 import pyopencl as cl
 import pytest
-
-import clattn
 from cases import compare, decode_args, make_case
 from naive import naive_decode
+
+import clattn
 
 
 def test_kernel_work_group_size_shrinks_the_geometry(device, monkeypatch):

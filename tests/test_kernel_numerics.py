@@ -1,10 +1,9 @@
 """Storage edge cases the kernels' own f16 conversion must get exactly right."""
 import numpy as np
 import pytest
+from conftest import get_decoder
 
 from clattn.spec import AttentionSpec
-
-from conftest import get_decoder
 
 SPECIAL = np.array([0.0, -0.0, 6.0e-8, -6.0e-8, 3.0e-5, -4.0e-5, 6.1e-5, 1.0, -2.5,
                     1000.0, 65504.0, -65504.0, 0.33325195, 1.0009766, 2.0e-7, -1.0e-6],
@@ -117,7 +116,6 @@ def test_stale_plan_with_device_tables_still_attends_every_row(device, cl_queue)
     """A plan made for shorter sequences, reused with longer device-side tables: the last
     partition runs to the end of the chunk, so no row is dropped."""
     import pyopencl.array as cla
-
     from cases import compare, decode_args, make_case
     from conftest import get_decoder
     from naive import naive_decode
@@ -140,9 +138,10 @@ def test_one_decoder_grows_its_split_workspace(device):
     (more than its first) attends every row of each batch."""
     import warnings
 
-    import clattn
     from cases import compare, decode_args, make_case
     from naive import naive_decode
+
+    import clattn
 
     spec = AttentionSpec(2, 1, 16, page_size=4, dtype="float32")
     with warnings.catch_warnings():
@@ -160,7 +159,6 @@ def test_one_decoder_grows_its_split_workspace(device):
 
 def test_host_lse_with_device_q_is_written(device, cl_queue):
     import pyopencl.array as cla
-
     from cases import decode_args, make_case
     from conftest import get_decoder
 

@@ -18,14 +18,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from cases import compare, config_scenario, decode_args, lse_bound, make_case, oracle, spec_scenario
+from model_configs import load_models, model
+from naive import naive_decode, naive_merge, naive_merge_k
 
 import clattn
 from clattn.models import MODEL_SHAPES as TABLE
-
-from cases import compare, config_scenario, decode_args, lse_bound, make_case, oracle, \
-    spec_scenario
-from model_configs import load_models, model
-from naive import naive_decode, naive_merge, naive_merge_k
 
 cl = pytest.importorskip("pyopencl")
 import pyopencl.array as cla  # noqa: E402

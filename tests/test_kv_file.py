@@ -21,14 +21,13 @@ import warnings
 
 import numpy as np
 import pytest
+from conftest import DEVICES, Target, _selected
 
 import clattn
 from clattn import kv_file
 from clattn.cache_store import read_header
 from clattn.cache_tables import DuplicateSequenceError
-from clattn.kv_file import (KVFileCorruptError, KVFileError, KVFileMismatchError,
-                            KVFileVersionError)
-from conftest import DEVICES, Target, _selected
+from clattn.kv_file import KVFileCorruptError, KVFileError, KVFileMismatchError, KVFileVersionError
 
 LAYERS = 2
 FORMATS = {"f16": dict(dtype="float16"), "f32": dict(dtype="float32"),

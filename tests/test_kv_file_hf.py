@@ -20,9 +20,10 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from conftest import DEVICES, _selected, device_indices  # noqa: E402
+
 import clattn.integrations.transformers  # noqa: E402,F401  (registers "clattn")
 from clattn.integrations.hf_cache import ClattnCache  # noqa: E402
-from conftest import DEVICES, _selected, device_indices  # noqa: E402
 
 NEW = 5
 CHILD = textwrap.dedent("""

@@ -1,14 +1,14 @@
 """Merging attention states (clattn.cpu_backend.merge_state[_], merge_states) against the oracle."""
 import numpy as np
 import pytest
-from hypothesis import example, given, settings, strategies as st, HealthCheck
+from cases import compare, make_case
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
+from naive import naive_decode, naive_merge, naive_merge_k
 
 from clattn.cpu_backend import batch_decode, merge_state, merge_state_, merge_states
 from clattn.spec import AttentionSpec
-
-from cases import compare, make_case
-from naive import naive_decode, naive_merge, naive_merge_k
 
 DTYPES = ["float32", "float16"]
 NEG = -np.inf

@@ -3,11 +3,16 @@ import math
 
 import numpy as np
 import pytest
-
-from naive import (naive_decode, naive_inv_freq, naive_merge, naive_merge_k, naive_rotate,
-                   chunk_offsets)
 from hf_oracle import read_config
 from model_configs import load_models, model
+from naive import (
+    chunk_offsets,
+    naive_decode,
+    naive_inv_freq,
+    naive_merge,
+    naive_merge_k,
+    naive_rotate,
+)
 
 
 def test_default_and_gptj_and_linear():

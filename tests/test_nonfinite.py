@@ -4,9 +4,9 @@ import warnings
 
 import numpy as np
 import pytest
+from cases import decode_args, make_case
 
 import clattn
-from cases import decode_args, make_case
 
 BACKENDS = [("cpu", None), ("pocl", None), ("pocl", "adreno-7xx"), ("intel", None),
             ("intel", "adreno-7xx")]

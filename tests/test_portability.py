@@ -18,13 +18,14 @@ import warnings
 
 import numpy as np
 import pytest
-
-import clattn
-from clattn import quant, runtime
 from cases import compare, decode_args, make_case, merge_cases, oracle, spec_scenario
 from conftest import GPU_PROFILE, UNUSABLE
 from naive import naive_decode, naive_merge
-from prefill_cases import naive_prefill, prefill_case, run as run_prefill
+from prefill_cases import naive_prefill, prefill_case
+from prefill_cases import run as run_prefill
+
+import clattn
+from clattn import quant, runtime
 
 F16, F32 = "float16", "float32"
 #: (profile, dtype): the device's own profile in f16, the GPU profile in both

@@ -13,6 +13,12 @@ import warnings
 
 import numpy as np
 import pytest
+from cases import compare, config_scenario, lse_bound, out_bound, spec_scenario
+from conftest import Target
+from model_configs import model
+from naive import ScoredLse
+from prefill_cases import fast_oracle, naive_prefill, prefill_case, run
+from test_signatures import _expected, _parsed
 
 import clattn
 from clattn import signatures
@@ -20,13 +26,6 @@ from clattn.codegen import render_prefill
 from clattn.fit import Limits, prefill_geometry
 from clattn.prefill import make_prefill_plan
 from clattn.profiles import builtin_profiles
-
-from cases import compare, config_scenario, lse_bound, out_bound, spec_scenario
-from conftest import Target
-from model_configs import model
-from naive import ScoredLse
-from prefill_cases import fast_oracle, naive_prefill, prefill_case, run
-from test_signatures import _expected, _parsed
 
 F16, F32 = "float16", "float32"
 

@@ -13,11 +13,11 @@ from clattn.profiles import (
     device_info,
     get_profile,
     match,
+    registry,
     save_user_profile,
     user_profile_dir,
     user_profiles,
 )
-from clattn.profiles import registry
 from clattn.profiles_report import describe, format_profiles_report
 
 

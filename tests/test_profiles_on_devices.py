@@ -11,14 +11,13 @@ import re
 
 import numpy as np
 import pytest
+from cases import compare, decode_args, make_case, merge_cases, oracle, spec_scenario
+from model_configs import model
+from naive import naive_merge, naive_merge_k
 
 import clattn
 from clattn.profiles import builtin_profiles
 from clattn.profiles.device_info import subgroup_support
-
-from cases import compare, decode_args, make_case, merge_cases, oracle, spec_scenario
-from model_configs import model
-from naive import naive_merge, naive_merge_k
 
 PROFILES = list(builtin_profiles())
 

@@ -4,11 +4,11 @@ import warnings
 
 import numpy as np
 import pytest
+from cases import compare, decode_args, make_case
+from naive import naive_decode
 
 import clattn
 from clattn import quant
-from cases import compare, decode_args, make_case
-from naive import naive_decode
 
 
 def test_q8_codes_round_the_f32_product_half_away_from_zero():

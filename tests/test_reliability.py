@@ -7,10 +7,10 @@ import warnings
 
 import numpy as np
 import pytest
+from cases import decode_args, make_case
 
 import clattn
 from clattn import runtime
-from cases import decode_args, make_case
 
 WHERE = [("cpu", None), ("pocl", None), ("pocl", "adreno-7xx"), ("intel", None),
          ("intel", "adreno-7xx")]

@@ -14,11 +14,11 @@ import warnings
 
 import pytest
 import torch
+from test_hf_refusals import VOCAB, tiny
 from transformers import CONFIG_MAPPING
 
 import clattn.integrations.transformers as cltf
 from clattn.integrations.hf_cache import ClattnCache, shared_kv_sources
-from test_hf_refusals import VOCAB, tiny
 
 ALTERNATING = ["sliding_attention", "full_attention"]
 #: model type -> its tiny config (besides test_hf_refusals.TINY): windows, KV sharing on

@@ -13,8 +13,7 @@ import pytest
 import clattn
 from clattn import signatures
 from clattn.codegen import render_append, render_decode, render_merge, render_prefill
-from clattn.fit import (Limits, append_geometry, decode_geometry, merge_geometry,
-                        prefill_geometry)
+from clattn.fit import Limits, append_geometry, decode_geometry, merge_geometry, prefill_geometry
 from clattn.launch import ArgTable, Buffer, Scalar
 from clattn.profiles import builtin_profiles
 

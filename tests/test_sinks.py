@@ -18,16 +18,14 @@ import warnings
 
 import numpy as np
 import pytest
-
-import clattn
-
-from clattn.validate import SINK_LOGIT_MAX
-
 from cases import compare, oracle
 from naive import naive_decode, naive_merge
 from prefill_cases import naive_prefill, prefill_case, run
 from test_kernels import SPLIT_LENGTHS, WIN, check, run_case, window_case
 from test_prefill import ROPE_TYPES, get_prefill
+
+import clattn
+from clattn.validate import SINK_LOGIT_MAX
 
 F16, F32 = "float16", "float32"
 LOG2E = 1.4426950408889634

@@ -16,11 +16,11 @@ import warnings
 import numpy as np
 import pytest
 import torch
+from test_hf_refusals import VOCAB, tiny
 from transformers import CONFIG_MAPPING
 
 import clattn.integrations.transformers as cltf
 from clattn.integrations.hf_cache import ClattnCache
-from test_hf_refusals import VOCAB, tiny
 
 #: the architecture classes that speculative decoding must keep exact: a window on every
 #: layer (StarCoder2, Mistral, Qwen2 with use_sliding_window), alternating window and full

@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from conftest import GPU_PROFILE
 from transformers import AutoModelForCausalLM
 
 import clattn.integrations.transformers as cltf
-from conftest import GPU_PROFILE
 from clattn.integrations.hf_cache import ClattnCache, UnsupportedFeatureError, layer_windows
 
 # the published config.json of each model (architecture keys)
@@ -494,8 +494,11 @@ def test_padding_in_a_later_forward_refused_with_windows(device):
 
 
 def test_mask_pattern_check():
-    from transformers.masking_utils import (bidirectional_mask_function, causal_mask_function,
-                                            sliding_window_causal_mask_function)
+    from transformers.masking_utils import (
+        bidirectional_mask_function,
+        causal_mask_function,
+        sliding_window_causal_mask_function,
+    )
 
     def check(fn, window):
         cltf.mask(1, 1, 1, mask_function=fn).check_pattern(window, 0)

@@ -19,12 +19,12 @@ import warnings
 import pytest
 import torch
 import transformers
+from conftest import GPU_PROFILE
+from test_transformers import NEW_TOKENS, PROMPTS, VOCAB, inputs
 from transformers import AutoModelForCausalLM
 
 import clattn.integrations.transformers as cltf
 from clattn.integrations.hf_cache import ClattnCache
-from conftest import GPU_PROFILE
-from test_transformers import NEW_TOKENS, PROMPTS, VOCAB, inputs
 
 COMMON = dict(num_hidden_layers=2, hidden_size=256, intermediate_size=512, vocab_size=VOCAB,
               bos_token_id=1, eos_token_id=2, pad_token_id=0)

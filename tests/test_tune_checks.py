@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from naive import naive_decode
+from test_profiler import _fake_report
 
 import clattn
 from clattn import cpu_backend
@@ -13,14 +15,19 @@ from clattn.decode import BatchDecode
 from clattn.prefill import BatchPrefill
 from clattn.quant import unpack_pool
 from clattn.tune import checks
-from clattn.tune.checks import (PREFILL_CASES, PREFILL_NEW, QUANT_CASES, VERIFY_LENGTHS,
-                                kv_bytes, make_case, make_prefill_case, prefill_checks,
-                                quantized_checks)
+from clattn.tune.checks import (
+    PREFILL_CASES,
+    PREFILL_NEW,
+    QUANT_CASES,
+    VERIFY_LENGTHS,
+    kv_bytes,
+    make_case,
+    make_prefill_case,
+    prefill_checks,
+    quantized_checks,
+)
 from clattn.tune.report import format_report
 from clattn.tune.workloads import MODELS, spec_for
-
-from naive import naive_decode
-from test_profiler import _fake_report
 
 BAD_ROW = 2  # a sequence with rows (VERIFY_LENGTHS[2] = 45) and new tokens (PREFILL_NEW[2])
 

@@ -9,16 +9,23 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from test_profiler import _fake_report
 
 from clattn import runtime
 from clattn.tune import ceilings, session
-from clattn.tune.ceilings import (FMA_ITERS, FMA_LANES, FMA_UNROLL, FMA_WIDTHS, FmaPeak,
-                                  fma_launcher, fma_peak, fma_source)
+from clattn.tune.ceilings import (
+    FMA_ITERS,
+    FMA_LANES,
+    FMA_UNROLL,
+    FMA_WIDTHS,
+    FmaPeak,
+    fma_launcher,
+    fma_peak,
+    fma_source,
+)
 from clattn.tune.report import format_report
 from clattn.tune.search import Settings
 from clattn.tune.timing import event_seconds
-
-from test_profiler import _fake_report
 
 
 @pytest.mark.parametrize("width", FMA_WIDTHS)

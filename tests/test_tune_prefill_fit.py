@@ -11,17 +11,16 @@ import warnings
 from pathlib import Path
 
 import pytest
+from cases import compare, spec_scenario
+from prefill_cases import naive_prefill, prefill_case, run
 
 import clattn
 from clattn.codegen import render_prefill
-from clattn.fit import PREFILL_MAX_KB, PREFILL_ROWS, Limits, decode_geometry, prefill_geometry
 from clattn.device_fit import fit_device
-from clattn.profiles import builtin_profiles, match
+from clattn.fit import PREFILL_MAX_KB, PREFILL_ROWS, Limits, decode_geometry, prefill_geometry
 from clattn.models import model_shape
+from clattn.profiles import builtin_profiles, match
 from clattn.profiles.registry import prefill_text
-
-from cases import compare, spec_scenario
-from prefill_cases import naive_prefill, prefill_case, run
 
 RECORDS = json.loads((Path(__file__).parent / "data" / "devices.json").read_text())["records"]
 # Llama-3-8B, Qwen2.5-0.5B (group 7), Gemma-2 (head_dim 256), Phi-3 (head_dim 96), an MQA

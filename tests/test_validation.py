@@ -1,12 +1,11 @@
 """Every bad input raises (ValueError/TypeError naming the argument) before anything is written."""
 import numpy as np
 import pytest
+from cases import compare, make_case
+from naive import naive_decode
 
 from clattn.cpu_backend import batch_decode, merge_state, merge_state_, merge_states
 from clattn.spec import AttentionSpec
-
-from cases import compare, make_case
-from naive import naive_decode
 
 BAD_SEQ = 3          # the sequence made invalid in per-sequence cases
 LENGTHS = [5, 0, 8, 6]

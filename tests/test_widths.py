@@ -12,15 +12,14 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
-import clattn
-from clattn import quant
-from clattn.cpu_backend import merge_state
-
 from cases import compare, decode_args, make_case, oracle, spec_scenario
 from prefill_cases import naive_prefill, prefill_case, run
 from test_cache import make_cache, simulate
 from test_prefill import get_prefill
+
+import clattn
+from clattn import quant
+from clattn.cpu_backend import merge_state
 
 F16, F32 = "float16", "float32"
 

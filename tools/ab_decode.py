@@ -32,8 +32,8 @@ from pathlib import Path
 
 import numpy as np
 import pyopencl.array as cla
-
 from common import MODELS, PAGE, ROOT  # first: it puts clattn on the path
+
 import clattn
 from clattn.quant import QUANTIZED, pack_pool
 

@@ -22,10 +22,10 @@ from pathlib import Path
 
 import numpy as np
 import pyopencl.array as cla
-
-from common import MODELS, PAGE  # first: it puts clattn on the path
-import clattn
 from ab_decode import PACK_PAGES, load_revision
+from common import MODELS, PAGE  # first: it puts clattn on the path
+
+import clattn
 from clattn import host_memory
 from clattn.quant import pack_pool
 

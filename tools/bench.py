@@ -86,13 +86,25 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import numpy as np  # noqa: E402
 
 # common first: it puts the package on the import path
-from common import (GiB, MODELS, PAGE, ROOT, csv, gib, io_bytes, kv_bytes, log,  # noqa: E402
-                    model_spec, page_bytes)
+from common import (  # noqa: E402
+    MODELS,
+    PAGE,
+    ROOT,
+    GiB,
+    csv,
+    gib,
+    io_bytes,
+    kv_bytes,
+    log,
+    model_spec,
+    page_bytes,
+)
+
 from clattn import BatchPrefill, PagedKVCache, cpu_backend, host_memory, runtime  # noqa: E402
 from clattn.merge import merge_state_, merge_states  # noqa: E402
+from clattn.profiles import get_profile  # noqa: E402
 from clattn.quant import KV_FORMATS, QUANTIZED, bytes_per_value, pack_pool, row_bytes  # noqa: E402
 from clattn.spec import AttentionSpec, default_sm_scale  # noqa: E402
-from clattn.profiles import get_profile  # noqa: E402
 from clattn.tune import ceilings as ceil  # noqa: E402
 from clattn.tune.checks import TOL, compare, decoder  # noqa: E402
 from clattn.tune.roofline import decode_roofline  # noqa: E402

@@ -25,8 +25,8 @@ import sys
 
 import numpy as np
 import pyopencl.array as cla
-
 from common import MODELS, PAGE, io_bytes, model_spec  # first: it puts clattn on the path
+
 import clattn
 from clattn.tune import ceilings as ceil
 from clattn.tune.roofline import decode_roofline

@@ -601,6 +601,7 @@ def planned_work_groups(row: PerRow, dev: Mapping[str, Any], context: int) -> in
     """Work-groups of the decode launch for one sequence (the planner's split-KV choice
     for the device's compute units and the profile's occupancy settings)."""
     import numpy as np
+
     from clattn.plan import make_plan
     from clattn.profiles import get_profile
     hkv = SHAPES[row.shape].num_kv_heads

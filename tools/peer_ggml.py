@@ -28,8 +28,8 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -37,8 +37,8 @@ import time
 from pathlib import Path
 
 import numpy as np
-
 from common import MODELS, PAGE, ROOT, csv, log  # common first: the package on the path
+
 from clattn import cpu_backend, runtime
 from clattn.spec import AttentionSpec
 from clattn.tune.checks import decoder

@@ -29,7 +29,6 @@ import sys
 import warnings
 
 import numpy as np
-
 from common import MODELS, ROOT  # first: it puts clattn on the path
 
 sys.path.insert(0, str(ROOT / "tests"))
@@ -137,8 +136,9 @@ def rounding_attention(context: int, seed: int) -> list[dict]:
 
 
 def token_agreement(device: str) -> list[dict]:
-    import clattn.integrations.transformers as cltf
     import test_transformers as tt
+
+    import clattn.integrations.transformers as cltf
     rows = []
     for name in list(tt.CONFIGS)[:5]:
         ref = tt.eager(name, False)

@@ -18,8 +18,7 @@ import sys
 from pathlib import Path
 
 from clattn import codegen
-from clattn.fit import (Limits, append_geometry, decode_geometry, merge_geometry,
-                        prefill_geometry)
+from clattn.fit import Limits, append_geometry, decode_geometry, merge_geometry, prefill_geometry
 from clattn.profiles.registry import builtin_profiles
 from clattn.spec import AttentionSpec
 

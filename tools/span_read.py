@@ -31,8 +31,8 @@ import math
 import statistics
 
 import numpy as np
-
 from common import MODELS, PAGE  # first: it puts clattn on the path
+
 from clattn import compiler_probe, host_memory, runtime
 from clattn.tune import ceilings, timing
 

@@ -37,8 +37,17 @@ from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
 from clattn import CacheFullError, runtime
 
-from .hf_cache import (DEFAULTS, NAME, PENDING, RETURNED, ClattnCache, GroupForward,
-                       UnsupportedFeatureError, check_config, expanded_from)
+from .hf_cache import (
+    DEFAULTS,
+    NAME,
+    PENDING,
+    RETURNED,
+    ClattnCache,
+    GroupForward,
+    UnsupportedFeatureError,
+    check_config,
+    expanded_from,
+)
 
 __all__ = ["ClattnCache", "ClattnMask", "UnsupportedFeatureError", "attention",
            "check_model", "mask", "register"]

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import warnings
-
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any, Mapping
 

@@ -27,8 +27,17 @@ from ..profiles.record import STRATEGIES, Profile
 from .ceilings import host_available_bytes, sizing
 from .checks import VERIFY_LENGTHS, check_decode, decoder, make_case
 from .timing import event_seconds, first_line, sample
-from .workloads import FULL_POINTS, MODELS, QUICK_POINTS, PagePool, Shape, Workload, \
-    pool_pages, shapes_for, spec_for
+from .workloads import (
+    FULL_POINTS,
+    MODELS,
+    QUICK_POINTS,
+    PagePool,
+    Shape,
+    Workload,
+    pool_pages,
+    shapes_for,
+    spec_for,
+)
 
 # -- the search space ----------------------------------------------------------------------
 

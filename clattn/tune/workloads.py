@@ -19,7 +19,6 @@ from ..models import ModelShape, model_shape
 from ..spec import AttentionSpec
 from .ceilings import fill_random
 
-
 #: the tuner's models: a GQA-4 shape with head_dim 128 and a GQA-7 one with head_dim 64
 MODELS: tuple[ModelShape, ...] = (model_shape("Llama-3-8B"), model_shape("Qwen2.5-0.5B"))
 #: (batch, context) points per model
