@@ -154,7 +154,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--page-size", type=int, default=16)
     r.add_argument("--dtype", choices=["float16", "float32"], default="float16")
     r.add_argument("--sliding-window", action="store_true")
-    r.add_argument("--rope-scaling", help="HF rope_scaling as JSON, e.g. '{\"rope_type\": \"gptj\"}'")
+    r.add_argument("--rope-scaling",
+                   help="HF rope_scaling as JSON, e.g. '{\"rope_type\": \"gptj\"}'")
     r.add_argument("--rotary-dim", type=int)
     r.add_argument("--softcap", type=float)
     r.add_argument("--k-format", choices=list(KV_FORMATS), help="K pages (default: --dtype)")

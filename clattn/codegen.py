@@ -53,8 +53,8 @@ def _attention_params(spec: AttentionSpec, geom: DecodeGeometry | PrefillGeometr
     """Template parameters every attention kernel (decode, prefill) takes from the spec
     and the geometry's number handling; the page storage's are :func:`_pool_params`."""
     return dict(
-        D=spec.head_dim, DV=spec.head_dim_v, HQO=spec.num_qo_heads, HKV=spec.num_kv_heads, G=spec.group_size,
-        PS=spec.page_size, ROT=spec.rotary_dim, ROPE=_rope_pairs(spec),
+        D=spec.head_dim, DV=spec.head_dim_v, HQO=spec.num_qo_heads, HKV=spec.num_kv_heads,
+        G=spec.group_size, PS=spec.page_size, ROT=spec.rotary_dim, ROPE=_rope_pairs(spec),
         SLIDING=spec.sliding_window, SOFTCAP=spec.softcap, DTYPE=_cl_dtype(spec.dtype),
         DENORMS=geom.denorms, STORAGE_HALF=geom.storage_half, NATIVE_HALF=geom.native_fp16,
         **_pool_params(spec))
@@ -110,9 +110,9 @@ def render_merge(head_dim: int, dtype: str, vin: str, geom: MergeGeometry,
     ``sinks``: the learned-sink epilogue compiled in, as :func:`render_decode`)."""
     pair, varlen = signatures.MERGE_PAIR, signatures.MERGE_VARLEN
     return _lookup().get_template("merge.cl.mako").render(
-        D=head_dim, DV=head_dim, DTYPE=_cl_dtype(dtype), VIN=_cl_dtype(vin), NATIVE_HALF=geom.native_fp16,
-        DENORMS=geom.denorms, STORAGE_HALF=geom.storage_half, PRAGMAS=(),
-        STRATEGY=geom.strategy, VEC=geom.vec, MH=geom.mh, SINKS=sinks,
+        D=head_dim, DV=head_dim, DTYPE=_cl_dtype(dtype), VIN=_cl_dtype(vin),
+        NATIVE_HALF=geom.native_fp16, DENORMS=geom.denorms, STORAGE_HALF=geom.storage_half,
+        PRAGMAS=(), STRATEGY=geom.strategy, VEC=geom.vec, MH=geom.mh, SINKS=sinks,
         PAIR_SIGNATURE=pair.signature(), PAIR_FIXUP=pair.fixup(),
         VARLEN_SIGNATURE=varlen.signature(), VARLEN_FIXUP=varlen.fixup())
 
@@ -123,8 +123,8 @@ def render_append(spec: AttentionSpec, geom: MergeGeometry) -> str:
     pool adds :data:`~clattn.signatures.APPEND_CHECK`)."""
     app, cp = signatures.APPEND, signatures.PAGE_COPY
     return _lookup().get_template("append.cl.mako").render(
-        D=spec.head_dim, DV=spec.head_dim_v, HKV=spec.num_kv_heads, PS=spec.page_size, ROT=spec.rotary_dim,
-        ROPE=_rope_pairs(spec), DTYPE=_cl_dtype(spec.dtype),
+        D=spec.head_dim, DV=spec.head_dim_v, HKV=spec.num_kv_heads, PS=spec.page_size,
+        ROT=spec.rotary_dim, ROPE=_rope_pairs(spec), DTYPE=_cl_dtype(spec.dtype),
         NATIVE_HALF=geom.native_fp16, DENORMS=geom.denorms, STORAGE_HALF=geom.storage_half,
         PRAGMAS=(), STRATEGY=geom.strategy, VEC=geom.vec, MH=geom.mh,
         APPEND_SIGNATURE=app.signature(), APPEND_FIXUP=app.fixup(),

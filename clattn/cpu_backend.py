@@ -212,7 +212,8 @@ def batch_prefill(spec: AttentionSpec, q: np.ndarray, pages: np.ndarray, qo_indp
             if rotary_mode == 1:
                 qb = _rope.rotate(qb.transpose(1, 0, 2),
                                   (qpos + np.arange(i0, i0 + len(rows_q))) * float(rope_scale),
-                                  inv, att, scaling.interleaved).astype(np.float32).transpose(1, 0, 2)
+                                  inv, att, scaling.interleaved)
+                qb = qb.astype(np.float32).transpose(1, 0, 2)
             qb = qb.reshape(len(rows_q), Hkv, G, D)
             m = np.full((Hkv, G, len(rows_q)), -np.inf, dtype=np.float32)
             l = np.zeros_like(m)
@@ -350,7 +351,8 @@ def merge_varlen(v: np.ndarray, s: np.ndarray, indptr: np.ndarray) -> tuple[np.n
     return np.concatenate([o[0] for o in outs]), np.concatenate([o[1] for o in outs])
 
 
-__all__ = ["batch_decode", "batch_prefill", "merge_state", "merge_state_", "merge_states", "chunk_offsets"]
+__all__ = ["batch_decode", "batch_prefill", "merge_state", "merge_state_", "merge_states",
+           "chunk_offsets"]
 
 
 # -- the cache's append and page copy (the append program's kernels) ----------------------

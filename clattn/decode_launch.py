@@ -80,7 +80,8 @@ class PlanLaunch:
 
 def plan_launch(opencl: Any, plan: Plan, batch: int, queue: Any) -> PlanLaunch:
     """The :class:`PlanLaunch` of ``plan`` over ``batch`` sequences; the plan's table is
-    uploaded on ``queue`` (once per plan, :meth:`~clattn.opencl_backend.OpenCLBackend.plan_table`)."""
+    uploaded on ``queue`` (once per plan,
+    :meth:`~clattn.opencl_backend.OpenCLBackend.plan_table`)."""
     opencl.decode_kernels()  # the plain build first: it may refit the geometry sized here
     spec, geom, split = opencl.spec, opencl.decode_geometry, plan.split
     fold = opencl.folds(plan)

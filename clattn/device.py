@@ -40,7 +40,8 @@ def warn_cpu_fallback(reason: str) -> None:
     global _WARNED_NO_DEVICE
     if not _WARNED_NO_DEVICE:
         _WARNED_NO_DEVICE = True
-        warnings.warn(f"clattn: {reason}; using the CPU fallback (numpy)", RuntimeWarning, stacklevel=3)
+        warnings.warn(f"clattn: {reason}; using the CPU fallback (numpy)", RuntimeWarning,
+                      stacklevel=3)
 
 
 def resolve_profile(info: dict, profile: Any = None) -> tuple[Profile, str]:

@@ -99,7 +99,8 @@ class Limits:
             kind = "free"
         return cls(
             max_work_group_size=int(info.get("max_work_group_size") or 256),
-            max_work_item_sizes=tuple(int(x) for x in (info.get("max_work_item_sizes") or (256,) * 3)),
+            max_work_item_sizes=tuple(int(x) for x in
+                                      (info.get("max_work_item_sizes") or (256,) * 3)),
             # not reported (an incomplete record): OpenCL's minimum for a device that is
             # not of type CUSTOM, 32 KiB (CL_DEVICE_LOCAL_MEM_SIZE)
             local_mem_size=int(info.get("local_mem_size_bytes") or UNREPORTED_LOCAL_MEM),
@@ -322,7 +323,8 @@ def _subgroup_choice(profile: Profile, limits: Limits, D: int, vec: int,
     sub-group must be exactly those lanes: its size must be required, and equal BDX.
     """
     if limits.subgroups in ("none", "unknown"):
-        why = "the device reports no sub-group functions" if limits.subgroups == "none"             else "the device's extensions are unknown"
+        why = "the device reports no sub-group functions" if limits.subgroups == "none" \
+            else "the device's extensions are unknown"
         return vec, None, "", (), why
     if limits.subgroups == "free":
         return vec, None, "", (), ("the device cannot require a sub-group size (no "
@@ -410,7 +412,8 @@ def decode_geometry(spec: AttentionSpec, profile: Profile, limits: Limits) -> De
                 tile //= 2
             else:
                 bdz //= 2
-            reason = f"the step's partial sums must fit {limits.local_mem_size} bytes of local memory"
+            reason = (f"the step's partial sums must fit {limits.local_mem_size} bytes of "
+                      "local memory")
         if reason not in why:
             why.append(reason)
     if need() > limits.local_mem_size:
@@ -595,10 +598,11 @@ def prefill_geometry(spec: AttentionSpec, profile: Profile, limits: Limits) -> P
     """Fit the profile to the prefill kernels of ``spec`` on a device with ``limits``.
 
     rows: ``prefill_vec`` floats per vector, cut as decode's ``vec`` (None: the wider of
-    ``vec`` and the device's native float vector width); keys per block ``prefill_kb`` (None: ``tile_rows``), a
-    power of two up to :data:`PREFILL_MAX_KB`; queries per work-item ``prefill_qb``, at
-    most :data:`PREFILL_ROWS` (query, head) rows (None: so that q and the accumulators
-    hold about :data:`PREFILL_ROW_FLOATS` floats, at most 16 queries).
+    ``vec`` and the device's native float vector width); keys per block ``prefill_kb``
+    (None: ``tile_rows``), a power of two up to :data:`PREFILL_MAX_KB`; queries per
+    work-item ``prefill_qb``, at most :data:`PREFILL_ROWS` (query, head) rows (None: so
+    that q and the accumulators hold about :data:`PREFILL_ROW_FLOATS` floats, at most 16
+    queries).
 
     tiled: ``prefill_tc`` threads per row group (None: :data:`PREFILL_TC`), halved until
     it divides head_dim and fits the work-group; ``prefill_rm`` rows per thread (None:

@@ -15,7 +15,9 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
-import pyopencl as cl  # importing does not enumerate platforms: clattn.runtime's ICD set-up still applies
+
+# importing does not enumerate platforms: clattn.runtime's ICD set-up still applies
+import pyopencl as cl
 
 #: numpy dtype of each scalar C type a table may use
 SCALAR_DTYPES = {"int": np.int32, "uint": np.uint32, "long": np.int64, "ulong": np.uint64,
@@ -59,7 +61,8 @@ class Scalar:
 
     def __post_init__(self) -> None:
         if self.ctype not in SCALAR_DTYPES:
-            raise ValueError(f"scalar {self.name}: C type {self.ctype!r} not in {sorted(SCALAR_DTYPES)}")
+            raise ValueError(f"scalar {self.name}: C type {self.ctype!r} not in "
+                             f"{sorted(SCALAR_DTYPES)}")
 
 
 class ArgTable:

@@ -222,7 +222,8 @@ def quantize(x: np.ndarray, fmt: str, what: str = "values", *,
     else:
         d64 = d.astype(np.float64)[..., None]
         with np.errstate(divide="ignore", invalid="ignore"):
-            q = np.where(d64 != 0, np.rint(blocks.astype(np.float64) / np.where(d64 != 0, d64, 1)), 0)
+            q = np.where(d64 != 0,
+                         np.rint(blocks.astype(np.float64) / np.where(d64 != 0, d64, 1)), 0)
         q = np.clip(q, -127, 127) if fmt == "q8_0" else np.clip(q, -8, 7)
     if fmt == "q8_0":
         data = q.astype(np.int8).view(np.uint8)
@@ -327,7 +328,8 @@ def from_ggml_blocks(blocks: np.ndarray, fmt: str) -> tuple[np.ndarray, np.ndarr
     return data, scales
 
 
-def region_views(pool: np.ndarray, layout: PageLayout, kind: int) -> tuple[np.ndarray, np.ndarray | None]:
+def region_views(pool: np.ndarray, layout: PageLayout,
+                 kind: int) -> tuple[np.ndarray, np.ndarray | None]:
     """Views ``(data uint8 [P, H_kv, page_size, row_bytes], scales f16 [P, H_kv,
     page_size, D/32] or None)`` of the K (``kind`` 0) or V (1) regions of a byte pool
     (``D`` the kind's width)."""

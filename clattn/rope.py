@@ -62,21 +62,26 @@ def parse_rope_scaling(scaling: Mapping[str, Any] | None,
     if not scaling:
         return RopeScaling("default", ())
     if not isinstance(scaling, Mapping):
-        raise TypeError(f"rope_scaling={scaling!r}: must be a dict (HF config 'rope_scaling') or None")
+        raise TypeError(f"rope_scaling={scaling!r}: must be a dict (HF config 'rope_scaling') "
+                        "or None")
     rtype = scaling.get("rope_type", scaling.get("type", "default"))
     if rtype in REFUSED_TYPES:
-        raise ValueError(f"rope_scaling rope_type={rtype!r} is not supported: {REFUSED_TYPES[rtype]}")
+        raise ValueError(f"rope_scaling rope_type={rtype!r} is not supported: "
+                         f"{REFUSED_TYPES[rtype]}")
     if rtype not in ROPE_TYPES:
-        raise ValueError(f"rope_scaling rope_type={rtype!r} is unknown; allowed: {', '.join(ROPE_TYPES)}")
+        raise ValueError(f"rope_scaling rope_type={rtype!r} is unknown; allowed: "
+                         f"{', '.join(ROPE_TYPES)}")
     missing = [k for k in _REQUIRED.get(rtype, ()) if scaling.get(k) is None]
     if missing:
         raise ValueError(f"rope_scaling of type {rtype!r} lacks {missing}")
-    if rtype == "yarn" and not (scaling.get("original_max_position_embeddings") or max_position_embeddings):
+    if rtype == "yarn" and not (scaling.get("original_max_position_embeddings")
+                                or max_position_embeddings):
         raise ValueError("rope_scaling of type 'yarn' needs 'original_max_position_embeddings' "
                          "(or the spec's max_position_embeddings)")
     if rtype == "longrope" and not scaling.get("original_max_position_embeddings"):
         raise ValueError("rope_scaling of type 'longrope' needs 'original_max_position_embeddings' "
-                         "(HF keeps it at the config's top level: AttentionSpec.from_hf_config copies it)")
+                         "(HF keeps it at the config's top level: AttentionSpec.from_hf_config "
+                         "copies it)")
     for key in ("factor", "low_freq_factor", "high_freq_factor"):
         v = scaling.get(key)
         if key in _REQUIRED.get(rtype, ()) and not is_positive_finite(v):

@@ -154,7 +154,8 @@ def device_problem(dev: Any) -> str | None:
             why = "a one-line kernel ran but wrote wrong values"
     except Exception as exc:  # noqa: BLE001 - any failure makes the device unusable
         lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
-        errors = [ln for ln in lines if "error" in ln.lower() and "clbuildprogram" not in ln.lower()]
+        errors = [ln for ln in lines
+                  if "error" in ln.lower() and "clbuildprogram" not in ln.lower()]
         why = (errors or lines or [type(exc).__name__])[0]
     _PROBLEMS[key] = why
     return why
@@ -321,7 +322,8 @@ class Runtime:
             with os.fdopen(fd, "w") as f:
                 f.write(source)
             raise BuildError(f"building a clattn kernel failed on {self.device.name!r} "
-                             f"({self.device.platform.name}); source saved to {path}\n{exc}") from exc
+                             f"({self.device.platform.name}); source saved to {path}\n"
+                             f"{exc}") from exc
 
     def dummy_int(self) -> Any:
         """A small zeroed int buffer for absent optional tables."""

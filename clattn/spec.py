@@ -112,7 +112,8 @@ class AttentionSpec:
         rd = self.head_dim if self.rotary_dim is None else self.rotary_dim
         if not isinstance(rd, (int, np.integer)) or rd < 2 or rd % 2 or rd > self.head_dim:
             raise ValueError(
-                f"rotary_dim={self.rotary_dim!r}: must be an even integer in [2, head_dim={self.head_dim}]")
+                f"rotary_dim={self.rotary_dim!r}: must be an even integer in "
+                f"[2, head_dim={self.head_dim}]")
         object.__setattr__(self, "rotary_dim", int(rd))
         if self.softcap is not None:
             if not is_positive_finite(self.softcap):
@@ -210,7 +211,8 @@ class AttentionSpec:
 
     @classmethod
     def from_hf_config(cls, config: Mapping[str, Any], *, page_size: int = 16,
-                       dtype: str = "float16", sliding_window: bool | None = None) -> "AttentionSpec":
+                       dtype: str = "float16",
+                       sliding_window: bool | None = None) -> "AttentionSpec":
         """Build a spec from a Hugging Face ``config.json`` dict.
 
         Reads heads, ``head_dim`` (or hidden_size / heads), ``v_head_dim``, ``rope_scaling``,

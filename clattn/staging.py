@@ -77,7 +77,8 @@ class Call:
         """Attach the last event to ``outputs``; copy back into numpy targets.
 
         Returns the outputs as numpy arrays when ``host`` or when a numpy target was
-        given (the call waited), else the device arrays. With no events (nothing launched) host outputs are zeros.
+        given (the call waited), else the device arrays. With no events (nothing
+        launched) host outputs are zeros.
         """
         last = events[-1] if events else None
         if last is not None:

@@ -180,7 +180,8 @@ def check_tables(spec: AttentionSpec, B: int, P: int, page_indptr: Any, page_ind
     if spec.sliding_window:
         if window_offset is None or sink_size is None:
             raise ValueError("window_offset, sink_size: required in sliding-window mode "
-                             "(the spec has sliding_window=True); or pass length_info of shape (3, B)")
+                             "(the spec has sliding_window=True); or pass length_info of "
+                             "shape (3, B)")
         if length_info is None:
             _ints("window_offset", window_offset, B)
             _ints("sink_size", sink_size, B)

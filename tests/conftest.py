@@ -135,7 +135,8 @@ DEVICE_IDS = list(DEVICES)
 STACK_DEVICES = {k: d for k, d in ALL_DEVICES.items() if _selected(k)}
 #: a required device counts as present when installed, usable or not (a PoCL whose LLVM
 #: does not know the host CPU is present; its refusal is tested instead)
-MISSING = [r for r in REQUIRED if r != "oclgrind" and r not in ALL_DEVICES and r not in UNUSABLE] + \
+MISSING = [r for r in REQUIRED
+           if r != "oclgrind" and r not in ALL_DEVICES and r not in UNUSABLE] + \
     (["oclgrind"] if "oclgrind" in REQUIRED and OCLGRIND is None else [])
 
 
@@ -178,7 +179,8 @@ def _targets(with_cpu: bool) -> list:
 
 
 def _device_params(devices: dict | None = None):
-    out = [pytest.param(dev, id=key) for key, dev in (DEVICES if devices is None else devices).items()]
+    out = [pytest.param(dev, id=key)
+           for key, dev in (DEVICES if devices is None else devices).items()]
     out += [pytest.param(Missing(key), id=f"{key}-missing") for key in MISSING if key != "oclgrind"]
     if not out:
         out.append(pytest.param(None, id="no-device", marks=pytest.mark.skip(

@@ -56,7 +56,8 @@ def _llama3(inv, rs):
                 # the band is a single point; HF would divide 0 by 0 here
                 out.append(f)
                 continue
-            smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+            smooth = ((old_context_len / wavelen - low_freq_factor)
+                      / (high_freq_factor - low_freq_factor))
             out.append((1.0 - smooth) * f / factor + smooth * f)
     return out
 
@@ -99,7 +100,8 @@ def _yarn(rotary_dim, rope_theta, rs, max_position_embeddings):
     orig = rs.get("original_max_position_embeddings") or max_position_embeddings
     if attention_factor is None:
         if mscale and mscale_all_dim:
-            attention_factor = _yarn_get_mscale(factor, mscale) / _yarn_get_mscale(factor, mscale_all_dim)
+            attention_factor = (_yarn_get_mscale(factor, mscale)
+                                / _yarn_get_mscale(factor, mscale_all_dim))
         else:
             attention_factor = _yarn_get_mscale(factor)
     beta_fast = rs.get("beta_fast") or 32
@@ -125,11 +127,13 @@ def _yarn(rotary_dim, rope_theta, rs, max_position_embeddings):
         interpolation = 1.0 / (factor * pos_freq)
         ramp = min(max((i - low) / (high - low), 0.0), 1.0)
         extrapolation_factor = 1.0 - ramp
-        inv.append(interpolation * (1.0 - extrapolation_factor) + extrapolation * extrapolation_factor)
+        inv.append(interpolation * (1.0 - extrapolation_factor)
+                   + extrapolation * extrapolation_factor)
     return inv, float(attention_factor)
 
 
-def naive_inv_freq(rotary_dim, rope_theta, rope_scaling, max_position_embeddings=None, use_long=False):
+def naive_inv_freq(rotary_dim, rope_theta, rope_scaling, max_position_embeddings=None,
+                   use_long=False):
     """``(inv_freq[rotary_dim // 2] float64, attention_factor)`` for one HF rope_scaling dict."""
     if rotary_dim % 2:
         raise ValueError("rotary_dim must be even")
@@ -154,7 +158,8 @@ def naive_inv_freq(rotary_dim, rope_theta, rope_scaling, max_position_embeddings
 
 
 def longrope_use_long(rope_scaling, q_pos, max_position_embeddings=None):
-    """clattn's rule: the long factors apply when ``q_pos + 1 > original_max_position_embeddings``."""
+    """clattn's rule: the long factors apply when
+    ``q_pos + 1 > original_max_position_embeddings``."""
     orig = rope_scaling.get("original_max_position_embeddings")
     if orig is None:
         orig = max_position_embeddings
@@ -356,7 +361,8 @@ def _merge_pair(v1, s1, v2, s2):
 
 
 def naive_merge(v, s, v_other, s_other):
-    """Merge two attention states ``v [N, H, D]``, ``s [N, H]`` (base 2); returns new float64 arrays."""
+    """Merge two attention states ``v [N, H, D]``, ``s [N, H]`` (base 2); returns new
+    float64 arrays."""
     sides = (s, s_other)
     v = np.asarray(v).astype(np.float64)
     v_other = np.asarray(v_other).astype(np.float64)

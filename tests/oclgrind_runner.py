@@ -179,7 +179,8 @@ def adversarial_variant(profile, dtype="float32", rope=True):
         "window / sinks negative": dict(
             window_offset=np.array([-5, -2**31, 0]), sink_size=np.array([-1, -2**31, -3])),
         "q_pos / k_pos_offset extreme": dict(
-            q_pos=np.array([2**31 - 1, -2**31, -1]), k_pos_offset=np.array([2**31 - 64, -2**31, 7])),
+            q_pos=np.array([2**31 - 1, -2**31, -1]),
+            k_pos_offset=np.array([2**31 - 64, -2**31, 7])),
     }
     for what, override in bad_tables.items():
         tables = {k: good[k] for k in ("page_indptr", "page_indices", "last_page_len",
@@ -255,8 +256,9 @@ VARIANTS = {
         "generic", dict(SMALL_WIN, dtype="float16"), [23, 0, 9], window=[5, 0, 8],
         sinks=[2, 0, 1], rope=True, splits=(False, 4)),
     "tiled-local-f32-g1-tile2": lambda: decode_variant(
-        {"strategy": "tiled", "tile_rows": 2, "thread_limit": 64}, dict(num_qo_heads=2, num_kv_heads=2, head_dim=16, page_size=4,
-                       dtype="float32"), [1, 19], splits=(False, 8)),
+        {"strategy": "tiled", "tile_rows": 2, "thread_limit": 64},
+        dict(num_qo_heads=2, num_kv_heads=2, head_dim=16, page_size=4, dtype="float32"),
+        [1, 19], splits=(False, 8)),
     # the Mali profile (8 rows per slice and step), soft-cap, GPT-J partial RoPE
     "tiled-global-f32-softcap-gptj": lambda: decode_variant(
         "mali", dict(num_qo_heads=4, num_kv_heads=2, head_dim=32, page_size=8,

@@ -165,7 +165,8 @@ def test_one_table_printer_text_and_markdown():
     assert text == ["  name     ms", "  a      1.50", "  bbb   10.00"]
     md = timing.table(["name", "ms"], [["a", "1.50"]], right={1}, markdown=True)
     assert md == ["| name | ms |", "|---|---:|", "| a | 1.50 |"]
-    assert [timing.cell(v, ".2f") for v in (None, "x", math.inf, 1.234)] == ["-", "x", "inf", "1.23"]
+    assert [timing.cell(v, ".2f") for v in (None, "x", math.inf, 1.234)] == \
+        ["-", "x", "inf", "1.23"]
 
 
 def test_rotating_page_sets_are_disjoint_and_cover_the_pool():

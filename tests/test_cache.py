@@ -508,7 +508,8 @@ def test_positions_past_int32_refused_for_every_token_of_a_step(target):
     cache.add("b")
     snap = _snapshot(cache)
     for ids, ns in ((["a"], [5]), (["a"], [4]), (["b", "a"], [2, 4])):
-        with pytest.raises(ValueError, match=f"sequence 'a' would reach position {top + ns[-1] - 3}"):
+        with pytest.raises(ValueError,
+                           match=f"sequence 'a' would reach position {top + ns[-1] - 3}"):
             cache.begin(ids, ns)
         _same(_snapshot(cache), snap)
     ks, _ = _step(cache, ["b", "a"], [1, 3], rng)

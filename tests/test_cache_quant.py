@@ -133,8 +133,10 @@ def _check_bytes(spec, pool, k, v):
     for kind, fmt in ((0, kf), (1, vf)):
         got_d, got_s = quant.region_views(pool, spec.layout, kind)
         want_d, want_s = quant.region_views(want, spec.layout, kind)
-        got_d, want_d = got_d.reshape(-1, got_d.shape[-1])[:T], want_d.reshape(-1, want_d.shape[-1])[:T]
-        got_s, want_s = got_s.reshape(-1, got_s.shape[-1])[:T], want_s.reshape(-1, want_s.shape[-1])[:T]
+        got_d, want_d = (got_d.reshape(-1, got_d.shape[-1])[:T],
+                         want_d.reshape(-1, want_d.shape[-1])[:T])
+        got_s, want_s = (got_s.reshape(-1, got_s.shape[-1])[:T],
+                         want_s.reshape(-1, want_s.shape[-1])[:T])
         bad = np.flatnonzero((got_d != want_d).any(-1) | (got_s.view(np.uint16) !=
                                                           want_s.view(np.uint16)).any(-1))
         assert not len(bad), (f"{fmt}: the device stored other bytes than numpy for "

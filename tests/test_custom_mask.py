@@ -236,7 +236,8 @@ def test_validation():
 
 
 @pytest.mark.parametrize("parents, prefix, match", [
-    ([-1, 0.5], 2, r"parents\[1\]=0.5: must be -1 \(a root\) or an earlier node \(0..0\), an integer"),
+    ([-1, 0.5], 2, r"parents\[1\]=0.5: must be -1 \(a root\) or an earlier node \(0..0\), "
+                   r"an integer"),
     ([-1, "0"], 2, r"parents\[1\]='0': must be -1"),
     ([-1, True], 2, r"parents\[1\]=True: must be -1"),
     ([-1, 0], 2.5, r"prefix=2.5: must be an integer >= 0"),

@@ -134,8 +134,10 @@ def test_refusals_after_the_path_kept_state(device):
     before = out.get(), lse.get()
     cla = runtime.cl().array
     bad = [
-        (TypeError, "page_indices: dtype int64", dict(page_indices=_dev(queue, args[3].astype(np.int64)))),
-        (ValueError, r"page_indptr: expected shape \(3\), got \(2,\)", dict(page_indptr=_dev(queue, args[2][:2]))),
+        (TypeError, "page_indices: dtype int64",
+         dict(page_indices=_dev(queue, args[3].astype(np.int64)))),
+        (ValueError, r"page_indptr: expected shape \(3\), got \(2,\)",
+         dict(page_indptr=_dev(queue, args[2][:2]))),
         (TypeError, "q: dtype float32", dict(q=_dev(queue, args[0].astype(np.float32)))),
         (ValueError, "plan: made for 2 sequences", dict(
             q=d[0][:1], page_indptr=d[2][:2], last_page_len=d[4][:1],

@@ -53,7 +53,8 @@ def check(sc, case, *, what="", use_length_info=False, **call):
 
 # --------------------------------------------------------------------------- group sizes / pages
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("heads", [(4, 4), (8, 2), (14, 2), (16, 2)], ids=lambda h: f"g{h[0] // h[1]}")
+@pytest.mark.parametrize("heads", [(4, 4), (8, 2), (14, 2), (16, 2)],
+                         ids=lambda h: f"g{h[0] // h[1]}")
 def test_group_sizes(heads, dtype):
     spec = AttentionSpec(heads[0], heads[1], 32, page_size=16, dtype=dtype)
     case = make_case(spec, [19, 0, 48, 1], seed=heads[0])

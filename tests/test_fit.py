@@ -54,7 +54,8 @@ def test_every_wish_reaches_the_kernel_or_is_reported(rec):
 def test_adreno_subgroup_wish_reaches_the_kernel():
     """An Adreno that can require its wave size gets the sub-group reduction, with
     Qualcomm's attribute and extension, and head_dim spread over one 64-lane wave."""
-    rec = next(r for r in RECORDS if "cl_qcom_reqd_sub_group_size" in (r.get("subgroup_extensions") or ()))
+    rec = next(r for r in RECORDS
+               if "cl_qcom_reqd_sub_group_size" in (r.get("subgroup_extensions") or ()))
     m = match(rec, user=False)
     assert m.profile.reduction == "subgroup" and m.profile.subgroup_size == 64
     spec = clattn.AttentionSpec(32, 8, 128, page_size=16, dtype="float16")

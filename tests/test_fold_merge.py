@@ -254,7 +254,8 @@ def test_folded_counters_grow_with_the_batch(device_target):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # profile fitting notes
         fold, sep = (clattn.BatchDecode(sc.spec, device_target.device,
-                                        profile=profile_of(device_target, f)) for f in (True, False))
+                                        profile=profile_of(device_target, f))
+                     for f in (True, False))
     big = split_case(sc.spec, seed=37)
     small = window_case(sc.spec, [SPLIT_LENGTHS[-2]], window=[100], sinks=[100], seed=38,
                         rope=True, pos_offset=[8])

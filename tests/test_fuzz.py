@@ -518,7 +518,8 @@ GOOD_SCALARS = {
 
 def draw_scalars(d, rope):
     """Valid scalars: RoPE on (1, True, numpy 1) or off (0: positions ignored)."""
-    d.args["rotary_mode"] = d.draw(st.sampled_from([1, 1, True, np.int64(1), 0]), label="rotary_mode") \
+    d.args["rotary_mode"] = d.draw(st.sampled_from([1, 1, True, np.int64(1), 0]),
+                                   label="rotary_mode") \
         if rope else d.draw(st.sampled_from([0, 0, False]), label="rotary_mode")
     for name, values in GOOD_SCALARS.items():
         d.args[name] = d.draw(st.sampled_from(values), label=name)
@@ -598,8 +599,9 @@ def _pack_lengths(d, spec):
     how = d.draw(st.sampled_from(["separate", "separate", "packed", "both"]), label="packing")
     names = ["last_page_len"] + ["window_offset", "sink_size"] * spec.sliding_window
     parts = [d.args.get(n) for n in names]
-    if how == "separate" or d.blame & set(names) or not all(isinstance(p, np.ndarray) and p.shape == parts[0].shape
-                                    and p.ndim == 1 and p.dtype == np.int32 for p in parts):
+    if how == "separate" or d.blame & set(names) or not all(
+            isinstance(p, np.ndarray) and p.shape == parts[0].shape
+            and p.ndim == 1 and p.dtype == np.int32 for p in parts):
         return
     packed = np.stack(parts) if spec.sliding_window else parts[0].copy()
     if how == "both":

@@ -93,7 +93,8 @@ def test_merge_weights_and_lse_are_accurate(device, K):
     ulp = np.maximum(np.spacing(np.abs(ref_lse).astype(np.float32)), 2.0 ** -24)
     err = np.abs(lse - ref_lse) / ulp
     bound = 3 + np.sqrt(K)   # the f32 sum of K weights rounds too
-    assert err.max() <= bound, f"lse {err.max():.1f} ulp off at {np.unravel_index(err.argmax(), err.shape)}"
+    assert err.max() <= bound, \
+        f"lse {err.max():.1f} ulp off at {np.unravel_index(err.argmax(), err.shape)}"
     np.testing.assert_allclose(out, ref_out, rtol=2e-6 * K, atol=2e-6 * K)
     if K == 2:   # the pairwise merge, in place
         va, sa = v[:, 0].copy(), s[:, 0].copy()

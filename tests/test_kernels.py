@@ -514,7 +514,8 @@ def test_device_arrays_with_offset_views(device_target, get_decoder, cl_queue, d
     assert isinstance(r2.out, cla.Array) and isinstance(r2.lse, cla.Array)
     assert_same((r2.out, r2.lse), (out, lse), "fresh outputs: ")
     # packed length_info as a device view [3, B]
-    li = cla.to_device(queue, np.concatenate([[5, 5], case["length_info"].ravel()]).astype(np.int32))
+    li = cla.to_device(queue,
+                       np.concatenate([[5, 5], case["length_info"].ravel()]).astype(np.int32))
     li = li[2:].reshape(3, B)
     r3 = dec.run(q, pages, tables["page_indptr"], tables["page_indices"], length_info=li,
                  q_pos=tables["q_pos"], k_pos_offset=tables["k_pos_offset"], rotary_mode=1)

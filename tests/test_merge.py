@@ -233,7 +233,8 @@ def test_split_identity_naive_with_sinks(length, seed, data):
 # --------------------------------------------------------------------------- algebra, NaN-safety
 def _state_strategy(N, H, D, dtype=np.float32):
     s_elem = st.one_of(st.just(-np.inf), st.floats(-200, 200, width=32))
-    v = hnp.arrays(dtype, (N, H, D), elements=st.floats(-100, 100, width=16 if dtype == np.float16 else 32))
+    v = hnp.arrays(dtype, (N, H, D),
+                   elements=st.floats(-100, 100, width=16 if dtype == np.float16 else 32))
     s = hnp.arrays(np.float32, (N, H), elements=s_elem)
     return st.tuples(v, s)
 

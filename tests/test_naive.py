@@ -49,7 +49,8 @@ def test_llama3_bands():
 def test_longrope_phi35():
     m = model("Phi-3.5-mini")
     # HF keeps original_max_position_embeddings at the config's top level
-    rs = dict(m["rope_scaling"], original_max_position_embeddings=m["original_max_position_embeddings"])
+    rs = dict(m["rope_scaling"],
+              original_max_position_embeddings=m["original_max_position_embeddings"])
     assert rs["type"] == "longrope" and rs["original_max_position_embeddings"] == 4096
     assert "factor" not in rs
     assert read_config(m).rope_params["attention_factor"] == pytest.approx(1.1902380714238083)

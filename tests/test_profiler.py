@@ -168,7 +168,8 @@ def test_quick_run_saved_profile_round_trips_through_registry(quick, monkeypatch
     entry = json.loads(files[0].read_text())
     assert entry["match"] == {"device": [POCL.name.strip()]}
     assert entry["source"].startswith("measured by clattn tune on ")
-    chosen = next(c for c in rep["tuning"]["candidates"] if c["id"] == rep["tuning"]["chosen"]["id"])
+    chosen = next(c for c in rep["tuning"]["candidates"]
+                  if c["id"] == rep["tuning"]["chosen"]["id"])
     assert entry["params"] == {k: v for k, v in chosen["profile"].items()
                                if k not in ("name", "source")}
     _isolate(monkeypatch, cfg)
@@ -472,7 +473,8 @@ def _sized_tuner(monkeypatch, cold: int, host_available: int):
     monkeypatch.setattr(search, "host_available_bytes", lambda: host_available)
     settings = Settings(quick=True, budget_s=60, points=QUICK_POINTS)
     rt = runtime.Runtime.for_device(POCL)
-    info = dict(device_info(POCL), global_mem_size_bytes=64 << 30, max_mem_alloc_size_bytes=16 << 30)
+    info = dict(device_info(POCL), global_mem_size_bytes=64 << 30,
+                max_mem_alloc_size_bytes=16 << 30)
     base = match(info, user=False).profile
     return Tuner(rt, info, base, settings, search.Progress(60, enabled=False))
 

@@ -34,7 +34,8 @@ MODELS = {
     "qwen2": dict(use_sliding_window=True, sliding_window=8, max_window_layers=0),
     "cohere2": dict(sliding_window=8, sliding_window_pattern=2, tie_word_embeddings=False,
                     logit_scale=1.0),  # tied at 1/16: every model repeats a token
-    "ministral": dict(head_dim=16, sliding_window=8, layer_types=["sliding_attention", "full_attention"]),
+    "ministral": dict(head_dim=16, sliding_window=8,
+                      layer_types=["sliding_attention", "full_attention"]),
 }
 MODELS = {t: extra for t, extra in MODELS.items() if t in CONFIG_MAPPING}  # 4.56: no Ministral
 GEN = dict(max_new_tokens=16, min_new_tokens=16, do_sample=False, pad_token_id=0)

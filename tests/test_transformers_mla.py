@@ -7,10 +7,10 @@ the sliding ones).
 
 The published configs' attention keys (heads, head sizes, latent ranks, RoPE scaling) are
 kept; the models are shrunk to 2 layers, hidden size 256 (MiniCPM3 320), a 1024-token
-vocabulary, 4 experts, random f32 weights. Greedy generation must give eager attention's tokens, logits
-within 1e-4 (as tests/test_transformers.py): one prompt on each device's own kernels and
-on the CPU backend, a left-padded batch of MiMo-V2-Flash (window and sinks) on the
-devices, DeepSeek-V2-Lite through the GPU (tiled) kernels.
+vocabulary, 4 experts, random f32 weights. Greedy generation must give eager attention's
+tokens, logits within 1e-4 (as tests/test_transformers.py): one prompt on each device's
+own kernels and on the CPU backend, a left-padded batch of MiMo-V2-Flash (window and
+sinks) on the devices, DeepSeek-V2-Lite through the GPU (tiled) kernels.
 """
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """Prefill wishes of the profiles (``prefill_qb``, ``prefill_kb``, ``prefill_tc``,
-``prefill_rm``, ``prefill_vec``): for every recorded device x every built-in profile each wish reaches the
-geometry or is listed as cut with its reason, the geometry fits the device, and the values
-reach the rendered kernel and the plan; a kernel built from them computes what the float64
-oracle does."""
+``prefill_rm``, ``prefill_vec``): for every recorded device x every built-in profile each
+wish reaches the geometry or is listed as cut with its reason, the geometry fits the
+device, and the values reach the rendered kernel and the plan; a kernel built from them
+computes what the float64 oracle does."""
 from __future__ import annotations
 
 import json
@@ -110,7 +110,8 @@ def test_defaults_per_device_class():
     assert (cpu.strategy, cpu.prefill_kb, cpu.prefill_qb) == ("rows", 8, None)
     assert (gpu.prefill_tc, gpu.prefill_rm, gpu.prefill_kb, gpu.prefill_qb) == (16, 4, None, None)
     assert PROFILES["nvidia"].prefill_tc == 16 and PROFILES["intel-cpu"].prefill_kb == 8
-    assert prefill_text(cpu) == "kb 8, qb auto, vec auto" and prefill_text(gpu) == "16x4, kb auto, qb auto"
+    assert prefill_text(cpu) == "kb 8, qb auto, vec auto" and \
+        prefill_text(gpu) == "16x4, kb auto, qb auto"
     # a decode tile_rows (what the tuner tunes) does not move the CPU prefill's key blocks
     g = prefill_geometry(clattn.AttentionSpec(32, 8, 128), cpu.with_(tile_rows=2), Limits())
     assert g.kb == 8 and not g.notes

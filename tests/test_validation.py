@@ -136,7 +136,8 @@ def test_non_contiguous():
 
 
 # --------------------------------------------------------------------------- tables
-@pytest.mark.parametrize("pos,name", [(2, "page_indptr"), (3, "page_indices"), (4, "last_page_len")])
+@pytest.mark.parametrize("pos,name",
+                         [(2, "page_indptr"), (3, "page_indices"), (4, "last_page_len")])
 @pytest.mark.parametrize("bad", [np.int64, np.uint32, np.int16, np.float32])
 def test_table_dtypes(pos, name, bad):
     spec, args, kw = base()
@@ -394,8 +395,10 @@ def test_out_untouched_on_late_error():
 # --------------------------------------------------------------------------- merge
 def _pair(dtype=np.float32, N=3, H=2, D=4):
     rng = np.random.default_rng(0)
-    return (rng.standard_normal((N, H, D)).astype(dtype), rng.standard_normal((N, H)).astype(np.float32),
-            rng.standard_normal((N, H, D)).astype(dtype), rng.standard_normal((N, H)).astype(np.float32))
+    return (rng.standard_normal((N, H, D)).astype(dtype),
+            rng.standard_normal((N, H)).astype(np.float32),
+            rng.standard_normal((N, H, D)).astype(dtype),
+            rng.standard_normal((N, H)).astype(np.float32))
 
 
 MERGE_BAD = {

@@ -1,9 +1,10 @@
 """Is a decode shape bound by memory or by its work per row? One build, two pools.
 
 The same decoder runs over pages that fit a quarter of the largest cache (each timed call
-right after an untimed one, so that they are read from the cache) and over pages spanning at least 4x that cache,
-alternated call by call with the read ceiling's best variant and the multiply-add peak
-(the ceilings of the same moments, as ``tools/bench.py`` times them). Each row prints
+right after an untimed one, so that they are read from the cache) and over pages spanning
+at least 4x that cache, alternated call by call with the read ceiling's best variant and
+the multiply-add peak (the ceilings of the same moments, as ``tools/bench.py`` times
+them). Each row prints
 the kernel time per KV row (one KV head's K and V row, all its query heads) of both
 pools, the roofline's time per row and the fraction of it each pool reaches.
 
@@ -99,7 +100,8 @@ def main(argv: list | None = None) -> None:
           f"{ceil.size_text(cache.size_bytes)}; medians of calls alternated with the read "
           f"ceiling ({read.best}) and the multiply-add peak")
     print("| model | dtype | cached pool | ns/row | past pool | ns/row | past / cached | "
-          "read GB/s | roofline ns/row (bound) | roofline / cached (the most this build reaches) | past: of roofline |")
+          "read GB/s | roofline ns/row (bound) | roofline / cached (the most this build "
+          "reaches) | past: of roofline |")
     print("|---|---|---|---:|---|---:|---:|---:|---:|---:|---:|")
     try:
         for name in args.models.split(","):

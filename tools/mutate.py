@@ -110,25 +110,29 @@ MUTANTS = [
         ["tests/test_hf_config.py"],
         "AttentionSpec.from_hf_config rotates all of GPT-J's 256 dims instead of 64"),
     Mutant("last-split-partition-clipped", DECODE, [
-        ("const int r_hi = (nparts_b > 1 && part < nparts_b - 1) ? (int)min((long)r_lo + part_rows, (long)chunk) : chunk;",
+        ("const int r_hi = (nparts_b > 1 && part < nparts_b - 1) ? "
+         "(int)min((long)r_lo + part_rows, (long)chunk) : chunk;",
          "const int r_hi = nparts_b > 1 ? (int)min((long)r_lo + part_rows, (long)chunk) : chunk;")],
         ["tests/test_kernel_numerics.py", "-k", "stale_plan"],
         "the last partition stops at part_rows (rows of a grown table are dropped)", "kernel"),
     Mutant("q-f16-before-scoring-rows", DECODE, [
         ('q${g}_${i} = ${("f[%d]" % i) if V == 1 else "vload%d(0, f + %d)" % (V, i * V)} * qscale;',
-         'q${g}_${i} = as_${FV}((as_${UI}(${("f[%d]" % i) if V == 1 else "vload%d(0, f + %d)" % (V, i * V)} * qscale) + (${UI})0x1000u) & (${UI})0xffffe000u);')],
+         'q${g}_${i} = as_${FV}((as_${UI}('
+         '${("f[%d]" % i) if V == 1 else "vload%d(0, f + %d)" % (V, i * V)} * qscale) '
+         '+ (${UI})0x1000u) & (${UI})0xffffe000u);')],
         [KT, "-k", k("model_shapes", ROWS)],
         "the rows kernel keeps the scaled q at f16 precision", "kernel"),
     Mutant("q-f16-before-scoring-tiled", DECODE, [
         ('qv[g] *= sm_scale${" * CLATTN_LOG2E" if SOFTCAP is None else ""};',
          'qv[g] *= sm_scale${" * CLATTN_LOG2E" if SOFTCAP is None else ""};\n'
-         '        qv[g] = as_float${"" if VEC == 1 else VEC}((as_uint${"" if VEC == 1 else VEC}(qv[g]) '
-         '+ 0x1000u) & 0xffffe000u);')],
+         '        qv[g] = as_float${"" if VEC == 1 else VEC}('
+         '(as_uint${"" if VEC == 1 else VEC}(qv[g]) + 0x1000u) & 0xffffe000u);')],
         [KT, "-k", k("model_shapes", TILED)],
         "the tiled kernel keeps the scaled q at f16 precision", "kernel"),
     # ---- sinks, lse, pages, GQA, softcap, exp2/log2 and the online softmax -------------
     Mutant("sinks-dropped", DECODE, [
-        ("const int sink = clamp(sink_size[b], 0, wo);", "const int sink = 0 * clamp(sink_size[b], 0, wo);")],
+        ("const int sink = clamp(sink_size[b], 0, wo);",
+         "const int sink = 0 * clamp(sink_size[b], 0, wo);")],
         [KT, "-k", k("window", "not cpu")],
         "sink rows are never attended", "kernel"),
     Mutant("lse-natural-log", COMMON, [
@@ -233,7 +237,8 @@ MUTANTS = [
         "garbage page indices are used as they are (Oclgrind sees the reads)", "kernel",
         count=0),
     Mutant("merge-weights-swapped-rows", MERGE, [
-        ('${rload("vp + %d" % (i * VEC), DTYPE)} * wx[j]) +', '${rload("vp + %d" % (i * VEC), DTYPE)} * wy[j]) +')],
+        ('${rload("vp + %d" % (i * VEC), DTYPE)} * wx[j]) +',
+         '${rload("vp + %d" % (i * VEC), DTYPE)} * wy[j]) +')],
         [KT, "-k", "merge_state_on_device"],
         "the pairwise merge weighs v by the other state's weight (rows merge)", "kernel"),
     Mutant("merge-weights-swapped-tiled", MERGE, [
@@ -271,7 +276,8 @@ MUTANTS = [
         ["tests/test_quant.py", "-k", "decode and q4_0"],
         "q4 lanes read from the wrong nibble", "kernel"),
     Mutant("q8-scale-ignored", EXPRS, [
-        ('return "(convert_%s(*(const __global %s*)(%s + (%s))) * %s)" % (fv, c, name, lane, scale)',
+        ('return "(convert_%s(*(const __global %s*)(%s + (%s))) * %s)" '
+         '% (fv, c, name, lane, scale)',
          'return "(convert_%s(*(const __global %s*)(%s + (%s))))" % (fv, c, name, lane)')],
         ["tests/test_quant.py", "-k", "decode and q8_0"],
         "q8 values used without their block scale", "kernel"),
@@ -408,7 +414,8 @@ MUTANTS = [
         "the tuner's pools are not shrunk to the memory there is (shapes dropped instead)",
         "python"),
     Mutant("llvmpipe-tiled-prefill", "clattn/fit.py", [
-        ('            tiled_prefill="llvmpipe" not in str(info.get("device_name") or "").lower(),\n',
+        ('            tiled_prefill="llvmpipe" not in '
+         'str(info.get("device_name") or "").lower(),\n',
          "")],
         ["tests/test_portability.py", "-k", "llvmpipe_fault"],
         "Mesa's llvmpipe is given the tiled prefill kernel it gets wrong", "python"),
@@ -655,7 +662,8 @@ def check_import(copy: Path) -> None:
                          capture_output=True, text=True)
     path = res.stdout.strip()
     if res.returncode or not Path(path).resolve().is_relative_to(copy.resolve()):
-        raise SystemExit(f"mutate: the copy's clattn is not the one imported ({path or res.stderr})")
+        raise SystemExit(f"mutate: the copy's clattn is not the one imported "
+                         f"({path or res.stderr})")
 
 
 def table(rows: list) -> str:
@@ -671,7 +679,8 @@ def table(rows: list) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("names", nargs="*", help="mutants to run (glob patterns; default all)")
-    ap.add_argument("--list", action="store_true", help="list mutants and whether their anchors hold")
+    ap.add_argument("--list", action="store_true",
+                    help="list mutants and whether their anchors hold")
     ap.add_argument("--no-baseline", action="store_true", help="skip the unmodified runs")
     ap.add_argument("--timeout", type=int, default=900, help="seconds per pytest run")
     ap.add_argument("--json", help="also write the results to this file")

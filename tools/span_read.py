@@ -10,8 +10,8 @@ does with the data. This script measures both in one run, on one device:
 * for each pool size (by default the streaming read's working set and 1 GiB), each
   memory (the device's own buffer, and on a CPU device that buffer advised huge pages as
   :mod:`clattn.host_memory` advises a page pool) and span size, every span of the pool read
-  once per launch in a random order, one work-item per stream (``--streams-per-cu`` per compute unit), each
-  reading its spans in turn, 64 bytes at a time. Where the device runs
+  once per launch in a random order, one work-item per stream (``--streams-per-cu`` per
+  compute unit), each reading its spans in turn, 64 bytes at a time. Where the device runs
   ``__builtin_prefetch`` (:func:`clattn.compiler_probe.prefetch_works`), each work-item
   prefetches the span ``--ahead-bytes`` ahead, line by line, as the decode does.
 

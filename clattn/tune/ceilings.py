@@ -32,9 +32,10 @@ call on PoCL and ran at a tenth of the speed (2-core AMD EPYC: 15 vs 186 GFLOP/s
 :func:`fma_launcher` gives the bare launch for callers that time it beside their own
 kernels (``tools/bench.py``).
 
->>> from clattn.tune import ceilings                          # doctest: +SKIP
->>> print(ceilings.read_bandwidth("pocl").summary())          # doctest: +SKIP
-read bandwidth on pthread-AMD EPYC: 23.41 GB/s (float16, strided; best of 8, median 21.76 GB/s; working set 128 MiB = 4x the largest cache, host L3 32 MiB)
+>>> from clattn.tune import ceilings                  # doctest: +SKIP
+>>> print(ceilings.read_bandwidth("pocl").summary())  # doctest: +SKIP +NORMALIZE_WHITESPACE
+read bandwidth on pthread-AMD EPYC: 23.41 GB/s (float16, strided; best of 8, median 21.76 GB/s;
+working set 128 MiB = 4x the largest cache, host L3 32 MiB)
 
 ``runtime_or_device``: a :class:`clattn.runtime.Runtime`, or anything
 :func:`clattn.runtime.select_device` accepts (None, ``"pocl"``, a Device/Context/Queue).
@@ -781,7 +782,8 @@ def measure_all(runtime_or_device: Any = None, *, target_s: float = 0.25,
                     fma=fma_peak(rt, target_s))
 
 
-__all__ = ["COLD_FACTOR", "STREAM_ROUNDS", "Cache", "Ceilings", "FMA_CHAINS", "FMA_ITERS", "FMA_LANES", "FMA_UNROLL", "FMA_WIDTHS", "FmaPeak",
+__all__ = ["COLD_FACTOR", "STREAM_ROUNDS", "Cache", "Ceilings", "FMA_CHAINS", "FMA_ITERS",
+           "FMA_LANES", "FMA_UNROLL", "FMA_WIDTHS", "FmaPeak",
            "Latency", "Measurement", "Sizing", "Transfer", "as_runtime", "copy_bandwidth",
            "fill_random", "fma_launcher", "fma_peak", "fma_source", "host_caches",
            "launch_latency", "measure_all", "parse_size", "read_bandwidth", "read_launcher",

@@ -251,7 +251,8 @@ def _per_shape_lines(rep: Report, t: TuningResult) -> list[str]:
                  "2 x heads x head_dim multiply-adds per row / the median multiply-add peak)")
     conf = t.confirmation
     again = ", ".join(f"#{k} {v:.2f}" for k, v in conf.scores.items()) if conf else ""
-    lines.append(f"  tuned: {params_text(chosen.profile)} (search score {cell(chosen.score, '.2f')} "
+    lines.append(f"  tuned: {params_text(chosen.profile)} "
+                 f"(search score {cell(chosen.score, '.2f')} "
                  f"vs default {cell(default.score if default else None, '.2f')}"
                  + (f"; timed again side by side: {again}" if again else "") + ")")
     if conf and conf.kept_default:

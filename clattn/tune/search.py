@@ -159,7 +159,8 @@ class Progress:
 
     def _line(self, text: str) -> str:
         n = int(round(min(1.0, self.elapsed() / self.budget) * 20))
-        return f"tuning [{'#' * n}{'.' * (20 - n)}] {self.elapsed():4.0f}/{self.budget:.0f} s  {text}"
+        return (f"tuning [{'#' * n}{'.' * (20 - n)}] {self.elapsed():4.0f}/{self.budget:.0f} s  "
+                f"{text}")
 
     def update(self, text: str) -> None:
         """Transient status (terminal only)."""
@@ -493,7 +494,8 @@ class Tuner:
                 return False
         return True
 
-    def _build(self, cand: Candidate, new_kernel: bool, label: str) -> dict[str, BatchDecode] | None:
+    def _build(self, cand: Candidate, new_kernel: bool,
+               label: str) -> dict[str, BatchDecode] | None:
         """A decoder per model (new kernels built and verified); None if the kernel failed."""
         kkey = cand.kernel_key
         if kkey[0] == "invalid":

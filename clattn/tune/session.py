@@ -1,4 +1,5 @@
-"""One ``clattn tune`` run on one device: device, ceilings, correctness, tuning, the winner's checks.
+"""One ``clattn tune`` run on one device: device, ceilings, correctness, tuning, the winner's
+checks.
 
 1. **Device**: the properties that matter and the profile the registry gives it, with the rule.
 2. **Ceilings** (:mod:`clattn.tune.ceilings`): streaming read and copy bandwidth past every
