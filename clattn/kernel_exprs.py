@@ -79,6 +79,32 @@ def hred(v: str, op: str, n: int) -> str:
     return v
 
 
+class LaneChunks(NamedTuple):
+    """How the lanes of a row hold a ``width``-wide vector in ``vec``-wide chunks: lane
+    ``tx`` of ``lanes`` holds chunks ``c = 0 .. count - 1`` at dims
+    ``(c * lanes + tx) * vec ..`` (the tiled decode kernel's value accumulators)."""
+
+    width: int
+    lanes: int
+    vec: int
+
+    @property
+    def count(self) -> int:
+        """Chunks per lane."""
+        return -(-self.width // (self.lanes * self.vec))
+
+    def at(self, c: int) -> str:
+        """The first dim of chunk ``c`` of lane ``tx`` (a C expression)."""
+        return "(%d + tx) * %d" % (c * self.lanes, self.vec)
+
+    def held(self, c: int) -> str:
+        """The C condition that lane ``tx`` holds chunk ``c``: always, but in the last
+        chunk of a width the lanes do not fill."""
+        if (c * self.lanes + self.lanes) * self.vec <= self.width:
+            return "1"
+        return "%s < %d" % (self.at(c), self.width)
+
+
 class PrefillRowsTiles(NamedTuple):
     """The register tiles of the rows prefill kernel (prefill_rows.cl.mako)."""
 

@@ -78,12 +78,8 @@ LOCAL_RED = REDUCE != "subgroup"
 # local memory (clattn.fit.tiled_local, which the fit reads too): the loop's partials and
 # their sums, then (reused) the merge's states
 SCRATCH = LOCAL.scratch
-NC = -(-DV // (BDX * VEC))   # V chunks per lane: chunk c is dims (c * BDX + tx) * VEC ..
-def vlane(c):
-    return "(%d + tx) * %d" % (c * BDX, VEC)
-def vguard(c):
-    """the condition that lane tx holds V chunk c (always, but in the last of a ragged DV)"""
-    return "1" if (c * BDX + BDX) * VEC <= DV else "%s < %d" % (vlane(c), DV)
+VC = kx.LaneChunks(DV, BDX, VEC)   # the V chunks of each lane
+NC, vlane, vguard = VC.count, VC.at, VC.held
 %>\
 __kernel __attribute__((reqd_work_group_size(${BDX}, 1, ${BDZ})))
 ${SG_ATTR}

@@ -531,8 +531,9 @@ MUTANTS = [
         ("if not (got == 7).all():", "if not (got == 7).any():")],
         ["tests/test_portability.py", "-k", "computes_wrong"],
         "a device whose health kernel writes some wrong values is accepted", env=FAST),
-    Mutant("step-sinks-on-the-unfolded-build", "clattn/decode_step.py", [
-        ("decode_kernels(sinks=True, fold=self._fold)", "decode_kernels(sinks=True, fold=False)")],
+    Mutant("step-sinks-on-the-unfolded-build", "clattn/decode_launch.py", [
+        ("self.opencl.decode_kernels(sinks=sinks, fold=fold)",
+         "self.opencl.decode_kernels(sinks=sinks, fold=fold and not sinks)")],
         ["tests/test_fold_merge.py", "-k", "step_with_sinks"],
         "a prepared split step with sinks launches the unfolded decode and no merge",
         env=FAST),
@@ -546,7 +547,7 @@ MUTANTS = [
         ["tests/test_custom_mask.py", "-k", "several_prefill_units"],
         "a sequence's later prefill units read the mask bits of its first queries",
         "kernel", env=FAST),
-    Mutant("fuse-when-any-sequence-has-one-token", "clattn/cache.py", [
+    Mutant("fuse-when-any-sequence-has-one-token", "clattn/cache_device.py", [
         ("all(n == 1 for n in t.lengths)", "any(n == 1 for n in t.lengths)")],
         ["tests/test_cache_fused.py", "-k", "every_sequence_brings"],
         "a step fuses its append when any sequence (not every one) brings one token",
