@@ -26,7 +26,7 @@ from .spec import INT32_MAX, AttentionSpec
 __all__ = ["load", "save"]
 
 #: the AttentionSpec fields a file records (with these the spec is made again)
-SPEC_FIELDS = ("num_qo_heads", "num_kv_heads", "head_dim", "page_size", "dtype",
+SPEC_FIELDS = ("num_qo_heads", "num_kv_heads", "head_dim", "head_dim_v", "page_size", "dtype",
                "sliding_window", "rope_scaling", "rotary_dim", "softcap",
                "max_position_embeddings", "k_format", "v_format")
 

@@ -1,7 +1,8 @@
 """Sequences saved to a KV file and loaded back (issue 39): bit-exact round trips on every
 backend and across them, and every bad file refused with the cache unchanged.
 
-One scenario per page format (f16, f32, q8_0 keys with q4_0 values) on the CPU backend
+One scenario per page format (f16, f32, q8_0 keys with q4_0 values, f16 values of
+another width than the keys) on the CPU backend
 and each device (its own profile): a sequence without a window, one with a window of 6
 and 2 sinks that has slid (pages given back) and stands mid-way through its window at
 the save, with a position offset, and a fork sharing the first sequence's pages, its
@@ -31,7 +32,8 @@ from clattn.kv_file import KVFileCorruptError, KVFileError, KVFileMismatchError,
 
 LAYERS = 2
 FORMATS = {"f16": dict(dtype="float16"), "f32": dict(dtype="float32"),
-           "q8_0-q4_0": dict(dtype="float16", k_format="q8_0", v_format="q4_0")}
+           "q8_0-q4_0": dict(dtype="float16", k_format="q8_0", v_format="q4_0"),
+           "f16-v16": dict(dtype="float16", head_dim_v=16)}  # values of their own width
 TARGETS = ([Target("cpu")] if _selected("cpu") else []) + \
     [Target(k, d) for k, d in DEVICES.items()]
 IDS = ("a", "w", "f")
@@ -64,8 +66,9 @@ def step(cache, ids, lengths, seed) -> list:
     cache.begin(list(ids), list(lengths))
     got = []
     for layer in range(LAYERS):
-        k, v = (r.standard_normal((T, 2, 32)).astype(dt) for _ in range(2))
-        q = r.standard_normal((T, 4, 32)).astype(dt)
+        k = r.standard_normal((T, 2, cache.spec.head_dim)).astype(dt)
+        v = r.standard_normal((T, 2, cache.spec.head_dim_v)).astype(dt)
+        q = r.standard_normal((T, 4, cache.spec.head_dim)).astype(dt)
         cache.append(layer, k, v)
         res = cache.attend(layer, q)
         got.append((host(res.out).tobytes(), host(res.lse).tobytes()))
