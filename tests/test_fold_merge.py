@@ -126,17 +126,24 @@ def test_folded_quantized_tiny_partitions(device_target, get_decoder):
     assert counters_zero(fold, 5)
 
 
+def split_step_setup(get_decoder, spec, target, seed: int) -> tuple:
+    """``(fold, sep, case, args, kw, plan)``: the folded and separate decoders, a split
+    case of ``seed`` with RoPE in the kernel, its arguments and a plan split in 16."""
+    fold, sep = decoders(get_decoder, spec, target)
+    case = split_case(spec, seed=seed)
+    args, kw = decode_args(case)
+    kw.update(rotary_mode=1)
+    plan = sep.plan(case["page_indptr"], case["last_page_len"],
+                    window_offset=case["window_offset"], sink_size=case["sink_size"], split=16)
+    return fold, sep, case, args, kw, plan
+
+
 def test_folded_short_path_and_prepared_step(device_target, get_decoder):
     """BatchDecode.run's short path (device arrays, a plan, outputs given) and a prepared
     step (host arrays; device arrays with outputs: its per-layer path), two layers each:
     the separate launches' bits, one launch per call."""
     sc = WIN[F16]
-    fold, sep = decoders(get_decoder, sc.spec, device_target)
-    case = split_case(sc.spec, seed=33)
-    args, kw = decode_args(case)
-    kw.update(rotary_mode=1)
-    plan = sep.plan(case["page_indptr"], case["last_page_len"],
-                    window_offset=case["window_offset"], sink_size=case["sink_size"], split=16)
+    fold, sep, case, args, kw, plan = split_step_setup(get_decoder, sc.spec, device_target, 33)
     rng = np.random.default_rng(34)
     qs = [rng.standard_normal(case["q"].shape).astype(F16) for _ in range(2)]
     results = {}
@@ -221,12 +228,7 @@ def test_folded_prepared_step_with_sinks(device_target, get_decoder):
     epilogue (one launch per layer, the separate launches' bits), on the host path and on
     the per-layer path (device arrays, outputs given, device sinks)."""
     sc = WIN[F32]
-    fold, sep = decoders(get_decoder, sc.spec, device_target)
-    case = split_case(sc.spec, seed=35)
-    args, kw = decode_args(case)
-    kw.update(rotary_mode=1)
-    plan = sep.plan(case["page_indptr"], case["last_page_len"],
-                    window_offset=case["window_offset"], sink_size=case["sink_size"], split=16)
+    fold, sep, case, args, kw, plan = split_step_setup(get_decoder, sc.spec, device_target, 35)
     sinks = sinks_for(sc.spec.num_qo_heads, 36)
     results = {}
     for name, dec in (("fold", fold), ("sep", sep)):
