@@ -6,6 +6,7 @@ both the template parameters and the launch grid come from it, so they cannot di
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
@@ -27,26 +28,62 @@ SUBGROUP_REQUESTS = {
 QCOM_WAVES = {64: "half", 128: "full"}
 
 
-#: platforms whose compiler cannot build the rows kernels with wider float vectors: PoCL's
-#: PyPI build reports a native float width of 16 on AVX-512 hosts but compiles its
-#: kernels without avx512f, and LLVM then aborts the process on 16-float vectors ("Do not
-#: know how to split this operator's operand") or miscompiles them (measured on a Zen 4)
+#: platforms whose compiler cannot build the rows kernels with wider float vectors unless
+#: it compiles for a CPU with AVX-512 (:func:`pocl_target_cpu` names it): PoCL reports a
+#: native float width of 16 on every AVX-512 host, but its LLVM compiles for the CPU it
+#: knows the host as; where that CPU lacks avx512f (PyPI's PoCL, LLVM 14, knows a Zen 4 as
+#: znver3), LLVM aborts the process on 16-float vectors ("Do not know how to split this
+#: operator's operand") or miscompiles them (measured on a Zen 4)
 ROWS_VEC_CAPS = {"Portable Computing Language": 8}
-#: a device name naming this compiles for AVX-512 (Debian's PoCL, "pthread-skylake-avx512-
-#: ..."): no ROWS_VEC_CAPS cap (16-float vectors measured right and 1.7-1.9x faster in the
-#: rows prefill on a Zen 5)
-AVX512_TARGET = "avx512"
+#: LLVM CPU names whose instruction set includes AVX-512F: a PoCL compiling for one of
+#: them keeps 16-float vectors (measured right and faster: 1.7-1.9x in the rows prefill on
+#: a Zen 5 under Debian's PoCL, skylake-avx512; PyPI's PoCL on a Sapphire Rapids Xeon,
+#: which its LLVM 14 knows as rocketlake)
+AVX512_CPUS = frozenset({
+    "knl", "knm", "skylake-avx512", "skx", "cascadelake", "cooperlake", "cannonlake",
+    "icelake-client", "icelake-server", "tigerlake", "rocketlake", "sapphirerapids",
+    "emeraldrapids", "graniterapids", "graniterapids-d", "diamondrapids", "znver4", "znver5",
+    "x86-64-v4",
+})
+_HSTR = re.compile(r"HSTR:\s*(\S+)")
+#: the environment part of a target triple that can follow ``linux``
+_TRIPLE_ENVS = frozenset({"gnu", "musl", "android", "gnueabihf", "gnueabi", "eabi", "eabihf"})
 
 #: local memory assumed where a device record does not report it: the least OpenCL requires
 #: of a device that is not of type CL_DEVICE_TYPE_CUSTOM
 UNREPORTED_LOCAL_MEM = 32768
 
 
+def pocl_target_cpu(info: Mapping[str, Any]) -> str | None:
+    """The LLVM CPU a PoCL device compiles for, or None where the record does not say.
+
+    PoCL's device version ends in ``HSTR: pthread-<triple>-<cpu>``
+    (``pthread-x86_64-unknown-linux-gnu-rocketlake``: the CPU follows the triple's
+    ``linux`` and its environment); Debian's builds also name the CPU in the device name
+    (``pthread-skylake-avx512``), which is read when the version does not.
+    """
+    m = _HSTR.search(str(info.get("device_version") or ""))
+    if m:
+        parts = m.group(1).lower().split("-")
+        if "linux" not in parts:
+            return None
+        rest = parts[parts.index("linux") + 1:]
+        if rest and rest[0] in _TRIPLE_ENVS:
+            rest = rest[1:]
+        return "-".join(rest) or None
+    name = str(info.get("device_name") or "").lower()
+    for cpu in sorted(AVX512_CPUS, key=len, reverse=True):
+        if name.startswith(f"pthread-{cpu}"):
+            return cpu
+    return None
+
+
 def _rows_max_vec(info: Mapping[str, Any]) -> int:
     """The widest float vector the rows kernels may use on the device of ``info``."""
-    if AVX512_TARGET in str(info.get("device_name") or "").lower():
+    cap = ROWS_VEC_CAPS.get(str(info.get("platform_name")))
+    if cap is None or pocl_target_cpu(info) in AVX512_CPUS:
         return 16
-    return ROWS_VEC_CAPS.get(str(info.get("platform_name")), 16)
+    return cap
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,14 @@ from prefill_cases import naive_prefill, prefill_case, run
 import clattn
 from clattn.codegen import render_prefill
 from clattn.device_fit import fit_device
-from clattn.fit import PREFILL_MAX_KB, PREFILL_ROWS, Limits, decode_geometry, prefill_geometry
+from clattn.fit import (
+    PREFILL_MAX_KB,
+    PREFILL_ROWS,
+    Limits,
+    decode_geometry,
+    pocl_target_cpu,
+    prefill_geometry,
+)
 from clattn.models import model_shape
 from clattn.profiles import builtin_profiles, match
 from clattn.profiles.registry import prefill_text
@@ -170,13 +177,29 @@ def test_rows_prefill_vectors_follow_the_native_width_decode_keeps_vec():
                                       "the rows kernels with at most 8 floats per vector",)
 
 
-@pytest.mark.parametrize("name, cap", [("pthread-AMD EPYC", 8),
-                                       ("pthread-skylake-avx512-AMD EPYC", 16)])
-def test_pocl_keeps_wide_vectors_only_when_it_compiles_for_avx512(name, cap):
+@pytest.mark.parametrize("name, version, cap", [
+    ("pthread-AMD EPYC", None, 8),
+    ("pthread-skylake-avx512-AMD EPYC", None, 16),
+    # PyPI's PoCL (LLVM 14): a Sapphire Rapids Xeon is rocketlake, a Zen 4 znver3
+    ("pthread-Intel(R) Xeon(R) Processor",
+     "OpenCL 3.0 PoCL HSTR: pthread-x86_64-unknown-linux-gnu-rocketlake", 16),
+    ("pthread-AMD EPYC 9R14", "OpenCL 3.0 PoCL HSTR: pthread-x86_64-unknown-linux-gnu-znver3", 8),
+    ("pthread-AMD EPYC", "OpenCL 3.0 PoCL HSTR: pthread-x86_64-pc-linux-gnu-skylake-avx512", 16),
+    ("cpu-ARM", "OpenCL 3.0 PoCL HSTR: cpu-aarch64-unknown-linux-gnu-neoverse-n1", 8),
+    ("pthread-Intel(R) Xeon(R)", "OpenCL 3.0 PoCL HSTR: pthread-x86_64-apple-darwin-x", 8),
+])
+def test_pocl_keeps_wide_vectors_only_when_it_compiles_for_avx512(name, version, cap):
     info = {"platform_name": "Portable Computing Language", "device_name": name,
-            "native_vector_width_float": 16}
+            "device_version": version, "native_vector_width_float": 16}
     lim = Limits.from_info(info)
     assert (lim.rows_max_vec, lim.native_float) == (cap, 16)
+
+
+def test_pocl_target_cpu_is_read_after_the_triple():
+    assert pocl_target_cpu({"device_version": "OpenCL 3.0 PoCL HSTR: "
+                            "pthread-x86_64-unknown-linux-gnu-skylake-avx512"}) == "skylake-avx512"
+    assert pocl_target_cpu({"device_version": "OpenCL 3.0 PoCL"}) is None
+    assert pocl_target_cpu({}) is None
 
 
 @pytest.mark.parametrize("values", [{"prefill_qb": 0}, {"prefill_kb": -1}, {"prefill_tc": 2.0},

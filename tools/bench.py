@@ -91,7 +91,9 @@ from common import (  # noqa: E402
     PAGE,
     ROOT,
     GiB,
+    cpu_description,
     csv,
+    driver_description,
     gib,
     io_bytes,
     kv_bytes,
@@ -409,7 +411,7 @@ class DeviceBench:
     def header(self) -> list[str]:
         """Markdown bullet lines: device, then ceilings, caches and the cold working set
         when measured."""
-        lines = [f"- device: {self.dev.platform.name.strip()} / {self.dev.name.strip()} "
+        lines = [f"- device: {driver_description([self.dev])[0]} "
                  f"({self.dev.max_compute_units} CUs)"]
         if self.read is None:
             return lines
@@ -1361,8 +1363,8 @@ def _print_markdown(argv: list[str] | None, res: dict, version: str, elapsed: fl
     print(f"## `{cmd}`\n")
     end_version = source_version()
     ver = version if end_version == version else f"{version} -> {end_version} (changed mid-run)"
-    print(f"- {when}, host {platform.node()} ({os.cpu_count()} CPUs), {elapsed:.0f} s, "
-          f"clattn {ver}")
+    print(f"- {when}, host {platform.node()}, {elapsed:.0f} s, clattn {ver}")
+    print(f"- CPU: {cpu_description()}")
     for line in res.get("header") or []:
         print(line)
     for title, rows, cols in res["sections"]:
@@ -1445,7 +1447,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         out = {"suite": args.suite, "args": vars(args), "elapsed_s": elapsed,
-               "host": platform.node(), "time": datetime.datetime.now().isoformat(),
+               "host": platform.node(), "cpu": cpu_description(),
+               "time": datetime.datetime.now().isoformat(),
                "clattn_version": version, "clattn_version_at_end": source_version(),
                "ceilings": res.get("ceilings"), "mismatches": Mismatches.items,
                "sections": {title: rows for title, rows, _ in res["sections"]}}

@@ -6,9 +6,11 @@ by its path puts ``tools/`` on ``sys.path`` first.
 """
 from __future__ import annotations
 
+import os
+import platform
 import sys
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable, Iterable
 
 #: the repository root (holds ``clattn/``, ``tests/`` and ``tools/``)
 ROOT = Path(__file__).resolve().parent.parent
@@ -66,5 +68,50 @@ def io_bytes(spec: AttentionSpec, B: int, ctx: int) -> int:
     return kv_bytes(spec, B, ctx) + 2 * B * hqo * d * spec.itemsize + B * hqo * 4
 
 
-__all__ = ["GiB", "MODELS", "PAGE", "ROOT", "csv", "gib", "io_bytes", "kv_bytes", "log",
-           "model_spec", "page_bytes"]
+#: the vector and matrix extensions a benchmark line names, as /proc/cpuinfo spells them
+ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile",
+             "sve", "asimd")
+
+
+def cpu_description() -> str:
+    """The host CPU for a benchmark's header: model, cores, vector extensions and the
+    last-level cache as Linux reports them (``/proc/cpuinfo``, sysfs); what cannot be read
+    is left out."""
+    model, flags = platform.processor() or platform.machine(), set()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                key, _, val = line.partition(":")
+                key = key.strip().lower()
+                if key in ("model name", "cpu model") and val.strip():
+                    model = val.strip()
+                elif key in ("flags", "features") and not flags:
+                    flags = set(val.split())
+    except OSError:
+        pass
+    isa = [f for f in ISA_FLAGS if f in flags]
+    llc = None
+    for idx in sorted(Path("/sys/devices/system/cpu/cpu0/cache").glob("index*")):
+        try:
+            size = (idx / "size").read_text().strip()
+        except OSError:
+            continue
+        llc = size
+    if llc and llc.endswith("K") and llc[:-1].isdigit() and int(llc[:-1]) >= 1024:
+        llc = f"{int(llc[:-1]) / 1024:g} MiB"
+    parts = [model, f"{os.cpu_count()} CPUs", " ".join(isa) or "no vector extensions listed"]
+    if llc:
+        parts.append(f"last-level cache {llc}")
+    return ", ".join(parts)
+
+
+def driver_description(devices: Iterable[Any]) -> list[str]:
+    """One line per OpenCL device: platform, device name, platform version and driver
+    build (the builds a figure depends on)."""
+    return [f"{d.platform.name.strip()} {d.platform.version.strip()} / {d.name.strip()}, "
+            f"driver {d.driver_version.strip()}" for d in devices]
+
+
+__all__ = ["GiB", "ISA_FLAGS", "MODELS", "PAGE", "ROOT", "cpu_description", "csv",
+           "driver_description", "gib", "io_bytes", "kv_bytes", "log", "model_spec",
+           "page_bytes"]

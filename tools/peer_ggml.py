@@ -37,7 +37,15 @@ import time
 from pathlib import Path
 
 import numpy as np
-from common import MODELS, PAGE, ROOT, csv, log  # common first: the package on the path
+from common import (  # common first: the package on the path
+    MODELS,
+    PAGE,
+    ROOT,
+    cpu_description,
+    csv,
+    driver_description,
+    log,
+)
 
 from clattn import cpu_backend, runtime
 from clattn.spec import AttentionSpec
@@ -64,6 +72,16 @@ def build_ggml(src: Path) -> Path:
                         f"-L{libdir}", f"-Wl,-rpath,{libdir}", "-lggml", "-lggml-base",
                         "-lggml-cpu", "-lm"], check=True)
     return exe
+
+
+def ggml_commit(src: Path) -> str:
+    """The commit of the ggml checkout ``src`` (``unknown`` outside git)."""
+    try:
+        out = subprocess.run(["git", "-C", str(src), "rev-parse", "--short", "HEAD"], text=True,
+                             capture_output=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        out = ""
+    return out or "unknown"
 
 
 class Inputs:
@@ -201,6 +219,11 @@ def main(argv: list[str] | None = None) -> int:
                 log(f"{name} B={B} ctx={ctx}: " + ", ".join(f"{k} {v:.3f} ms"
                                                            for k, v in med.items()))
     shutil.rmtree(tmp, ignore_errors=True)
+    print(f"- CPU: {cpu_description()}; ggml {ggml_commit(args.ggml_src)}, {args.threads} "
+          f"threads")
+    for line in driver_description(devices.values()):
+        print(f"- OpenCL: {line}")
+    print()
     print("\n".join(table(["model", "B", "ctx", "device", "clattn ms", "ggml flash ms",
                            "ggml plain ms", "ggml best / clattn", "clattn rounds"],
                           lines, right=set(range(1, 8)), markdown=True)))
