@@ -7,7 +7,10 @@ Hugging Face config in ``tests/data/models.json``; the tests check that
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+
+from .spec import AttentionSpec
 
 
 @dataclass(frozen=True)
@@ -48,6 +51,71 @@ MODEL_SHAPES: tuple[ModelShape, ...] = (
 )
 
 
+@dataclass(frozen=True)
+class MLAShape:
+    """One multi-head latent attention model's attention (DeepSeek-V2/V3, MiniCPM3).
+
+    Its two cache forms: decompressed (per head, keys ``qk_nope_head_dim +
+    qk_rope_head_dim`` wide and values ``v_head_dim`` wide) and latent (one row per token
+    shared by every head: the compressed latent, ``kv_lora_rank`` values, then the RoPE'd
+    key part; the value is the latent part of the same row).
+
+    Attributes
+    ----------
+    name : str
+        Name shown in benchmark tables.
+    num_heads : int
+        Query heads (and KV heads of the decompressed form).
+    kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim : int
+        The config's sizes of the same names.
+    layers : int
+        Decoder layers.
+    """
+
+    name: str
+    num_heads: int
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    layers: int
+
+    @property
+    def sm_scale(self) -> float:
+        """The model's softmax scale, 1/sqrt(qk_nope + qk_rope), in both forms."""
+        return 1.0 / math.sqrt(self.qk_nope_head_dim + self.qk_rope_head_dim)
+
+    def spec(self, form: str, *, dtype: str = "float16", page_size: int = 16,
+             kv_format: str | None = None) -> AttentionSpec:
+        """The :class:`~clattn.AttentionSpec` of ``form`` (``"latent"`` or
+        ``"decompressed"``); ``kv_format`` stores the pages (default ``dtype``)."""
+        if form == "decompressed":
+            return AttentionSpec(self.num_heads, self.num_heads,
+                                 self.qk_nope_head_dim + self.qk_rope_head_dim,
+                                 head_dim_v=self.v_head_dim, page_size=page_size, dtype=dtype,
+                                 k_format=kv_format, v_format=kv_format)
+        if form == "latent":
+            return AttentionSpec(self.num_heads, 1, self.kv_lora_rank + self.qk_rope_head_dim,
+                                 head_dim_v=self.kv_lora_rank, value_in_key=True,
+                                 page_size=page_size, dtype=dtype, k_format=kv_format)
+        raise ValueError(f"form={form!r}: must be 'latent' or 'decompressed'")
+
+
+#: multi-head latent attention models (sizes from their Hugging Face configs)
+MLA_SHAPES: tuple[MLAShape, ...] = (
+    MLAShape("DeepSeek-V2-Lite", 16, 512, 128, 64, 128, 27),
+    MLAShape("MiniCPM3-4B", 40, 256, 64, 32, 64, 62),
+)
+
+
+def mla_shape(name: str) -> MLAShape:
+    """The row of :data:`MLA_SHAPES` named ``name`` (KeyError listing the names)."""
+    for m in MLA_SHAPES:
+        if m.name == name:
+            return m
+    raise KeyError(f"no MLA model {name!r}; known: {', '.join(m.name for m in MLA_SHAPES)}")
+
+
 def model_shape(name: str) -> ModelShape:
     """The row of :data:`MODEL_SHAPES` named ``name``.
 
@@ -62,4 +130,4 @@ def model_shape(name: str) -> ModelShape:
     raise KeyError(f"no model {name!r}; known: {', '.join(m.name for m in MODEL_SHAPES)}")
 
 
-__all__ = ["MODEL_SHAPES", "ModelShape", "model_shape"]
+__all__ = ["MLA_SHAPES", "MLAShape", "MODEL_SHAPES", "ModelShape", "mla_shape", "model_shape"]
