@@ -231,7 +231,7 @@ class CacheDevice:
         if self.check_k is not None:
             self.check_k.set(slots=tab["slots"], n_tokens=t.T, k_pos=tab["k_pos"])
         geom = self.opencl.append_geometry
-        copy_rows = t.n_copies * 2 * spec.num_kv_heads * spec.page_size
+        copy_rows = t.n_copies * len(spec.layout.kinds) * spec.num_kv_heads * spec.page_size
         if spec.byte_pool:  # one work-item per (token, head, kind, block); per copied row
             self.append_sizes = ((t.T * spec.num_kv_heads * spec.layout.row_blocks,), None)
         else:
