@@ -15,10 +15,11 @@ import math
 
 import numpy as np
 import pytest
-from cases import compare, decode_args, make_case, oracle, spec_scenario
+from cases import compare, decode_args, oracle, spec_scenario
 from prefill_cases import naive_prefill, prefill_case, run
 from test_cache import make_cache, pool_host, simulate
 from test_prefill import get_prefill
+from test_widths import case_for
 
 import clattn
 from clattn import quant
@@ -39,12 +40,6 @@ def scenario(key):
     return spec_scenario(key, h, kv, d, head_dim_v=dv, page_size=ps, dtype=dt, k_format=fmt,
                          sliding_window=win, value_in_key=True)
 
-
-def case_for(sc, lengths, **kw):
-    if sc.spec.sliding_window:
-        kw.setdefault("window", [min(5, n) for n in lengths])
-        kw.setdefault("sinks", [min(2, n) for n in lengths])
-    return make_case(sc.spec, lengths, **kw)
 
 
 # ---------------------------------------------------------------------------- the spec
