@@ -104,7 +104,8 @@ class PagedKVCache:
         Layers; each has its own pool ``[num_pages, 2, H_kv, page_size, D]``, or the
         byte pool ``uint8 [num_pages, page_bytes]`` of :mod:`clattn.quant` when
         ``spec.k_format``/``spec.v_format`` store q8_0/q4_0 blocks (quantized on append;
-        docs/cache.md, "Quantized pages").
+        docs/cache.md, "Quantized pages"), the values are of another width, or they are
+        read from the key rows (``spec.value_in_key``: key regions only; append ``v=None``).
     num_pages : int, optional
         Pages per layer's pool. Exactly one of ``num_pages`` and ``budget_bytes``.
     budget_bytes : int, optional
@@ -117,7 +118,8 @@ class PagedKVCache:
         ``"attend"``: keys stored unrotated, q and keys rotated inside the decode kernel
         at chunk positions (``k_pos_offset + row``; windows keep positions contiguous).
         ``"append"``: keys rotated by the append kernel at their absolute positions
-        (``pos_offset + token index``); the app rotates q at :attr:`positions`.
+        (``pos_offset + token index``); the app rotates q at :attr:`positions`. Not with
+        ``spec.value_in_key`` (it would rotate the values stored in the key rows).
     rope_theta, rope_scale, sm_scale
         As in :meth:`~clattn.BatchDecode.run`.
     rollback : int
@@ -150,6 +152,11 @@ class PagedKVCache:
             raise ValueError(f"num_layers={num_layers!r}: must be a positive integer")
         if rope not in ROPE_MODES:
             raise ValueError(f"rope={rope!r}: allowed {ROPE_MODES}")
+        if rope == "append" and spec.value_in_key:
+            raise ValueError("rope='append': the spec reads values from the key rows "
+                             "(value_in_key), which a rotation at append would rotate too; "
+                             "rotate the keys' RoPE part yourself (rope=None) or use "
+                             "rope='attend'")
         if not isinstance(prefill, (bool, np.bool_)):
             raise TypeError(f"prefill={prefill!r}: must be True or False")
         validate.check_sm_scale(sm_scale)
@@ -472,11 +479,14 @@ class PagedKVCache:
         """New tokens of the step in progress (``T``: the first axis of append/attend)."""
         return self._current("num_tokens").tables.T
 
-    def append(self, layer: int, k: Any, v: Any) -> Any:
-        """Write the step's new keys and values ``k, v [T, H_kv, D]`` into ``layer``'s pool.
+    def append(self, layer: int, k: Any, v: Any = None) -> Any:
+        """Write the step's new keys ``k [T, H_kv, D]`` and values ``v [T, H_kv, D_v]``
+        into ``layer``'s pool.
 
         ``T`` is the sum of the step's lengths, tokens in ``begin``'s order. numpy or
-        device arrays (the call returns at once; the event completes the write).
+        device arrays (the call returns at once; the event completes the write). With
+        ``spec.value_in_key`` the values are the key rows' leading ``D_v`` values: ``v``
+        must be None (only the key rows are written).
         Returns the event (None on the CPU backend, and in a step of one token per
         sequence over a float pool, whose write the layer's :meth:`attend` launch does:
         docs/cache.md, "One launch per layer").
@@ -577,11 +587,15 @@ class _StepInProgress:
 
     def append(self, layer: int, k: Any, v: Any) -> Any:
         cache, dev, t = self.cache, self.dev, self.tables
-        if dev is None or not (dev.ready(k, self.kv_shape) and dev.ready(v, self.v_shape)):
+        vik = cache.spec.value_in_key
+        validate.check_value_arg(cache.spec, v)
+        if dev is None or not (dev.ready(k, self.kv_shape) and
+                               (vik or dev.ready(v, self.v_shape))):
             self._check("k", k, self.kv_shape)
-            self._check("v", v, self.v_shape)
+            if not vik:
+                self._check("v", v, self.v_shape)
         if dev is None:
-            if not (is_host(k) and is_host(v)):
+            if not (is_host(k) and (vik or is_host(v))):
                 raise TypeError("append: the CPU backend takes numpy k and v")
             rope = cache.rope == "append"
             cpu_backend.append_kv(cache.spec, cache.pools[layer], k, v, t.slots, t.copies,

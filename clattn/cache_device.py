@@ -231,7 +231,7 @@ class CacheDevice:
         if self.check_k is not None:
             self.check_k.set(slots=tab["slots"], n_tokens=t.T, k_pos=tab["k_pos"])
         geom = self.opencl.append_geometry
-        copy_rows = t.n_copies * 2 * spec.num_kv_heads * spec.page_size
+        copy_rows = t.n_copies * len(spec.layout.kinds) * spec.num_kv_heads * spec.page_size
         if spec.byte_pool:  # one work-item per (token, head, kind, block); per copied row
             self.append_sizes = ((t.T * spec.num_kv_heads * spec.layout.row_blocks,), None)
         else:
@@ -369,17 +369,19 @@ class CacheDevice:
         """Write k, v into layer's pool; a byte pool's device check is recorded in
         ``checks`` (layer -> epoch) for :meth:`refused`."""
         spec = self.spec
-        host = self.quantized and is_host(k) and is_host(v)
+        vik = spec.value_in_key   # v is None: the kernels read no value rows
+        host = self.quantized and is_host(k) and (vik or is_host(v))
         # keys rotated by the append kernel: inf/NaN are refused here (a rotation keeps
         # them non-finite), a scale overflow of the rotated block only by the device check
         verified = host and self.rope.mode != "append"
         if host:  # refused here, before anything is uploaded or written
             check_quantizable(k, spec.k_format, "k", scale=verified)
-            check_quantizable(v, spec.v_format, "v")
+            if not vik:
+                check_quantizable(v, spec.v_format, "v")
         self.flush()  # the staging buffers hold one layer's k, v at a time
         pool = self.pools[layer]
-        (dk, ek), (dv, ev) = (self._device_input(n, a, held=self.fuse)
-                              for n, a in (("k", k), ("v", v)))
+        dk, ek = self._device_input("k", k, held=self.fuse)
+        dv, ev = (dk, []) if vik else self._device_input("v", v, held=self.fuse)
         if self.fuse:
             return self._defer(layer, pool, dk, dv, ek + ev)
         waits = ek + ev if self.in_order else self.waits + pool.events + ek + ev

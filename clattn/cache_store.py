@@ -28,7 +28,9 @@ __all__ = ["load", "save"]
 #: the AttentionSpec fields a file records (with these the spec is made again)
 SPEC_FIELDS = ("num_qo_heads", "num_kv_heads", "head_dim", "head_dim_v", "page_size", "dtype",
                "sliding_window", "rope_scaling", "rotary_dim", "softcap",
-               "max_position_embeddings", "k_format", "v_format")
+               "max_position_embeddings", "k_format", "v_format", "value_in_key")
+#: fields a file written before they existed lacks, with the value they had then
+SPEC_DEFAULTS = {"value_in_key": False}
 
 
 def save(cache: Any, path: str | os.PathLike[str], seq_ids: Sequence[Hashable] | None = None,
@@ -100,14 +102,16 @@ def _rope(cache: Any) -> dict:
 def _check_fits(cache: Any, f: kv_file.KVFile) -> None:
     h, p = f.header, f.path
     try:
-        spec = AttentionSpec(**{k: h["spec"][k] for k in SPEC_FIELDS})
+        spec = AttentionSpec(**{k: h["spec"][k] if k not in SPEC_DEFAULTS else
+                                h["spec"].get(k, SPEC_DEFAULTS[k]) for k in SPEC_FIELDS})
     except (KeyError, TypeError, ValueError) as exc:
         raise KVFileCorruptError(f"{p}: the header's spec cannot be read ({exc})") from None
     mine = cache.spec
     if spec != mine:
         diff = [f"{k}: file {getattr(spec, k)!r}, cache {getattr(mine, k)!r}"
                 for k in SPEC_FIELDS if getattr(spec, k) != getattr(mine, k)]
-        what = "page format" if any(d.startswith(("k_format", "v_format")) for d in diff) \
+        what = "page format" if any(d.startswith(("k_format", "v_format", "value_in_key"))
+                                    for d in diff) \
             else "attention spec"
         raise KVFileMismatchError(f"{p}: written for another {what} ({'; '.join(diff)}); "
                                   f"load it into a cache of the file's spec")

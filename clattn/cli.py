@@ -113,7 +113,7 @@ def cmd_render(args: argparse.Namespace) -> int:
                          dtype=args.dtype, sliding_window=args.sliding_window,
                          rope_scaling=scaling, rotary_dim=args.rotary_dim, softcap=args.softcap,
                          k_format=args.k_format, v_format=args.v_format,
-                         head_dim_v=args.head_dim_v)
+                         head_dim_v=args.head_dim_v, value_in_key=args.value_in_key)
     dev = runtime.select_device(args.device) if args.device != "none" else None
     info = device_info(dev) if dev is not None else {}
     profile = _json_arg("--profile", args.profile) \
@@ -151,6 +151,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--kv-heads", type=int, default=8)
     r.add_argument("--head-dim", type=int, default=128)
     r.add_argument("--head-dim-v", type=int, help="the values' width (default: --head-dim)")
+    r.add_argument("--value-in-key", action="store_true",
+                   help="values are the first --head-dim-v values of the key rows (MLA's "
+                        "absorbed form: one row per token and KV head)")
     r.add_argument("--page-size", type=int, default=16)
     r.add_argument("--dtype", choices=["float16", "float32"], default="float16")
     r.add_argument("--sliding-window", action="store_true")

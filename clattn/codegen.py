@@ -94,14 +94,17 @@ def render_decode(spec: AttentionSpec, geom: DecodeGeometry, fused: bool = False
 
 
 def _pool_params(spec: AttentionSpec) -> dict:
-    """Template parameters of the page storage (clattn.quant's layout)."""
+    """Template parameters of the page storage (clattn.quant's layout). ``VIN_K``: the
+    values are the leading ``DV`` values of the key rows (a V row is addressed as its K
+    row: K's region, row stride ``V_ROWB = K_ROWB`` and scale layout)."""
     lay = spec.layout
     fmt = {"float16": "half", "float32": "float"}
+    k_rowb = row_bytes(spec.k_format, spec.head_dim)
     return dict(KFMT=fmt.get(spec.k_format, spec.k_format),
                 VFMT=fmt.get(spec.v_format, spec.v_format), BYTE_POOL=spec.byte_pool,
                 PAGE_BYTES=lay.page_bytes, K_REGION=lay.k_region, V_REGION=lay.v_region,
-                K_ROWB=row_bytes(spec.k_format, spec.head_dim),
-                V_ROWB=row_bytes(spec.v_format, spec.head_dim_v))
+                K_ROWB=k_rowb, VIN_K=spec.value_in_key,
+                V_ROWB=k_rowb if spec.value_in_key else row_bytes(spec.v_format, spec.head_dim_v))
 
 
 def render_merge(head_dim: int, dtype: str, vin: str, geom: MergeGeometry,

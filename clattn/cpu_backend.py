@@ -364,17 +364,18 @@ def copy_pages(spec: AttentionSpec, pool: np.ndarray, copies: np.ndarray) -> Non
         if not spec.byte_pool:
             pool[dst, :, :, :rows] = pool[src, :, :, :rows]
             continue
-        for kind in (0, 1):
+        for kind in spec.layout.kinds:
             for view in region_views(pool, spec.layout, kind):
                 if view is not None:
                     view[dst, :, :rows] = view[src, :, :rows]
 
 
-def append_kv(spec: AttentionSpec, pool: np.ndarray, k: np.ndarray, v: np.ndarray,
+def append_kv(spec: AttentionSpec, pool: np.ndarray, k: np.ndarray, v: np.ndarray | None,
               slots: np.ndarray, copies: np.ndarray, k_pos: np.ndarray | None = None,
               rope: tuple | None = None, rope_scale: float = 1.0) -> None:
     """The page copies (:func:`copy_pages`), then the append kernel: token ``t``'s keys
-    ``k[t]`` and values ``v[t]`` (``[T, H_kv, D]``) written at pool slot ``slots[t]``
+    ``k[t]`` (``[T, H_kv, D]``) and values ``v[t]`` (``[T, H_kv, D_v]``; None, and only
+    the key rows written, when ``spec.value_in_key``) written at pool slot ``slots[t]``
     (``page * page_size + row``), stored as the pool stores them (a byte pool's
     q8_0/q4_0 blocks: a value no block can store is refused before anything is written).
 
@@ -400,8 +401,9 @@ def append_kv(spec: AttentionSpec, pool: np.ndarray, k: np.ndarray, v: np.ndarra
         pool[page, 0, :, slot] = k
         pool[page, 1, :, slot] = v
         return
+    kinds = spec.layout.kinds
     rows = [_stored(x, fmt, name) for x, fmt, name in
-            ((k, spec.k_format, "k"), (v, spec.v_format, "v"))]  # may refuse: nothing written
+            ((k, spec.k_format, "k"), (v, spec.v_format, "v"))[:len(kinds)]]  # may refuse
     copy_pages(spec, pool, copies)
     for kind, (data, scales) in enumerate(rows):
         dview, sview = region_views(pool, spec.layout, kind)

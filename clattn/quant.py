@@ -27,7 +27,8 @@ so every backend reads the same numbers. :func:`to_ggml_blocks` and
 
 Pool layout when K or V is quantized, or when keys and values differ in width (``head_dim``
 for K, ``head_dim_v`` for V): ``uint8 [P, page_bytes]``; a page holds the keys of KV
-heads 0..H_kv-1, then their values; the region of one (kind, head) is the ``page_size``
+heads 0..H_kv-1, then their values (none when the values are in the key rows:
+``PageLayout.value_in_key``); the region of one (kind, head) is the ``page_size``
 data rows of its kind's width (``row_bytes`` each), then, for quantized kinds, their
 ``page_size x width / 32`` f16 scales, the region padded to a multiple of 16 bytes.
 """
@@ -74,6 +75,9 @@ class PageLayout:
     """Byte layout of one page of a byte pool (K or V quantized, or of unequal widths).
 
     ``head_dim`` is the width of a key row, ``head_dim_v`` of a value row (None: the same).
+    ``value_in_key``: a value row is the first ``head_dim_v`` values of its key row (the
+    page holds key regions only; a V address is its K address, K's row stride and scale
+    layout).
     """
 
     k_format: str
@@ -82,6 +86,12 @@ class PageLayout:
     page_size: int
     head_dim: int
     head_dim_v: int | None = None
+    value_in_key: bool = False
+
+    @property
+    def kinds(self) -> tuple[int, ...]:
+        """The kinds a page stores: (0, 1), or (0,) when the values are in the key rows."""
+        return (0,) if self.value_in_key else (0, 1)
 
     def width(self, kind: int) -> int:
         """Values per row of kind 0 (K) or 1 (V)."""
@@ -93,7 +103,10 @@ class PageLayout:
 
     def blocks(self, kind: int) -> int:
         """Blocks of up to 32 values a row of kind 0 (K) or 1 (V) is written in (the
-        append's work items; a float row's last block may be shorter)."""
+        append's work items; a float row's last block may be shorter; no V blocks when the
+        values are in the key rows)."""
+        if kind not in self.kinds:
+            return 0
         return -(-self.width(kind) // BLOCK)
 
     @property
@@ -115,14 +128,17 @@ class PageLayout:
 
     @property
     def v_region(self) -> int:
-        return self.region_bytes(self.v_format, self.width(1))
+        return self.region_bytes(self.v_format, self.width(1)) if 1 in self.kinds else 0
 
     @property
     def page_bytes(self) -> int:
         return self.num_kv_heads * (self.k_region + self.v_region)
 
     def region_offset(self, kind: int, head: int) -> int:
-        """Byte offset of a (kind 0 = K / 1 = V, head) region inside its page."""
+        """Byte offset of a (kind 0 = K / 1 = V, head) region inside its page (V: K's when
+        the values are in the key rows)."""
+        if kind not in self.kinds:
+            kind = 0
         return kind * self.num_kv_heads * self.k_region + head * \
             (self.k_region if kind == 0 else self.v_region)
 
@@ -332,7 +348,12 @@ def region_views(pool: np.ndarray, layout: PageLayout,
                  kind: int) -> tuple[np.ndarray, np.ndarray | None]:
     """Views ``(data uint8 [P, H_kv, page_size, row_bytes], scales f16 [P, H_kv,
     page_size, D/32] or None)`` of the K (``kind`` 0) or V (1) regions of a byte pool
-    (``D`` the kind's width)."""
+    (``D`` the kind's width; V of a layout whose values are in the key rows: the leading
+    ``D_v`` values of the K rows, whose blocks are whole)."""
+    if kind not in layout.kinds:
+        data, sc = region_views(pool, layout, 0)
+        fmt, Dv = layout.format(1), layout.width(1)
+        return data[..., :row_bytes(fmt, Dv)], None if sc is None else sc[..., :Dv // BLOCK]
     fmt = layout.format(kind)
     P = pool.shape[0]
     H, ps, D = layout.num_kv_heads, layout.page_size, layout.width(kind)
@@ -348,12 +369,13 @@ def region_views(pool: np.ndarray, layout: PageLayout,
         P, H, ps, D // BLOCK)
 
 
-def pack_pool(k: np.ndarray, v: np.ndarray, layout: PageLayout) -> np.ndarray:
+def pack_pool(k: np.ndarray, v: np.ndarray | None, layout: PageLayout) -> np.ndarray:
     """A byte pool from float keys ``[P, H_kv, page_size, D]`` and values ``[P, H_kv,
-    page_size, D_v]`` (``D``, ``D_v``: the layout's widths)."""
+    page_size, D_v]`` (``D``, ``D_v``: the layout's widths; ``v`` None, and not read,
+    when the layout's values are in the key rows)."""
     P = k.shape[0]
     pool = np.zeros((P, layout.page_bytes), np.uint8)
-    for kind, x in ((0, k), (1, v)):
+    for kind, x in ((0, k), (1, v))[:len(layout.kinds)]:
         fmt = layout.format(kind)
         data, sc = region_views(pool, layout, kind)
         if fmt in QUANTIZED:
@@ -367,10 +389,14 @@ def pack_pool(k: np.ndarray, v: np.ndarray, layout: PageLayout) -> np.ndarray:
 def unpack_pool(pool: np.ndarray, layout: PageLayout,
                 pages: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Float32 ``k [n, H_kv, page_size, D]`` and ``v [n, H_kv, page_size, D_v]`` of the
-    given pages (default: all)."""
+    given pages (default: all; ``v`` a view of ``k``'s leading ``D_v`` values when the
+    layout's values are in the key rows)."""
     sel = pool if pages is None else pool[np.asarray(pages)]
     out = []
     for kind in (0, 1):
+        if kind not in layout.kinds:
+            out.append(out[0][..., :layout.width(1)])
+            continue
         fmt = layout.format(kind)
         data, sc = region_views(np.ascontiguousarray(sel), layout, kind)
         if fmt in QUANTIZED:

@@ -50,6 +50,17 @@ class AttentionSpec:
     ``rotary_dim`` only matter when a call passes ``rotary_mode=1``. ``head_dim`` is the
     width of queries and keys, ``head_dim_v`` of values and of the output (default:
     ``head_dim``); unequal widths make the pool a byte pool (:mod:`clattn.quant`'s layout).
+
+    ``value_in_key=True`` stores one row per token and KV head: a token's value is the
+    first ``head_dim_v`` values of its stored key row (``head_dim_v <= head_dim``, given
+    explicitly; ``v_format`` is ``k_format``), and the pool, a byte pool, holds key regions
+    only. This is the absorbed form of multi-head latent attention (DeepSeek-V2/V3,
+    MiniCPM3): each row is the compressed latent (``kv_lora_rank`` values, the value part)
+    then the RoPE'd key part (``qk_rope_head_dim``); the caller absorbs the key
+    up-projection into the query and the value up-projection into the output, uses one KV
+    head for all query heads, and passes ``sm_scale`` itself
+    (``1/sqrt(qk_nope_head_dim + qk_rope_head_dim)``, not the default
+    ``1/sqrt(head_dim)``). Appends then take ``v=None``.
     """
 
     num_qo_heads: int
@@ -65,9 +76,17 @@ class AttentionSpec:
     k_format: str | None = None
     v_format: str | None = None
     head_dim_v: int | None = None
+    value_in_key: bool = False
     _rope_key: Any = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.value_in_key, (bool, np.bool_)):
+            raise TypeError(f"value_in_key={self.value_in_key!r}: must be True or False")
+        object.__setattr__(self, "value_in_key", bool(self.value_in_key))
+        if self.head_dim_v is None and self.value_in_key:
+            raise ValueError("head_dim_v=None: value_in_key=True reads each value from the "
+                             "first head_dim_v values of its key row; give head_dim_v (MLA: "
+                             "kv_lora_rank)")
         if self.head_dim_v is None:
             object.__setattr__(self, "head_dim_v", self.head_dim)
         for name in ("num_qo_heads", "num_kv_heads", "head_dim", "head_dim_v", "page_size"):
@@ -81,6 +100,10 @@ class AttentionSpec:
                 f"num_kv_heads={self.num_kv_heads}: GQA needs an integer group size")
         if self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim}: must be even (RoPE pairs dims)")
+        if self.value_in_key and self.head_dim_v > self.head_dim:
+            raise ValueError(f"head_dim_v={self.head_dim_v}: value_in_key=True reads the values "
+                             f"from the key rows, so head_dim_v must be at most "
+                             f"head_dim={self.head_dim}")
         page_values = self.num_kv_heads * self.page_size * (self.head_dim + self.head_dim_v)
         widest = max(self.head_dim, self.head_dim_v)
         if page_values > INT32_MAX or self.num_qo_heads * widest > INT32_MAX:
@@ -100,6 +123,13 @@ class AttentionSpec:
         if not isinstance(self.sliding_window, (bool, np.bool_)):
             raise TypeError(f"sliding_window={self.sliding_window!r}: must be True or False")
         object.__setattr__(self, "sliding_window", bool(self.sliding_window))
+        if self.value_in_key:
+            k_fmt = dt if self.k_format is None else self.k_format
+            if self.v_format is not None and self.v_format != k_fmt:
+                raise ValueError(f"v_format={self.v_format!r}: value_in_key=True stores the "
+                                 f"values in the key rows, as k_format={k_fmt!r}; pass "
+                                 f"v_format=None")
+            object.__setattr__(self, "v_format", k_fmt)
         for name, wname in (("k_format", "head_dim"), ("v_format", "head_dim_v")):
             fmt = dt if getattr(self, name) is None else getattr(self, name)
             width = getattr(self, wname)
@@ -146,7 +176,7 @@ class AttentionSpec:
         return hash((self.num_qo_heads, self.num_kv_heads, self.head_dim, self.page_size,
                      self.dtype, self.sliding_window, self._rope_key, self.rotary_dim,
                      self.softcap, self.max_position_embeddings, self.k_format, self.v_format,
-                     self.head_dim_v))
+                     self.head_dim_v, self.value_in_key))
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, AttentionSpec) and hash(self) == hash(other) and \
@@ -172,16 +202,17 @@ class AttentionSpec:
 
     @property
     def byte_pool(self) -> bool:
-        """True when the pool is a byte array: K and V not both stored as ``dtype``, or of
-        unequal widths (``[P, 2, H_kv, page_size, D]`` holds one width)."""
+        """True when the pool is a byte array: K and V not both stored as ``dtype``, of
+        unequal widths (``[P, 2, H_kv, page_size, D]`` holds one width), or the values
+        read from the key rows (pages of key regions only)."""
         return not (self.k_format == self.dtype and self.v_format == self.dtype) or \
-            self.split_widths
+            self.split_widths or self.value_in_key
 
     @property
     def layout(self) -> PageLayout:
         """Byte layout of a page of a byte pool."""
         return PageLayout(self.k_format, self.v_format, self.num_kv_heads, self.page_size,
-                          self.head_dim, self.head_dim_v)
+                          self.head_dim, self.head_dim_v, self.value_in_key)
 
     def pool_shape(self, num_pages: int) -> tuple[int, ...]:
         """Shape of a pool of ``num_pages`` pages (its dtype: :attr:`pool_dtype`)."""
@@ -195,18 +226,22 @@ class AttentionSpec:
 
     @property
     def bytes_per_token(self) -> float:
-        """Pool bytes one token takes per layer (K and V, every KV head, scales included)."""
-        return self.num_kv_heads * (self.head_dim * bytes_per_value(self.k_format) +
-                                    self.head_dim_v * bytes_per_value(self.v_format))
+        """Pool bytes one token takes per layer (K and V, every KV head, scales included;
+        the K rows alone when :attr:`value_in_key`)."""
+        v_bytes = 0.0 if self.value_in_key else self.head_dim_v * bytes_per_value(self.v_format)
+        return self.num_kv_heads * (self.head_dim * bytes_per_value(self.k_format) + v_bytes)
 
     def key(self) -> str:
         """A stable text key (for caches and kernel names); ``head_dim_v`` enters it only
-        where it differs from ``head_dim``."""
+        where it differs from ``head_dim`` or the values are read from the key rows, and
+        ``value_in_key`` only when set."""
         fields = [self.num_qo_heads, self.num_kv_heads, self.head_dim, self.page_size,
                   self.dtype, self.sliding_window, self.rope_scaling, self.rotary_dim,
                   self.softcap, self.max_position_embeddings, self.k_format, self.v_format]
-        if self.split_widths:
+        if self.split_widths or self.value_in_key:
             fields.append(self.head_dim_v)
+        if self.value_in_key:
+            fields.append("value_in_key")
         return json.dumps(fields, sort_keys=True)
 
     @classmethod

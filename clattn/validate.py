@@ -214,6 +214,18 @@ def check_tables(spec: AttentionSpec, B: int, P: int, page_indptr: Any, page_ind
 _F32_MAX = float(np.finfo(np.float32).max)
 
 
+def check_value_arg(spec: AttentionSpec, v: Any) -> None:
+    """``v`` of an append: None exactly when ``spec.value_in_key`` (the values are then
+    the key rows' leading ``head_dim_v`` values); ValueError naming ``v`` otherwise."""
+    if spec.value_in_key and v is not None:
+        raise ValueError(f"v: the spec reads the values from the key rows (value_in_key=True, "
+                         f"the first head_dim_v={spec.head_dim_v} values of each key row); "
+                         f"pass v=None")
+    if not spec.value_in_key and v is None:
+        raise ValueError(f"v=None: the spec stores values of their own (value_in_key=False); "
+                         f"pass v [T, num_kv_heads, head_dim_v={spec.head_dim_v}]")
+
+
 def _number(name: str, value: Any) -> float:
     """``value`` as a float; a number only (not a string or a bool)."""
     if not is_number(value):

@@ -16,8 +16,9 @@ Template parameters (clattn.codegen.render_append; geometry clattn.fit.append_ge
   STRATEGY, VEC, MH   rows (CPU drivers): work-groups of one work-item, each striding over
                       (token, head) rows, VEC elements at a time; tiled (GPUs): D/VEC
                       lanes per row, MH rows per work-group
-  KFMT, VFMT, BYTE_POOL, PAGE_BYTES, K_REGION, V_REGION, K_ROWB, V_ROWB
-                      page storage (clattn.codegen's pool parameters, clattn.quant's layout)
+  KFMT, VFMT, BYTE_POOL, PAGE_BYTES, K_REGION, V_REGION, K_ROWB, V_ROWB, VIN_K
+                      page storage (clattn.codegen's pool parameters, clattn.quant's layout;
+                      VIN_K: the values are in the key rows, only K rows are written)
   APPEND_SIGNATURE/APPEND_FIXUP, CHECK_SIGNATURE, COPY_SIGNATURE/COPY_FIXUP  from
                       clattn.signatures APPEND, APPEND_CHECK and PAGE_COPY
 Every index is checked or clamped: a slot outside the pool, or a copy whose destination

@@ -6,11 +6,13 @@
 ## round_half_away(x * id) (q8_0) or min(15, trunc(x * id + 8.5)) (q4_0), every
 ## operation one correctly rounded f32 operation. A key row is D values wide in NBK blocks,
 ## a value row DV in NBV (clattn.quant.PageLayout.blocks: a float row's last block may be
-## shorter than 32; a quantized row is whole blocks).
+## shorter than 32; a quantized row is whole blocks). VIN_K: the values are in the key
+## rows: NBV is 0, no value row is written or copied (v is not read).
 <%namespace name="c" file="common.clh.mako"/>
 <%
 QUANT = ("q8_0", "q4_0")
 NT = NBK + NBV   # work items of a (token, head)
+NKINDS = 1 if VIN_K else 2   # regions of a (page, head): K, and V unless in the key rows
 def scale_bytes(fmt, width):
     return width // 32 * 2 if fmt in QUANT else 0
 ITEMS = "n_tokens * %d" % (HKV * NT)
@@ -188,10 +190,13 @@ ${item_setup()}
         if (kind == 0) {
             const ulong reg = page * ${PAGE_BYTES} + (ulong)h * ${K_REGION};
 ${store_block(KFMT, K_ROWB, D)}
-        } else {
+        }
+% if not VIN_K:
+        else {
             const ulong reg = page * ${PAGE_BYTES} + ${HKV * K_REGION} + (ulong)h * ${V_REGION};
 ${store_block(VFMT, V_ROWB, DV)}
         }
+% endif
     }
 }
 
@@ -208,9 +213,9 @@ ${store_block(VFMT, V_ROWB, DV)}
 __kernel void clattn_page_copy(${COPY_SIGNATURE})
 {
     ${COPY_FIXUP}
-    for (int it = get_global_id(0); it < n_copies * ${2 * HKV * PS}; it += get_global_size(0)) {
-        const int cidx = it / ${2 * HKV * PS};
-        const int rem = it % ${2 * HKV * PS};
+    for (int it = get_global_id(0); it < n_copies * ${NKINDS * HKV * PS}; it += get_global_size(0)) {
+        const int cidx = it / ${NKINDS * HKV * PS};
+        const int rem = it % ${NKINDS * HKV * PS};
         const int kind = rem / ${HKV * PS}, h = (rem / ${PS}) % ${HKV}, r = rem % ${PS};
         const int dst = copies[3 * cidx + 1];
         const int rows = clamp(copies[3 * cidx + 2], 0, ${PS});
@@ -222,8 +227,11 @@ __kernel void clattn_page_copy(${COPY_SIGNATURE})
         const __global ushort* sr = (const __global ushort*)(pages + (ulong)src * ${PAGE_BYTES} + at);
         if (kind == 0) {
 ${copy_region(K_ROWB, scale_bytes(KFMT, D))}
-        } else {
+        }
+% if not VIN_K:
+        else {
 ${copy_region(V_ROWB, scale_bytes(VFMT, DV))}
         }
+% endif
     }
 }

@@ -7,7 +7,9 @@ FIXUP (the pointer fix-up rendered from the
 decode argument table, clattn.signatures.DECODE), and the page storage: KFMT, VFMT
 ("half", "float", "q8_0", "q4_0"), BYTE_POOL (the pool is bytes: K or V not stored
 as DTYPE), PAGE_BYTES, K_REGION, V_REGION (bytes of a page and of one (kind, head)
-region), K_ROWB, V_ROWB (data bytes per row); clattn.quant has the layout.
+region), K_ROWB, V_ROWB (data bytes per row), VIN_K (a V row is the leading DV values
+of its K row: addressed as the K row, with K's stride and scales); clattn.quant has the
+layout.
 </%doc>
 <%namespace name="a" file="append_row.clh.mako"/>
 <%namespace name="m" file="merge_state.clh.mako"/>
@@ -99,8 +101,8 @@ ${page_ptr(kind, name, "clattn_page_of(page_indices, p0, %s, sink, wo, num_pages
 % if not BYTE_POOL:
 const __global kv_t* ${name} = pages + ((((ulong)(${page}) * 2 + ${kind}) * ${HKV} + kvh) * ${PS} + (${slot})) * ${D};\
 % else:
-<% fmt, rowb, width = (KFMT, K_ROWB, D) if kind == 0 else (VFMT, V_ROWB, DV) %>\
-const ulong ${name}_reg = clattn_region_of(${page}, ${kind}, kvh);
+<% fmt, rowb, width = (KFMT, K_ROWB, D) if kind == 0 or VIN_K else (VFMT, V_ROWB, DV) %>\
+const ulong ${name}_reg = clattn_region_of(${page}, ${0 if VIN_K else kind}, kvh);
             const __global uchar* ${name} = pages + ${name}_reg + (ulong)(${slot}) * ${rowb};\
 %   if fmt in ("q8_0", "q4_0"):
 
@@ -185,11 +187,12 @@ inline float clattn_h2f_1(const ushort u)
 ## start with a full memory latency. Locality 2 (x86: prefetcht1, into L2) measured
 ## faster than 3 (into L1) on both CPU drivers: the L1's miss buffers are kept for the
 ## block being computed. A quantized row's block scales lie apart from its codes (the
-## page's scale region): their line is prefetched with them, one hint per row.
+## page's scale region): their line is prefetched with them, one hint per row. VIN_K: the
+## K row alone (it holds the values).
 <%def name="prefetch_row(pgv, slv)">\
 <% rowb = [K_ROWB, V_ROWB] if BYTE_POOL else [D * (2 if DTYPE == "half" else 4)] * 2 %>\
             {
-% for kind in (0, 1):
+% for kind in ((0,) if VIN_K else (0, 1)):
                 ${page_ptr(kind, "pf%d" % kind, pgv, slv)}
 %   for off in range(0, rowb[kind], 64):
                 __builtin_prefetch((const __global uchar*)pf${kind} + ${off}, 0, 2);

@@ -119,9 +119,12 @@ def make_case(spec, lengths, *, seed=0, page_size=None, window=None, sinks=None,
     ``poison=True`` fills every slot nobody may read (spare pages, the tail of each last
     page) with NaN, so reading out of range shows up as NaN.
 
-    A spec whose values differ in width from its keys (``head_dim_v``) gets its byte pool
-    in ``pages`` and, for the oracle, the float keys ``[P, H_kv, page_size, D]`` and
-    values ``[P, H_kv, page_size, D_v]`` as stored, in ``kv``.
+    A spec whose values differ in width from its keys (``head_dim_v``), or are read from
+    them (``value_in_key``), gets its byte pool in ``pages`` and, for the oracle, the
+    float keys ``[P, H_kv, page_size, D]`` and values ``[P, H_kv, page_size, D_v]`` as
+    stored, in ``kv`` (``value_in_key``: the keys' leading ``D_v`` values; quantized
+    formats stored as the pool stores them, their unread rows poisoned through a NaN
+    block scale).
     """
     rng = np.random.default_rng(seed)
     ps = int(page_size or spec.page_size)
@@ -134,7 +137,9 @@ def make_case(spec, lengths, *, seed=0, page_size=None, window=None, sinks=None,
     H_qo, H_kv, D = spec.num_qo_heads, spec.num_kv_heads, spec.head_dim
 
     q = rng.standard_normal((B, H_qo, D)).astype(dt)
-    if spec.split_widths:
+    if spec.value_in_key:
+        pages = [rng.standard_normal((P, H_kv, ps, D)).astype(dt)]
+    elif spec.split_widths:
         pages = [rng.standard_normal((P, H_kv, ps, w)).astype(dt)
                  for w in (D, spec.head_dim_v)]
     else:
@@ -152,16 +157,24 @@ def make_case(spec, lengths, *, seed=0, page_size=None, window=None, sinks=None,
                 used[page_indices[page_indptr[b] + o // ps], o % ps] = True
         for p in range(P):
             for slot in range(ps):
-                if not used[p, slot] and spec.split_widths:
+                if not used[p, slot] and isinstance(pages, list):
                     for x in pages:
                         x[p, :, slot, :] = np.nan
                 elif not used[p, slot]:
                     pages[p, :, :, slot, :] = np.nan
     kv = None
-    if spec.split_widths:
+    if isinstance(pages, list):
         from clattn import quant
 
-        pages = quant.pack_pool(pages[0], pages[1], spec.layout)
+        unread = np.nonzero(np.isnan(pages[0][:, 0, :, 0]))   # (pages, slots) poisoned
+        lay = spec.layout
+        quantized = [kind for kind in lay.kinds if lay.format(kind) in quant.QUANTIZED]
+        if quantized:
+            for x in pages:
+                x[unread[0], :, unread[1]] = 0.0
+        pages = quant.pack_pool(pages[0], pages[1] if len(pages) > 1 else None, lay)
+        for kind in quantized:   # a NaN block scale: every value of the row NaN
+            quant.region_views(pages, lay, kind)[1][unread[0], :, unread[1]] = np.nan
         kv = quant.unpack_pool(pages, spec.layout)
     case = dict(q=q, pages=pages, page_indptr=page_indptr, page_indices=page_indices,
                 last_page_len=last_page_len, stored=np.array(lengths, dtype=np.int32),

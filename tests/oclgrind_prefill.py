@@ -157,6 +157,13 @@ PREFILL_VARIANTS = {
         [3, 6]),
     "prefill-tiled-widths-f32": lambda: values_variant(
         SMALL_TILED, dict(SMALL, head_dim_v=24, dtype="float32"), [6, 1], [5, 2]),
+    # values read from the key rows (pages of key regions only)
+    "prefill-rows-latent-q4": lambda: values_variant(
+        "generic-cpu", dict(SMALL, head_dim=64, head_dim_v=32, dtype="float32",
+                            k_format="q4_0", value_in_key=True), [5, 0], [3, 6]),
+    "prefill-tiled-latent-f16": lambda: values_variant(
+        SMALL_TILED, dict(SMALL, head_dim_v=8, dtype="float16", value_in_key=True), [6, 1],
+        [5, 2]),
     "prefill-mask-rows": lambda: mask_variant("generic-cpu"),
     "prefill-mask-tiled": lambda: mask_variant(SMALL_TILED),
     "prefill-rows-f32-learned-sinks": lambda: values_variant(
@@ -171,6 +178,7 @@ PREFILL_VARIANTS = {
 #: without RoPE (sincos on a private pointer stops Oclgrind's uninitialised-value plugin)
 PREFILL_NO_ROPE = ("prefill-rows-vec1-f16-softcap", "prefill-rows-vec16-f16-window",
                    "prefill-tiled-f32-norope", "prefill-rows-widths-f16",
-                   "prefill-tiled-widths-f32", "prefill-mask-rows", "prefill-mask-tiled",
+                   "prefill-tiled-widths-f32", "prefill-rows-latent-q4",
+                   "prefill-tiled-latent-f16", "prefill-mask-rows", "prefill-mask-tiled",
                    "prefill-rows-f32-learned-sinks", "prefill-tiled-f16-learned-sinks",
                    "prefill-adversarial-rows-norope", "prefill-adversarial-tiled-norope")

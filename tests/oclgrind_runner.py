@@ -289,6 +289,17 @@ VARIANTS = {
         dict(SMALL_TILED, vec=1), dict(num_qo_heads=4, num_kv_heads=2, head_dim=16,
                                        head_dim_v=40, page_size=4, dtype="float16"),
         [9, 0, 5], splits=(False, 4)),
+    # values read from the key rows (MLA's absorbed form: pages of key regions only),
+    # split and folded; quantized keys, windows and sinks
+    "rows-fold-latent-q8-window-split": lambda: decode_variant(
+        ROWS_FOLD, dict(num_qo_heads=4, num_kv_heads=2, head_dim=64, head_dim_v=32,
+                        page_size=4, dtype="float32", k_format="q8_0", sliding_window=True,
+                        value_in_key=True), [13, 0, 6], window=[6, 0, 0], sinks=[1, 0, 0],
+        splits=(False, 4)),
+    "tiled-latent-f16-split": lambda: decode_variant(
+        dict(SMALL_TILED, vec=1), dict(num_qo_heads=4, num_kv_heads=1, head_dim=24,
+                                       head_dim_v=16, page_size=4, dtype="float16",
+                                       value_in_key=True), [9, 0, 5], splits=(False, 4)),
     # merges alone
     "merge-rows-f32": lambda: merge_variant("generic-cpu", "float32"),
     "merge-rows-f16": lambda: merge_variant("generic-cpu", "float16"),
@@ -311,7 +322,7 @@ NO_ROPE = ("rows-f32-split", "rows-f32-split-learned-sinks", "tiled-f16-split-le
            "rows-fold-f32-split-learned-sinks", "tiled-separate-f16-split-learned-sinks",
            "adversarial-rows-fold-norope",
            "rows-vec1-f16", "tiled-local-f32-g1-tile2", "rows-fold-widths-f32-split",
-           "tiled-widths-f16-split",
+           "tiled-widths-f16-split", "rows-fold-latent-q8-window-split", "tiled-latent-f16-split",
            "tiled-subgroup-fallback-f16", "merge-rows-f32", "merge-rows-f16", "merge-tiled-f32",
            "merge-tiled-f16", "adversarial-rows-norope", "adversarial-tiled-local-norope")
 

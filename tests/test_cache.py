@@ -201,10 +201,12 @@ def simulate(cache, steps, seed, rope):
             ks = rng.standard_normal((L, T, Hkv, D)).astype(dt)
             vs = rng.standard_normal((L, T, Hkv, spec.head_dim_v)).astype(dt)
             ks_st, vs_st = hist.stored(ks, 0), hist.stored(vs, 1)
+            if spec.value_in_key:   # the values: the stored keys' leading head_dim_v values
+                vs_st = ks_st[..., :spec.head_dim_v]
             cancel = rng.random() < 0.05
             for layer in range(L):
                 q = rng.standard_normal((T, H, D)).astype(dt)
-                cache.append(layer, ks[layer], vs[layer])
+                cache.append(layer, ks[layer], None if spec.value_in_key else vs[layer])
                 res = cache.attend(layer, q)
                 ref = hist.oracle(layer, list(zip(chosen, ns)), ks_st[layer], vs_st[layer], q,
                                   rope, cache)

@@ -64,13 +64,14 @@ def _cache(spec, profile, layers=1, **kw):
     return cache
 
 
-def simulation_variant(profile, dtype, window, rope, seed=0, formats=None, head_dim_v=None):
+def simulation_variant(profile, dtype, window, rope, seed=0, formats=None, head_dim_v=None,
+                       value_in_key=False):
     from test_cache import simulate
 
     import clattn
     build = dict(sliding_window=True) if window else {}
-    if head_dim_v:  # values of another width: a byte pool
-        build.update(head_dim_v=head_dim_v)
+    if head_dim_v:  # values of another width (or read from the key rows): a byte pool
+        build.update(head_dim_v=head_dim_v, value_in_key=value_in_key)
     if rope == "attend":
         build.update(rope_scaling=LLAMA3, max_position_embeddings=4096)
     D = 16
@@ -303,6 +304,8 @@ VARIANTS = {
                                                               "attend"),
     "cache-rows-f16-widths-window": lambda: simulation_variant(
         "generic-cpu", "float16", True, None, seed=3, head_dim_v=40),
+    "cache-tiled-f32-latent-window": lambda: simulation_variant(
+        SMALL_TILED, "float32", True, None, seed=3, head_dim_v=8, value_in_key=True),
     "cache-rows-growing-split": lambda: growing_split_variant({"strategy": "rows"}),
     "cache-tiled-growing-split": lambda: growing_split_variant(SMALL_TILED),
     "append-adversarial-rows-f16": lambda: adversarial_variant("generic-cpu", "float16", False),

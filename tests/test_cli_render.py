@@ -81,3 +81,18 @@ def test_render_values_of_another_width(capsys, kind, strategy):
     assert "${" not in out
     if kind in ("decode", "prefill"):
         assert "* 128" in out and "* 192" in out   # out rows 128 wide, q rows 192
+
+
+@pytest.mark.parametrize("kind,strategy", [("decode", "rows"), ("decode", "tiled"),
+                                           ("prefill", "rows"), ("append", "rows")])
+def test_render_values_in_the_key_rows(capsys, kind, strategy):
+    """--value-in-key: DeepSeek-V2-Lite's absorbed form (one 576-wide row, values its first
+    512); the page holds key regions only, so no address goes past them."""
+    head, out = _render(capsys, kind, "--strategy", strategy, "--heads", "16",
+                        "--kv-heads", "1", "--head-dim", "576", "--head-dim-v", "512",
+                        "--value-in-key")
+    assert "value_in_key=True" in head[0] and "head_dim_v=512" in head[0]
+    assert "${" not in out
+    assert f"* {16 * 576 * 2}" in out   # a page's bytes: one K region
+    if kind == "append":
+        assert "n_copies * 16;" in out   # copies of (K region, row) only: 1 head x 16 rows

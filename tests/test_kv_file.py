@@ -2,7 +2,7 @@
 backend and across them, and every bad file refused with the cache unchanged.
 
 One scenario per page format (f16, f32, q8_0 keys with q4_0 values, f16 values of
-another width than the keys) on the CPU backend
+another width than the keys, f32 values read from the key rows) on the CPU backend
 and each device (its own profile): a sequence without a window, one with a window of 6
 and 2 sinks that has slid (pages given back) and stands mid-way through its window at
 the save, with a position offset, and a fork sharing the first sequence's pages, its
@@ -33,7 +33,8 @@ from clattn.kv_file import KVFileCorruptError, KVFileError, KVFileMismatchError,
 LAYERS = 2
 FORMATS = {"f16": dict(dtype="float16"), "f32": dict(dtype="float32"),
            "q8_0-q4_0": dict(dtype="float16", k_format="q8_0", v_format="q4_0"),
-           "f16-v16": dict(dtype="float16", head_dim_v=16)}  # values of their own width
+           "f16-v16": dict(dtype="float16", head_dim_v=16),  # values of their own width
+           "f32-latent": dict(dtype="float32", head_dim_v=16, value_in_key=True)}  # in K rows
 TARGETS = ([Target("cpu")] if _selected("cpu") else []) + \
     [Target(k, d) for k, d in DEVICES.items()]
 IDS = ("a", "w", "f")
@@ -69,7 +70,7 @@ def step(cache, ids, lengths, seed) -> list:
         k = r.standard_normal((T, 2, cache.spec.head_dim)).astype(dt)
         v = r.standard_normal((T, 2, cache.spec.head_dim_v)).astype(dt)
         q = r.standard_normal((T, 4, cache.spec.head_dim)).astype(dt)
-        cache.append(layer, k, v)
+        cache.append(layer, k, None if cache.spec.value_in_key else v)
         res = cache.attend(layer, q)
         got.append((host(res.out).tobytes(), host(res.lse).tobytes()))
     cache.end()
