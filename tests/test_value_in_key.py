@@ -22,7 +22,7 @@ from test_prefill import get_prefill
 from test_widths import case_for
 
 import clattn
-from clattn import quant
+from clattn import models, quant
 
 F16, F32 = "float16", "float32"
 
@@ -243,3 +243,31 @@ def test_kv_file_without_the_field_loads_as_before(tmp_path):
                                  1, num_pages=4, backend="cpu")
     with pytest.raises(clattn.kv_file.KVFileMismatchError, match="page format.*value_in_key"):
         latent.load(path)
+
+
+@pytest.mark.parametrize("m", models.MLA_SHAPES, ids=lambda m: m.name)
+def test_mla_shapes_give_each_forms_spec_and_bytes(m):
+    """A model's two cache forms: per head keys of nope + rope and values of v_head_dim, or
+    one shared row of latent + rope whose leading latent values are the value."""
+    dec, lat = m.spec("decompressed"), m.spec("latent")
+    assert (dec.num_kv_heads, dec.head_dim, dec.head_dim_v, dec.value_in_key) == \
+        (m.num_heads, m.qk_nope_head_dim + m.qk_rope_head_dim, m.v_head_dim, False)
+    assert (lat.num_qo_heads, lat.num_kv_heads, lat.head_dim, lat.head_dim_v) == \
+        (m.num_heads, 1, m.kv_lora_rank + m.qk_rope_head_dim, m.kv_lora_rank)
+    assert lat.value_in_key
+    assert dec.bytes_per_token == 2 * m.num_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim
+                                                     + m.v_head_dim)
+    assert lat.bytes_per_token == 2 * (m.kv_lora_rank + m.qk_rope_head_dim)
+    assert m.sm_scale == 1 / math.sqrt(m.qk_nope_head_dim + m.qk_rope_head_dim)
+    with pytest.raises(ValueError, match="form='absorbed'"):
+        m.spec("absorbed")
+
+
+def test_mla_shape_sizes():
+    """DeepSeek-V2-Lite's latent form holds 576 values per token and layer against 16 x
+    (192 + 128) decompressed (issue 41's figures)."""
+    m = models.mla_shape("DeepSeek-V2-Lite")
+    assert m.spec("latent").bytes_per_token == 1152
+    assert m.spec("decompressed").bytes_per_token == 10240
+    with pytest.raises(KeyError, match="DeepSeek-V2-Lite"):
+        models.mla_shape("nope")
