@@ -252,3 +252,48 @@ def test_a_latent_cache_saved_and_loaded_continues(tmp_path):
     finally:
         m.set_attn_implementation("eager")
     assert torch.equal(got, ref)
+
+
+def _forward_4x(self, hidden_states, attention_mask=None, cache=None,
+                position_embeddings=None, **kwargs):
+    """DeepSeek-V2's attention as transformers 4.x wrote it: the expanded per-head keys
+    and values go to the cache update, not the latents."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    B, L = hidden_states.shape[:-1]
+    q = self.q_proj(hidden_states) if self.q_lora_rank is None else \
+        self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden_states)))
+    q = q.view(B, L, -1, self.qk_head_dim).transpose(1, 2)
+    q_nope, q_pe = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
+    kv, k_pe = self.kv_a_proj_with_mqa(hidden_states).split(
+        [self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+    kv = self.kv_a_layernorm(kv).view(B, 1, L, self.kv_lora_rank)
+    q_pe, k_pe = modeling_deepseek_v2.apply_rotary_emb(
+        q_pe, k_pe.view(B, 1, L, self.qk_rope_head_dim), position_embeddings)
+    key, value = self.expand_kv(kv, k_pe)
+    if cache is not None:
+        key, value = cache.update(key, value, self.layer_idx)
+    fn = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation,
+                                               modeling_deepseek_v2.eager_attention_forward)
+    out, weights = fn(self, torch.cat((q_nope, q_pe), -1), key, value, attention_mask,
+                      scaling=self.scaling, **kwargs)
+    return self.o_proj(out.reshape(B, L, -1)), weights
+
+
+def test_a_model_that_caches_expanded_keys_runs_decompressed(monkeypatch):
+    """transformers 4.x's DeepSeek-V2 hands the cache its expanded keys and values: there
+    are no latents to store, so the default latent form runs decompressed, with one
+    warning saying so, and gives eager's tokens."""
+    monkeypatch.setattr(modeling_deepseek_v2.DeepseekV2Attention, "forward", _forward_4x)
+    m = tiny_model("deepseek_v2")
+    ref = m.generate(torch.tensor([[5, 9, 11, 4, 7]]), max_new_tokens=4, do_sample=False)
+    cache = ClattnCache(m, max_cache_len=32, backend="cpu")
+    m.set_attn_implementation("clattn")
+    try:
+        with pytest.warns(RuntimeWarning, match="runs in the decompressed form"):
+            got = m.generate(torch.tensor([[5, 9, 11, 4, 7]]), max_new_tokens=4,
+                             do_sample=False, cache=cache)
+    finally:
+        m.set_attn_implementation("eager")
+    assert torch.equal(got, ref)
+    assert not cache.latent
+    assert [g.spec.num_kv_heads for g in cache.groups.values()] == [m.config.num_key_value_heads]

@@ -23,6 +23,7 @@ from __future__ import annotations
 import collections
 import math
 import threading
+import warnings
 from typing import Any, Sequence
 
 import torch
@@ -340,6 +341,19 @@ class ClattnCache(Cache):
         #: the cache (the cache was reset and given back: Phi-3's longrope switch)
         self.restarts = 0
         self.broken: str | None = None  # the error a forward stopped at (reset() clears)
+
+    def run_decompressed(self) -> None:
+        """Run the decompressed form: the model caches its expanded per-head keys and
+        values, not its latents (transformers 4.x's DeepSeek-V2/V3), so that there are
+        no latents to store. Before the first pool only; one ``RuntimeWarning``."""
+        if self.groups:
+            raise RuntimeError("clattn: the latent form was given expanded keys after its "
+                               "pools were made; call reset()")
+        self.latent = False
+        warnings.warn("clattn: this model's attention caches its expanded keys and values "
+                      "(not its latents: transformers before 5), so it runs in the "
+                      "decompressed form of multi-head latent attention (mla='latent' needs "
+                      "the latents)", RuntimeWarning, stacklevel=3)
 
     # -- what the model sees ----------------------------------------------------------
     def __repr__(self) -> str:

@@ -31,8 +31,8 @@ import torch
 
 from clattn.spec import AttentionSpec
 
-__all__ = ["FORMS", "VALUE_IN_KEY", "LatentLayer", "check_form", "latent_spec",
-           "latent_values", "stored_values_per_token"]
+__all__ = ["FORMS", "VALUE_IN_KEY", "LatentLayer", "caches_latents", "check_form",
+           "latent_spec", "latent_values", "stored_values_per_token"]
 
 #: the forms an MLA model runs in on clattn (``register(mla=...)``/``ClattnCache(mla=...)``)
 FORMS = ("latent", "decompressed")
@@ -41,6 +41,18 @@ FORMS = ("latent", "decompressed")
 #: ``kv_lora_rank`` values (the core's ``AttentionSpec(value_in_key=True)``, ``v=None``).
 #: False until that lands: the values are stored as a copy of the rows' latent part.
 VALUE_IN_KEY = False
+
+
+def caches_latents(config: Any, cached: tuple) -> bool:
+    """Whether what an MLA layer's cache update was given (``cached``) is its latents
+    ``[B, 1, L, kv_lora_rank]`` and rope keys ``[B, 1, L, qk_rope_head_dim]`` (transformers
+    5), not the expanded per-head keys and values (transformers 4.x caches those)."""
+    if len(cached) != 2:
+        return False
+    c, k_pe = cached
+    return c.dim() == 4 and k_pe.dim() == 4 and c.shape[1] == 1 and k_pe.shape[1] == 1 and \
+        c.shape[-1] == int(config.kv_lora_rank) and \
+        k_pe.shape[-1] == int(config.qk_rope_head_dim)
 
 
 def check_form(mla: Any) -> str:

@@ -49,7 +49,7 @@ from .hf_cache import (
     check_form,
     expanded_from,
 )
-from .hf_mla import LatentLayer, latent_values
+from .hf_mla import LatentLayer, caches_latents, latent_values
 
 __all__ = ["ClattnCache", "ClattnMask", "UnsupportedFeatureError", "attention",
            "check_model", "mask", "register"]
@@ -367,6 +367,8 @@ def _paged(owner: ClattnCache, index: int, module: Any, query: torch.Tensor,
     if isinstance(attention_mask, ClattnMask):
         attention_mask.check_pattern(window, index)
     absorb = None
+    if owner.latent and not caches_latents(owner.config, cached):
+        owner.run_decompressed()  # the model caches its expanded keys (transformers 4.x)
     if owner.latent:  # MLA's latent form: the rows and absorbed queries (hf_mla)
         absorb = LatentLayer(module, owner.config, index)
         if index not in owner.latent_checked:
