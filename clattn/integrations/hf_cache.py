@@ -33,7 +33,8 @@ import clattn
 from clattn import runtime
 from clattn.spec import LSE_DTYPE, AttentionSpec
 
-from .hf_mla import check_form, latent_spec
+from .hf_errors import UnsupportedFeatureError
+from .hf_mla import check_form, latent_attention, latent_spec
 
 __all__ = ["ClattnCache", "ClattnLayer", "UnsupportedFeatureError", "check_config",
            "expanded_from", "layer_windows", "shared_kv_sources"]
@@ -48,10 +49,6 @@ DTYPES = {torch.float16: "float16", torch.float32: "float32"}
 #: tokens per sequence a cache is sized for when neither generate nor the caller says
 DEFAULT_MAX_CACHE_LEN = 4096
 _BUFFERS_KEPT = 4  # device q/out/lse arrays kept per layer kind (one per step size)
-
-
-class UnsupportedFeatureError(NotImplementedError):
-    """A model or call feature clattn cannot compute; the message names it."""
 
 
 class _Pending(threading.local):
@@ -119,12 +116,6 @@ def shared_kv_sources(config: Any) -> dict[int, int]:
                 f"{types[i]!r} layer (num_kv_shared_layers={shared}) and there is none")
         out[i] = earlier[-1]
     return out
-
-
-def latent_attention(config: Any) -> bool:
-    """Whether ``config`` is multi-head latent attention (``kv_lora_rank``): its cache
-    update takes latents, which the model expands into keys and values afterwards."""
-    return bool(getattr(config, "kv_lora_rank", None))
 
 
 def expanded_from(owner: "ClattnCache", cached: tuple, key: torch.Tensor,

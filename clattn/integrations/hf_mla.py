@@ -31,8 +31,10 @@ import torch
 
 from clattn.spec import AttentionSpec
 
+from .hf_errors import UnsupportedFeatureError
+
 __all__ = ["FORMS", "VALUE_IN_KEY", "LatentLayer", "caches_latents", "check_form",
-           "latent_spec", "latent_values", "stored_values_per_token"]
+           "latent_attention", "latent_spec", "latent_values", "stored_values_per_token"]
 
 #: the forms an MLA model runs in on clattn (``register(mla=...)``/``ClattnCache(mla=...)``)
 FORMS = ("latent", "decompressed")
@@ -41,6 +43,12 @@ FORMS = ("latent", "decompressed")
 #: ``kv_lora_rank`` values (the core's ``AttentionSpec(value_in_key=True)``, ``v=None``).
 #: False until that lands: the values are stored as a copy of the rows' latent part.
 VALUE_IN_KEY = False
+
+
+def latent_attention(config: Any) -> bool:
+    """Whether ``config`` is multi-head latent attention (``kv_lora_rank``): its cache
+    update takes latents, which the model expands into keys and values afterwards."""
+    return bool(getattr(config, "kv_lora_rank", None))
 
 
 def caches_latents(config: Any, cached: tuple) -> bool:
@@ -122,8 +130,8 @@ class LatentLayer:
         self.w_uk, self.w_uv = w[:, :self.nope], w[:, self.nope:]
         self.heads = int(w.shape[0])
 
-    def refuse(self, why: str) -> Exception:
-        from .hf_cache import UnsupportedFeatureError
+    def refuse(self, why: str) -> UnsupportedFeatureError:
+        """The refusal of this layer's absorption, for the reason ``why``."""
         return UnsupportedFeatureError(
             f"clattn: layer {self.index}: the latent form of multi-head latent attention "
             f"cannot absorb this model's projections ({why}); run it decompressed: "

@@ -18,7 +18,7 @@ from typing import Any
 from clattn.cache_store import read_header
 from clattn.kv_file import KVFileMismatchError
 
-from .hf_cache import latent_attention
+from .hf_mla import latent_attention
 
 __all__ = ["load", "save"]
 
