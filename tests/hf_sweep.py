@@ -33,7 +33,8 @@ ALIASES = dict(n_embd=64, d_model=64, n_head=4, n_heads=4, num_heads=4, ffn_dim=
                n_routed_experts=4, num_experts_per_tok=2, kv_channels=16,
                hidden_size_per_layer_input=8, vocab_size_per_layer_input=VOCAB,
                global_head_dim=16, laurel_rank=4, rotary_dim=8)
-#: the sizes of multi-head latent attention (``kv_lora_rank``): keys of nope + rope = 24,
+#: the sizes of multi-head latent attention (``kv_lora_rank``; the sweep runs the default
+#: latent form: rows of 32 + 8, one KV head; decompressed: keys of nope + rope = 24,
 #: values of 16 (unequal widths)
 MLA = dict(kv_lora_rank=32, q_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
            v_head_dim=16)

@@ -7,9 +7,9 @@ vocabulary). Models whose attention module does not call transformers'
 ``AttentionInterface`` (GPT-Neo, Bloom, MPT) would stay on their own attention
 whatever ``attn_implementation`` says: asking them for ``"clattn"`` is an
 ``UnsupportedFeatureError`` naming why, at model creation, ``set_attn_implementation``
-and ``generate(attn_implementation=...)``. (Multi-head latent attention runs, decompressed:
-tests/test_transformers_mla.py.) Architectures the tests elsewhere do not build
-generate eager's tokens on the CPU backend.
+and ``generate(attn_implementation=...)``. (Multi-head latent attention runs, in the
+latent and the decompressed form: tests/test_transformers_mla.py.) Architectures the
+tests elsewhere do not build generate eager's tokens on the CPU backend.
 """
 from __future__ import annotations
 

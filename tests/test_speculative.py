@@ -24,7 +24,8 @@ from clattn.integrations.hf_cache import ClattnCache
 
 #: the architecture classes that speculative decoding must keep exact: a window on every
 #: layer (StarCoder2, Mistral, Qwen2 with use_sliding_window), alternating window and full
-#: layers (Gemma-2, Gemma-3, Cohere2, Ministral), full attention only (Llama)
+#: layers (Gemma-2, Gemma-3, Cohere2, Ministral), full attention only (Llama), multi-head
+#: latent attention in the latent form (DeepSeek-V2, DeepSeek-V3)
 MODELS = {
     "starcoder2": dict(sliding_window=8),
     "gemma2": dict(head_dim=16, sliding_window=8),
@@ -37,6 +38,12 @@ MODELS = {
     "ministral": dict(head_dim=16, sliding_window=8,
                       layer_types=["sliding_attention", "full_attention"]),
 }
+#: multi-head latent attention in its latent form (one row [latent | rope key] per token:
+#: a crop pops rows), DeepSeek-V3 with its interleaved RoPE
+_MLA = dict(kv_lora_rank=32, q_lora_rank=None, qk_nope_head_dim=16, qk_rope_head_dim=8,
+            v_head_dim=16, num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2,
+            moe_intermediate_size=32, n_group=1, topk_group=1)
+MODELS.update(deepseek_v2=_MLA, deepseek_v3=dict(_MLA, rope_interleave=True))
 MODELS = {t: extra for t, extra in MODELS.items() if t in CONFIG_MAPPING}  # 4.56: no Ministral
 GEN = dict(max_new_tokens=16, min_new_tokens=16, do_sample=False, pad_token_id=0)
 

@@ -1,16 +1,20 @@
 """Models whose values differ in width from their keys, through ``attn_implementation=
-"clattn"`` (docs/transformers.md, "Architectures"): multi-head latent attention in its
-decompressed form (DeepSeek-V2-Lite, MiniCPM3: the model expands its cached latents into
-per-head keys ``qk_nope + qk_rope`` wide and values ``v_head_dim`` wide; clattn's pages hold
-those) and MiMo-V2-Flash (keys 192, values 128, sliding and full layers, learned sinks on
-the sliding ones).
+"clattn"`` (docs/transformers.md, "Architectures" and "Multi-head latent attention"):
+multi-head latent attention (DeepSeek-V2-Lite, DeepSeek-V3 with its interleaved RoPE,
+MiniCPM3) in both forms: latent (``mla="latent"``: one row ``[latent | rope key]`` per
+token and layer, absorbed queries; tests/test_mla_latent.py has its bound, pool size and
+refusals) and decompressed (the model expands its cached latents into per-head keys
+``qk_nope + qk_rope`` wide and values ``v_head_dim`` wide; clattn's pages hold those), and
+MiMo-V2-Flash (keys 192, values 128, sliding and full layers, learned sinks on the sliding
+ones).
 
 The published configs' attention keys (heads, head sizes, latent ranks, RoPE scaling) are
 kept; the models are shrunk to 2 layers, hidden size 256 (MiniCPM3 320), a 1024-token
 vocabulary, 4 experts, random f32 weights. Greedy generation must give eager attention's
 tokens, logits within 1e-4 (as tests/test_transformers.py): one prompt on each device's
 own kernels and on the CPU backend, a left-padded batch of MiMo-V2-Flash (window and
-sinks) on the devices, DeepSeek-V2-Lite through the GPU (tiled) kernels.
+sinks) and of DeepSeek-V2-Lite (latent form) on the devices, DeepSeek-V2-Lite through the
+GPU (tiled) kernels in both forms.
 """
 from __future__ import annotations
 
@@ -39,6 +43,15 @@ CONFIGS = {
         rope_scaling={"type": "yarn", "factor": 40, "beta_fast": 32, "beta_slow": 1,
                       "mscale": 0.707, "mscale_all_dim": 0.707,
                       "original_max_position_embeddings": 4096}, **EXPERTS),
+    # 16 of the published 128 heads (the test's time on 2 cores), the rest as published
+    "DeepSeek-V3": dict(
+        model_type="deepseek_v3", num_attention_heads=16, num_key_value_heads=16,
+        q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+        v_head_dim=128, n_shared_experts=1, first_k_dense_replace=1, topk_group=1, n_group=1,
+        rope_interleave=True, max_position_embeddings=163840,
+        rope_scaling={"type": "yarn", "factor": 40, "beta_fast": 32, "beta_slow": 1,
+                      "mscale": 1.0, "mscale_all_dim": 1.0,
+                      "original_max_position_embeddings": 4096}, **EXPERTS),
     "MiniCPM3-4B": dict(
         model_type="minicpm3", num_attention_heads=40, num_key_value_heads=40,
         q_lora_rank=768, kv_lora_rank=256, qk_nope_head_dim=64, qk_rope_head_dim=32,
@@ -51,8 +64,14 @@ CONFIGS = {
         layer_types=["sliding_attention", "full_attention"],
         mlp_layer_types=["dense", "sparse"], max_position_embeddings=262144, **EXPERTS),
 }
-#: (query/key, value) head sizes each model attends with
-WIDTHS = {"DeepSeek-V2-Lite": (192, 128), "MiniCPM3-4B": (96, 64), "MiMo-V2-Flash": (192, 128)}
+#: (query/key, value) head sizes each model attends with (MLA: decompressed)
+WIDTHS = {"DeepSeek-V2-Lite": (192, 128), "DeepSeek-V3": (192, 128), "MiniCPM3-4B": (96, 64),
+          "MiMo-V2-Flash": (192, 128)}
+#: the multi-head latent attention models, and their (kv_lora_rank, qk_rope_head_dim)
+MLA = {n: (c["kv_lora_rank"], c["qk_rope_head_dim"]) for n, c in CONFIGS.items()
+       if "kv_lora_rank" in c}
+FORMS = [(n, f) for n in CONFIGS for f in (("latent", "decompressed") if n in MLA
+                                           else ("latent",))]
 
 _MODELS: dict = {}
 _EAGER: dict = {}
@@ -87,12 +106,14 @@ def generate(name: str, batch: bool, **kw):
 
 
 def check_same(name: str, batch: bool, device=None, profile=None,
-               backend: str = "auto") -> ClattnCache:
-    """Greedy tokens as eager's, logits within 1e-4; the pools' spec has the widths."""
+               backend: str = "auto", mla: str = "latent") -> ClattnCache:
+    """Greedy tokens as eager's, logits within 1e-4; the pools' spec has the widths (an
+    MLA model's latent form: one KV head of rows kv_lora_rank + rope wide, the values
+    kv_lora_rank wide)."""
     if (name, batch) not in _EAGER:
         _EAGER[name, batch] = generate(name, batch)
     ref = _EAGER[name, batch]
-    cltf.register(device=device, profile=profile, backend=backend)
+    cltf.register(device=device, profile=profile, backend=backend, mla=mla)
     try:
         got = generate(name, batch, attn_implementation="clattn")
     finally:
@@ -102,33 +123,45 @@ def check_same(name: str, batch: bool, device=None, profile=None,
     diff = max(float((a - b).abs().max()) for a, b in zip(got.logits, ref.logits))
     assert torch.equal(got.sequences, ref.sequences), f"{name}: tokens differ (logits {diff})"
     assert diff <= 1e-4, f"{name}: logits differ by {diff}"
+    latent = name in MLA and mla == "latent"
+    assert cache.latent == latent
     for g in cache.groups.values():
-        assert (g.spec.head_dim, g.spec.head_dim_v) == WIDTHS[name]
+        if latent:
+            rank, rope = MLA[name]
+            assert (g.spec.num_kv_heads, g.spec.head_dim, g.spec.head_dim_v) == \
+                (1, rank + rope, rank)
+        else:
+            assert (g.spec.head_dim, g.spec.head_dim_v) == WIDTHS[name]
     return cache
 
 
-@pytest.mark.parametrize("name", list(CONFIGS))
-def test_generate_matches_eager(name, device):
-    cache = check_same(name, False, device)
+@pytest.mark.parametrize("name,mla", FORMS)
+def test_generate_matches_eager(name, mla, device):
+    cache = check_same(name, False, device, mla=mla)
     assert cache.steps["decode"] == len(cache.groups) * (NEW_TOKENS - 1)
+    assert cache.steps["prefill"] == len(cache.groups)
 
 
-def test_left_padded_batch_matches_eager(device, name="MiMo-V2-Flash"):
-    """Padding never stored; the window crossed inside the longest prompt (its tokens past
-    the slide on the cache's chunk attend), the learned sinks of the sliding layers."""
+@pytest.mark.parametrize("name", ["MiMo-V2-Flash", "DeepSeek-V2-Lite"])
+def test_left_padded_batch_matches_eager(device, name):
+    """Padding never stored. MiMo-V2-Flash: the window crossed inside the longest prompt
+    (its tokens past the slide on the cache's chunk attend), the learned sinks of the
+    sliding layers. DeepSeek-V2-Lite: the latent form's rows of three prompts of
+    different lengths."""
     cache = check_same(name, True, device)
-    assert cache.steps["chunk"] == 1
+    assert cache.steps["chunk"] == (1 if name == "MiMo-V2-Flash" else 0)
     lengths = [g.cache.length(r) for g in cache.groups.values() for r in cache.rows]
     stored = [p + NEW_TOKENS - 1 for p in PROMPTS] * len(cache.groups)
     assert lengths == stored   # no padding stored
 
 
-@pytest.mark.parametrize("name", list(CONFIGS))
-def test_cpu_backend(name):
-    check_same(name, False, backend="cpu")
+@pytest.mark.parametrize("name,mla", FORMS)
+def test_cpu_backend(name, mla):
+    check_same(name, False, backend="cpu", mla=mla)
 
 
-def test_gpu_kernels(device, name="DeepSeek-V2-Lite"):
+@pytest.mark.parametrize("mla", ["latent", "decompressed"])
+def test_gpu_kernels(device, mla, name="DeepSeek-V2-Lite"):
     """The tiled decode, prefill and append kernels of a GPU profile on the CPU drivers."""
-    cache = check_same(name, False, device, profile=GPU_PROFILE)
+    cache = check_same(name, False, device, profile=GPU_PROFILE, mla=mla)
     assert {g.cache.profile.strategy for g in cache.groups.values()} == {"tiled"}

@@ -577,6 +577,19 @@ MUTANTS = [
         ["tests/test_custom_mask.py", "-k", "take_seq_ids"],
         "begin(..., masks=) reads seq_ids twice and checks masks before lengths (raw "
         "IndexError, a generator refused)", env=FAST),
+    # ---- multi-head latent attention in the latent form (clattn.integrations.hf_mla) ----
+    Mutant("mla-latent-scale-of-row-width", "clattn/integrations/transformers.py", [
+        ("        query, key, value = absorb.inputs(query, *cached)\n",
+         "        query, key, value = absorb.inputs(query, *cached)\n"
+         "        scaling = query.shape[-1] ** -0.5\n")],
+        ["tests/test_mla_latent.py", "-k", "bound and cpu"],
+        "the latent form attends with 1/sqrt of the row's width, not the model's scale"),
+    Mutant("mla-latent-values-from-the-row-end", "clattn/integrations/hf_mla.py", [
+        ("    return np.ascontiguousarray(rows[..., :rank])",
+         "    return np.ascontiguousarray(rows[..., -rank:])")],
+        ["tests/test_mla_latent.py", "-k", "bound and cpu"],
+        "the latent form's values are the rows' last kv_lora_rank values (the rope key's "
+        "part among them), not the latent"),
 ]
 
 

@@ -13,13 +13,17 @@ call that follows in the same thread takes them. A multi-head latent attention m
 (``config.kv_lora_rank``: DeepSeek-V2/V3, MiniCPM3) hands ``update`` its new latents and
 expands what it returns into per-head keys and values (the decompressed form): the
 attention call then takes those expansions of the same new tokens
-(:func:`expanded_from`). docs/transformers.md is the user's page.
+(:func:`expanded_from`). In the latent form (``mla="latent"``, the default) the cache
+stores those latents themselves, one row per token and layer, and the attention call
+absorbs the expansion into the queries and the output (:mod:`.hf_mla`); in the
+decompressed form it stores the expansions. docs/transformers.md is the user's page.
 """
 from __future__ import annotations
 
 import collections
 import math
 import threading
+import warnings
 from typing import Any, Sequence
 
 import torch
@@ -29,6 +33,9 @@ import clattn
 from clattn import runtime
 from clattn.spec import LSE_DTYPE, AttentionSpec
 
+from .hf_errors import UnsupportedFeatureError
+from .hf_mla import check_form, latent_attention, latent_spec
+
 __all__ = ["ClattnCache", "ClattnLayer", "UnsupportedFeatureError", "check_config",
            "expanded_from", "layer_windows", "shared_kv_sources"]
 
@@ -36,16 +43,12 @@ NAME = "clattn"  # the attn_implementation a ClattnCache works with
 #: the default device and options of the caches made for generate (what
 #: clattn.integrations.transformers.register set last)
 DEFAULTS: dict = {"device": None, "prefill": True, "backend": "auto", "profile": None,
-                  "page_size": 16, "k_format": None, "v_format": None}
+                  "page_size": 16, "k_format": None, "v_format": None, "mla": "latent"}
 #: torch dtypes clattn stores (pages, q and out), by the name clattn gives them
 DTYPES = {torch.float16: "float16", torch.float32: "float32"}
 #: tokens per sequence a cache is sized for when neither generate nor the caller says
 DEFAULT_MAX_CACHE_LEN = 4096
 _BUFFERS_KEPT = 4  # device q/out/lse arrays kept per layer kind (one per step size)
-
-
-class UnsupportedFeatureError(NotImplementedError):
-    """A model or call feature clattn cannot compute; the message names it."""
 
 
 class _Pending(threading.local):
@@ -113,12 +116,6 @@ def shared_kv_sources(config: Any) -> dict[int, int]:
                 f"{types[i]!r} layer (num_kv_shared_layers={shared}) and there is none")
         out[i] = earlier[-1]
     return out
-
-
-def latent_attention(config: Any) -> bool:
-    """Whether ``config`` is multi-head latent attention (``kv_lora_rank``): its cache
-    update takes latents, which the model expands into keys and values afterwards."""
-    return bool(getattr(config, "kv_lora_rank", None))
 
 
 def expanded_from(owner: "ClattnCache", cached: tuple, key: torch.Tensor,
@@ -280,6 +277,11 @@ class ClattnCache(Cache):
     k_format, v_format : {None, "float16", "float32", "q8_0", "q4_0"}, optional
         Storage of the keys and values (default: register()'s, else the model's dtype);
         quantized formats need a head_dim that is a multiple of 32.
+    mla : {None, "latent", "decompressed"}, optional
+        The form of a multi-head latent attention model (``config.kv_lora_rank``):
+        ``"latent"`` stores one row ``[latent | rope key]`` per token and layer and
+        attends with absorbed queries, ``"decompressed"`` the per-head keys and values
+        (default: register()'s, ``"latent"``). Other models ignore it.
 
     The pools are made at the first forward, from the shapes and dtype the model
     attends with (f16 or f32), one :class:`~clattn.PagedKVCache` per layer kind.
@@ -290,7 +292,7 @@ class ClattnCache(Cache):
                  num_pages: int | None = None, budget_bytes: int | None = None,
                  prefill: bool | None = None, backend: str | None = None,
                  profile: Any = None, k_format: str | None = None,
-                 v_format: str | None = None) -> None:
+                 v_format: str | None = None, mla: str | None = None) -> None:
         if model is None and config is None:
             raise TypeError("ClattnCache: pass the model (or config=)")
         cfg = model.config if model is not None else config
@@ -312,6 +314,11 @@ class ClattnCache(Cache):
         self.profile = d["profile"] if profile is None else profile
         self.k_format = d["k_format"] if k_format is None else k_format
         self.v_format = d["v_format"] if v_format is None else v_format
+        self.mla = check_form(d["mla"] if mla is None else mla)
+        #: whether the layers attend in the latent form of multi-head latent attention
+        self.latent = latent_attention(cfg) and self.mla == "latent"
+        #: the layers whose expansion of the latents was checked against the absorption
+        self.latent_checked: set = set()
         self.groups: dict = {}  # window (None = full) -> _Group, made at the first forward
         self.rows: list | None = None  # the sequence id of each batch row
         self._next_id = 0
@@ -325,6 +332,19 @@ class ClattnCache(Cache):
         #: the cache (the cache was reset and given back: Phi-3's longrope switch)
         self.restarts = 0
         self.broken: str | None = None  # the error a forward stopped at (reset() clears)
+
+    def run_decompressed(self) -> None:
+        """Run the decompressed form: the model caches its expanded per-head keys and
+        values, not its latents (transformers 4.x's DeepSeek-V2/V3), so that there are
+        no latents to store. Before the first pool only; one ``RuntimeWarning``."""
+        if self.groups:
+            raise RuntimeError("clattn: the latent form was given expanded keys after its "
+                               "pools were made; call reset()")
+        self.latent = False
+        warnings.warn("clattn: this model's attention caches its expanded keys and values "
+                      "(not its latents: transformers before 5), so it runs in the "
+                      "decompressed form of multi-head latent attention (mla='latent' needs "
+                      "the latents)", RuntimeWarning, stacklevel=3)
 
     # -- what the model sees ----------------------------------------------------------
     def __repr__(self) -> str:
@@ -456,7 +476,7 @@ class ClattnCache(Cache):
                 value.shape[-1], query.dtype, key.dtype, value.dtype, scaling, softcap)
         if g is not None and g.key == key_:  # the common case: as the kind's first layer
             return g
-        shape = _Shape(query, key, value, scaling, softcap)
+        shape = _Shape(query, key, value, scaling, softcap, self.latent)
         if g is None:
             g = self._make_group(window, shape)
         else:
@@ -536,7 +556,8 @@ class _Shape:
     """What one layer attends with (the kind's spec is made from its first layer's)."""
 
     def __init__(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                 scaling: float, softcap: float | None) -> None:
+                 scaling: float, softcap: float | None, latent: bool = False) -> None:
+        self.latent = bool(latent)  # rows [latent | rope key] of an MLA model's latent form
         self.heads, self.head_dim = int(query.shape[1]), int(query.shape[-1])
         self.head_dim_v = int(value.shape[-1])
         self.kv_heads = int(key.shape[1])
@@ -565,7 +586,7 @@ class _Shape:
         """JSON-able fields that :meth:`from_items` makes the shape again from."""
         return {"heads": self.heads, "kv_heads": self.kv_heads, "head_dim": self.head_dim,
                 "head_dim_v": self.head_dim_v, "dtype": DTYPES[self.dtype],
-                "scaling": self.scaling, "softcap": self.softcap}
+                "scaling": self.scaling, "softcap": self.softcap, "latent": self.latent}
 
     @classmethod
     def from_items(cls, rec: dict) -> "_Shape":
@@ -576,13 +597,13 @@ class _Shape:
         dv = int(rec.get("head_dim_v", d))
         q, k = torch.empty(1, heads, 0, d, dtype=dt), torch.empty(1, kv, 0, d, dtype=dt)
         v = torch.empty(1, kv, 0, dv, dtype=dt)
-        return cls(q, k, v, rec["scaling"], rec["softcap"])
+        return cls(q, k, v, rec["scaling"], rec["softcap"], bool(rec.get("latent", False)))
 
     def items(self) -> dict:
         return {"query heads": self.heads, "kv heads": self.kv_heads,
                 "head_dim": self.head_dim, "head_dim_v": self.head_dim_v,
                 "dtype": self.dtype, "scaling": self.scaling,
-                "softcap": self.softcap}
+                "softcap": self.softcap, "latent form": self.latent}
 
 
 class _Group:
@@ -595,7 +616,7 @@ class _Group:
         self.local = {hf: i for i, hf in enumerate(layers)}
         #: every layer of the kind, shared-KV layers included: each attends once a step
         self.members = list(layers)
-        self.spec = AttentionSpec(
+        self.spec = (latent_spec if shape.latent else AttentionSpec)(
             num_qo_heads=shape.heads, num_kv_heads=shape.kv_heads, head_dim=shape.head_dim,
             head_dim_v=shape.head_dim_v, page_size=owner.page_size, dtype=DTYPES[shape.dtype],
             sliding_window=window is not None, softcap=shape.softcap,

@@ -18,16 +18,24 @@ from typing import Any
 from clattn.cache_store import read_header
 from clattn.kv_file import KVFileMismatchError
 
+from .hf_mla import latent_attention
+
 __all__ = ["load", "save"]
 
 
-def _check_model(config: Any, shape: dict, path: Path) -> None:
-    """Refuse a file whose heads or head_dim are not the model's."""
+def _check_model(cache: Any, shape: dict, path: Path) -> None:
+    """Refuse a file whose heads, head_dim or multi-head latent attention form are not
+    those the cache's model attends with."""
+    config = cache.config
     heads = int(config.num_attention_heads)
     kv = int(getattr(config, "num_key_value_heads", None) or heads)
     d = getattr(config, "head_dim", None) or int(config.hidden_size) // heads
-    want = {"heads": heads, "kv_heads": kv, "head_dim": int(d)}
-    got = {k: shape[k] for k in want}
+    if latent_attention(config):  # one row [latent | rope key], or per-head nope + rope
+        rope = int(config.qk_rope_head_dim)
+        kv, d = (1, int(config.kv_lora_rank) + rope) if cache.latent else \
+            (kv, int(config.qk_nope_head_dim) + rope)
+    want = {"heads": heads, "kv_heads": kv, "head_dim": int(d), "latent": bool(cache.latent)}
+    got = {k: shape.get(k, False) for k in want}
     if got != want:
         raise KVFileMismatchError(f"{path}: written for attention of {got}, the model has "
                                   f"{want}")
@@ -61,7 +69,7 @@ def load(cache: Any, path: str | os.PathLike[str]) -> None:
     windows = list(dict.fromkeys(cache.windows))
     headers = {w: read_header(_file(folder, w))["extra"] for w in windows}
     for w in windows:
-        _check_model(cache.config, headers[w]["shape"], _file(folder, w))
+        _check_model(cache, headers[w]["shape"], _file(folder, w))
     if len({h["save"] for h in headers.values()}) > 1:
         raise KVFileMismatchError(f"{folder}: its layer kinds' files come from different "
                                   f"saves (a save stopped part-way?)")

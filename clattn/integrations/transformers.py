@@ -46,8 +46,10 @@ from .hf_cache import (
     GroupForward,
     UnsupportedFeatureError,
     check_config,
+    check_form,
     expanded_from,
 )
+from .hf_mla import LatentLayer, caches_latents, latent_values
 
 __all__ = ["ClattnCache", "ClattnMask", "UnsupportedFeatureError", "attention",
            "check_model", "mask", "register"]
@@ -56,7 +58,8 @@ __all__ = ["ClattnCache", "ClattnMask", "UnsupportedFeatureError", "attention",
 
 def register(device: Any = None, *, prefill: bool = True, page_size: int = 16,
              backend: str = "auto", profile: Any = None, k_format: str | None = None,
-             v_format: str | None = None, patch_generate: bool = True) -> None:
+             v_format: str | None = None, mla: str = "latent",
+             patch_generate: bool = True) -> None:
     """Register ``attn_implementation="clattn"`` with transformers (done at import).
 
     Parameters
@@ -74,6 +77,12 @@ def register(device: Any = None, *, prefill: bool = True, page_size: int = 16,
     k_format, v_format : {None, "float16", "float32", "q8_0", "q4_0"}
         How the caches store keys and values (None: the model's dtype); ``"q8_0"`` and
         ``"q4_0"`` quantize on append (llama.cpp's ``--cache-type-k/-v``).
+    mla : {"latent", "decompressed"}
+        How a multi-head latent attention model (DeepSeek-V2/V3, MiniCPM3, ...:
+        ``config.kv_lora_rank``) runs: ``"latent"`` caches one row ``[latent | rope
+        key]`` per token and layer, shared by every head, and attends with the
+        expansion absorbed into the queries and the output; ``"decompressed"`` caches
+        the per-head keys and values the model expands. Other models ignore it.
     patch_generate : bool
         Give ``generate`` a ClattnCache when the model attends with clattn, accept
         ``generate(..., attn_implementation=...)`` (transformers' own ``generate`` has
@@ -81,7 +90,8 @@ def register(device: Any = None, *, prefill: bool = True, page_size: int = 16,
         recompute the sequence (longrope models at their switch of rotary factors).
     """
     DEFAULTS.update(device=device, prefill=bool(prefill), page_size=int(page_size),
-                    backend=backend, profile=profile, k_format=k_format, v_format=v_format)
+                    backend=backend, profile=profile, k_format=k_format, v_format=v_format,
+                    mla=check_form(mla))
     AttentionInterface.register(NAME, attention)
     AttentionMaskInterface.register(NAME, mask)
     _patch_models()
@@ -315,7 +325,7 @@ def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
     owner, index = pending[0], pending[1]
     try:
         return _paged(owner, index, module, query, key, value, attention_mask, dropout,
-                      scaling, is_causal, position_bias, kwargs), None
+                      scaling, is_causal, position_bias, kwargs, pending[2:]), None
     except BaseException as exc:  # the cache no longer agrees with transformers' count
         owner.fail(exc)
         raise
@@ -342,9 +352,10 @@ def _shared_kv(module: Any, key: torch.Tensor, value: torch.Tensor) -> tuple | N
 def _paged(owner: ClattnCache, index: int, module: Any, query: torch.Tensor,
            key: torch.Tensor, value: torch.Tensor, attention_mask: Any, dropout: float,
            scaling: float | None, is_causal: Any, position_bias: Any,
-           kwargs: dict) -> torch.Tensor:
+           kwargs: dict, cached: tuple = ()) -> torch.Tensor:
     """Layer ``index``'s attention over the owner's paged cache (begins and ends the
-    layer kind's step)."""
+    layer kind's step). ``cached``: what the layer's cache update was given (the
+    latents and rope keys of a multi-head latent attention model in the latent form)."""
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
     _refuse(module, query, dropout, is_causal, position_bias, attention_mask, kwargs, index)
     window = owner.windows[index]
@@ -355,6 +366,15 @@ def _paged(owner: ClattnCache, index: int, module: Any, query: torch.Tensor,
             f"made for {window} from the config (layer_types / sliding_window)")
     if isinstance(attention_mask, ClattnMask):
         attention_mask.check_pattern(window, index)
+    absorb = None
+    if owner.latent and not caches_latents(owner.config, cached):
+        owner.run_decompressed()  # the model caches its expanded keys (transformers 4.x)
+    if owner.latent:  # MLA's latent form: the rows and absorbed queries (hf_mla)
+        absorb = LatentLayer(module, owner.config, index)
+        if index not in owner.latent_checked:
+            absorb.check_expansion(*cached, key, value)
+            owner.latent_checked.add(index)
+        query, key, value = absorb.inputs(query, *cached)
     B, _, L, _ = query.shape
     rows = owner.rows_for(B)
     g = owner.group(index, module, query, key, value, scaling, kwargs.get("softcap"))
@@ -372,7 +392,7 @@ def _paged(owner: ClattnCache, index: int, module: Any, query: torch.Tensor,
         if step.begun:
             g.cache.end()
         g.step = None
-    return out
+    return out if absorb is None else absorb.output(out)
 
 
 def _refuse(module: Any, query: torch.Tensor, dropout: float, is_causal: Any,
@@ -491,7 +511,9 @@ def _run_layer(g: Any, step: Any, local: int, query: torch.Tensor, key: torch.Te
         return _run_layer(g, step, local, full, key, value, sinks, append)[:, step.L - L:]
     cache = g.cache
     if append:
-        cache.append(local, _tokens(key, step), _tokens(value, step))
+        k = _tokens(key, step)
+        v = latent_values(k, D) if g.shape.latent else _tokens(value, step)
+        cache.append(local, k, v)
     q = _tokens(query, step)
     flat = out.view(B * L, H, D)
     dest = flat.numpy() if step.sel is None else np.empty((step.T, H, D), q.dtype)
