@@ -150,9 +150,7 @@ def test_one_layer_within_the_absorption_bound_on_a_device(monkeypatch, device):
 @pytest.mark.parametrize("name", list(MLA))
 def test_latent_pool_bytes_per_token(name):
     """One row per token and layer: kv_lora_rank + qk_rope values (DeepSeek-V2-Lite: 576
-    against 16 x (192 + 128) decompressed). Until the core's value_in_key lands
-    (hf_mla.VALUE_IN_KEY) the rows' latent part is stored again as values: the test is
-    written against hf_mla.stored_values_per_token and pins both forms of it."""
+    against 16 x (192 + 128) decompressed): the values are read from the rows."""
     m = model(name)
     rank, rope = MLA[name]
     cfg = CONFIGS[name]
@@ -168,9 +166,8 @@ def test_latent_pool_bytes_per_token(name):
         (g,) = cache.groups.values()
         per_token[form] = g.cache.page_bytes / g.spec.page_size
     itemsize = 4
-    assert per_token["latent"] == hf_mla.stored_values_per_token(rank, rope) * itemsize
-    assert hf_mla.stored_values_per_token(rank, rope) == \
-        (rank + rope if hf_mla.VALUE_IN_KEY else 2 * rank + rope)
+    assert per_token["latent"] == (rank + rope) * itemsize
+    assert hf_mla.stored_values_per_token(rank, rope) == rank + rope
     heads = cfg["num_attention_heads"]
     assert per_token["decompressed"] == heads * (
         cfg["qk_nope_head_dim"] + rope + cfg["v_head_dim"]) * itemsize
@@ -297,3 +294,14 @@ def test_a_model_that_caches_expanded_keys_runs_decompressed(monkeypatch):
     assert torch.equal(got, ref)
     assert not cache.latent
     assert [g.spec.num_kv_heads for g in cache.groups.values()] == [m.config.num_key_value_heads]
+
+
+def test_latent_spec_reads_values_from_the_rows_and_refuses_another_value_format():
+    """The latent form's values are the rows' own: stored in the key format; a different
+    value format is refused naming the option that gives one."""
+    kw = dict(num_qo_heads=4, num_kv_heads=1, head_dim=96, head_dim_v=64, dtype="float16")
+    spec = hf_mla.latent_spec(**kw, k_format="q8_0", v_format=None)
+    assert spec.value_in_key and spec.v_format == "q8_0"
+    assert hf_mla.latent_spec(**kw, k_format="q8_0", v_format="q8_0").value_in_key
+    with pytest.raises(ValueError, match="v_format='q4_0'.*mla='decompressed'"):
+        hf_mla.latent_spec(**kw, k_format="q8_0", v_format="q4_0")

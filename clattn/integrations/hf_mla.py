@@ -18,32 +18,24 @@ RoPE (complex, interleaved or not), ``o_proj`` and anything a model does to its 
 stay the model's code: clattn takes over between the attention function's arguments
 and its output. docs/transformers.md ("Multi-head latent attention") is the user's page.
 
-The core's ``value_in_key`` form (values read from the leading ``kv_lora_rank`` values of
-each key row, no value pool) is switched on in :func:`latent_spec` and
-:func:`latent_values` alone (:data:`VALUE_IN_KEY`).
+The pools store the rows alone: the values are the leading ``kv_lora_rank`` values of each
+key row (``AttentionSpec(value_in_key=True)``; appends pass ``v=None``).
 """
 from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
 import torch
 
 from clattn.spec import AttentionSpec
 
 from .hf_errors import UnsupportedFeatureError
 
-__all__ = ["FORMS", "VALUE_IN_KEY", "LatentLayer", "caches_latents", "check_form",
-           "latent_attention", "latent_spec", "latent_values", "stored_values_per_token"]
+__all__ = ["FORMS", "LatentLayer", "caches_latents", "check_form", "latent_attention",
+           "latent_spec", "stored_values_per_token"]
 
 #: the forms an MLA model runs in on clattn (``register(mla=...)``/``ClattnCache(mla=...)``)
 FORMS = ("latent", "decompressed")
-
-#: whether the latent form's pools hold the key rows only, the values being their leading
-#: ``kv_lora_rank`` values (the core's ``AttentionSpec(value_in_key=True)``, ``v=None``).
-#: False until that lands: the values are stored as a copy of the rows' latent part.
-VALUE_IN_KEY = False
-
 
 def latent_attention(config: Any) -> bool:
     """Whether ``config`` is multi-head latent attention (``kv_lora_rank``): its cache
@@ -71,28 +63,22 @@ def check_form(mla: Any) -> str:
     return mla
 
 
-# -- the value_in_key switch point: these two functions and VALUE_IN_KEY ------------------
 def latent_spec(**fields: Any) -> AttentionSpec:
     """The :class:`~clattn.AttentionSpec` of a latent-form layer kind (``fields``:
     ``num_kv_heads=1``, ``head_dim=kv_lora_rank + qk_rope_head_dim``,
-    ``head_dim_v=kv_lora_rank`` and those of every kind)."""
-    if VALUE_IN_KEY:
-        return AttentionSpec(**fields, value_in_key=True)  # type: ignore[call-arg]
-    return AttentionSpec(**fields)
-
-
-def latent_values(rows: np.ndarray, rank: int) -> np.ndarray | None:
-    """The ``v`` a latent-form layer appends beside its key ``rows`` ``[T, 1, rank +
-    rope]``: None with :data:`VALUE_IN_KEY`, else a copy of their latent part."""
-    if VALUE_IN_KEY:
-        return None
-    return np.ascontiguousarray(rows[..., :rank])
+    ``head_dim_v=kv_lora_rank`` and those of every kind): values read from the key rows."""
+    k_fmt, v_fmt = fields.get("k_format"), fields.pop("v_format", None)
+    if v_fmt is not None and v_fmt != (k_fmt or fields.get("dtype")):
+        raise ValueError(f"clattn: v_format={v_fmt!r}: the latent form of a multi-head latent "
+                         f"attention model reads its values from the key rows, stored as "
+                         f"k_format={k_fmt!r}; pass the same format (or v_format=None), or "
+                         f"mla='decompressed'")
+    return AttentionSpec(**fields, value_in_key=True)
 
 
 def stored_values_per_token(rank: int, rope: int) -> int:
-    """Values a latent-form layer stores per token: the row ``rank + rope`` (and, until
-    :data:`VALUE_IN_KEY`, the copy of its ``rank`` latent values)."""
-    return rank + rope + (0 if VALUE_IN_KEY else rank)
+    """Values a latent-form layer stores per token: its one row, ``rank + rope``."""
+    return rank + rope
 
 
 # ------------------------------------------------------------------------------ absorption

@@ -49,7 +49,7 @@ from .hf_cache import (
     check_form,
     expanded_from,
 )
-from .hf_mla import LatentLayer, caches_latents, latent_values
+from .hf_mla import LatentLayer, caches_latents
 
 __all__ = ["ClattnCache", "ClattnMask", "UnsupportedFeatureError", "attention",
            "check_model", "mask", "register"]
@@ -512,7 +512,7 @@ def _run_layer(g: Any, step: Any, local: int, query: torch.Tensor, key: torch.Te
     cache = g.cache
     if append:
         k = _tokens(key, step)
-        v = latent_values(k, D) if g.shape.latent else _tokens(value, step)
+        v = None if g.shape.latent else _tokens(value, step)  # latent: values in the rows
         cache.append(local, k, v)
     q = _tokens(query, step)
     flat = out.view(B * L, H, D)
