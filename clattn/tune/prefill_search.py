@@ -31,14 +31,13 @@ from ..profiles.registry import prefill_text
 from .checks import PREFILL_NEW, VERIFY_LENGTHS, check_prefill, decoder, make_prefill_case
 from .search import (
     Candidate,
-    Confirmation,
     CoordinateSearch,
     Parameter,
     Progress,
     Settings,
+    TimedPair,
     TuningResult,
     _fits_work_group,
-    confirm_verdict,
     median_or_pruned,
 )
 from .timing import event_seconds, first_line, sample
@@ -82,17 +81,10 @@ def prefill_default(chosen: Profile, builtin: Profile) -> Profile:
 
 
 @dataclass(frozen=True)
-class PrefillShapeResult:
+class PrefillShapeResult(TimedPair):
     """The default and the chosen profile on one prefill shape (median kernel seconds)."""
 
     shape: PrefillShape
-    default_s: float | None
-    tuned_s: float | None
-
-    @property
-    def speedup(self) -> float | None:
-        """default / tuned time."""
-        return self.default_s / self.tuned_s if self.default_s and self.tuned_s else None
 
     @property
     def default_gflops(self) -> float | None:
@@ -316,24 +308,7 @@ class PrefillTuner(CoordinateSearch):
                          seconds=self.settings.target_s)
             for c in pair:
                 times[c.id][shape.key] = res[str(c.id)]["kernel"].median
-        self.chosen, self.confirmation = confirm_verdict(best, default, times)
-        scores = ", ".join(f"#{i} {v:.2f}" for i, v in self.confirmation.scores.items())
-        self.progress.step(f"prefill confirmed: #{self.chosen.id} ({scores})")
-
-    def run(self) -> TuningResult:
-        """Search, confirm, free the workloads; the result."""
-        try:
-            self.search()
-            try:
-                self.confirm()
-            except KeyboardInterrupt:
-                raise
-            except Exception as exc:  # noqa: BLE001 - keep the search's answer
-                self.chosen = self.best()
-                self.confirmation = Confirmation(error=first_line(exc))
-            return self.result()
-        finally:
-            self.release()
+        self._settle(best, default, times, "prefill confirmed")
 
     def result(self) -> TuningResult:
         """What was found so far (``per_shape``: :class:`PrefillShapeResult`)."""

@@ -245,8 +245,23 @@ def _candidate_lines(t: TuningResult, title: str = "Tuning",
     return lines
 
 
+def _tuned_lines(t: TuningResult, text: Any, how: str) -> list[str]:
+    """The chosen parameters, the scores, and the confirmation's verdict."""
+    chosen, default, conf = t.chosen, t.default, t.confirmation
+    again = ", ".join(f"#{k} {v:.2f}" for k, v in conf.scores.items()) if conf else ""
+    lines = [f"  tuned: {text(chosen.profile)} "
+             f"(search score {cell(chosen.score, '.2f')} "
+             f"vs default {cell(default.score if default else None, '.2f')}"
+             + (f"; timed again {how}: {again}" if again else "") + ")"]
+    if conf and conf.kept_default:
+        lines.append(f"  kept the default: {conf.kept_default}")
+    if conf and conf.error:
+        lines.append(f"  re-timing failed: {conf.error}")
+    return lines
+
+
 def _per_shape_lines(rep: Report, t: TuningResult) -> list[str]:
-    chosen, default = t.chosen, t.default
+    chosen = t.chosen
     lines = ["", f"Default ({rep.builtin.name}) vs tuned (#{chosen.id}) per shape "
                  f"(median kernel time over calls rotating over page sets)"]
     rows = []
@@ -264,17 +279,7 @@ def _per_shape_lines(rep: Report, t: TuningResult) -> list[str]:
                     "page sets"], rows, right={1, 2, 3, 4, 5, 6, 8, 9})
     lines.append("  (roofline: the larger of bytes moved / median read bandwidth and "
                  "2 x heads x head_dim multiply-adds per row / the median multiply-add peak)")
-    conf = t.confirmation
-    again = ", ".join(f"#{k} {v:.2f}" for k, v in conf.scores.items()) if conf else ""
-    lines.append(f"  tuned: {params_text(chosen.profile)} "
-                 f"(search score {cell(chosen.score, '.2f')} "
-                 f"vs default {cell(default.score if default else None, '.2f')}"
-                 + (f"; timed again side by side: {again}" if again else "") + ")")
-    if conf and conf.kept_default:
-        lines.append(f"  kept the default: {conf.kept_default}")
-    if conf and conf.error:
-        lines.append(f"  re-timing failed: {conf.error}")
-    return lines
+    return lines + _tuned_lines(t, params_text, "side by side")
 
 
 def _prefill_lines(rep: Report, t: TuningResult) -> list[str]:
@@ -291,17 +296,7 @@ def _prefill_lines(rep: Report, t: TuningResult) -> list[str]:
             for r in t.per_shape]
     lines += table(["shape", "default ms", "tuned ms", "speedup", "default GFLOP/s",
                     "tuned GFLOP/s", "of f32 FMA peak"], rows, right={1, 2, 3, 4, 5, 6})
-    conf = t.confirmation
-    again = ", ".join(f"#{k} {v:.2f}" for k, v in conf.scores.items()) if conf else ""
-    lines.append(f"  tuned: {prefill_params_text(chosen.profile)} "
-                 f"(search score {cell(chosen.score, '.2f')} vs default "
-                 f"{cell(t.default.score if t.default else None, '.2f')}"
-                 + (f"; timed again round-robin: {again}" if again else "") + ")")
-    if conf and conf.kept_default:
-        lines.append(f"  kept the default: {conf.kept_default}")
-    if conf and conf.error:
-        lines.append(f"  re-timing failed: {conf.error}")
-    return lines
+    return lines + _tuned_lines(t, prefill_params_text, "round-robin")
 
 
 def format_report(rep: Report) -> str:

@@ -234,19 +234,26 @@ class Candidate:
 
 
 @dataclass(frozen=True)
-class ShapeResult:
-    """The default and the chosen profile on one shape (median kernel seconds)."""
+class TimedPair:
+    """The default and the chosen profile on one shape of a stage (median kernel seconds)."""
 
-    shape: Shape
+    shape: Any
     default_s: float | None
     tuned_s: float | None
-    plan: str = ""
-    page_sets: int = 1  # disjoint page sets the timed calls rotated over
 
     @property
     def speedup(self) -> float | None:
         """default / tuned time."""
         return self.default_s / self.tuned_s if self.default_s and self.tuned_s else None
+
+
+@dataclass(frozen=True)
+class ShapeResult(TimedPair):
+    """The default and the chosen profile on one decode shape (median kernel seconds)."""
+
+    shape: Shape
+    plan: str = ""
+    page_sets: int = 1  # disjoint page sets the timed calls rotated over
 
     @property
     def default_gbps(self) -> float | None:
@@ -447,6 +454,40 @@ class CoordinateSearch:
                 best = self.best() or best
             if best.id == before:
                 break
+
+    def confirm(self) -> None:
+        """Time the default and the search's winner again (:meth:`_settle` decides)."""
+        raise NotImplementedError
+
+    def result(self) -> TuningResult:
+        """What was found so far, as typed data."""
+        raise NotImplementedError
+
+    def release(self) -> None:
+        """Free the device buffers of the workloads."""
+        raise NotImplementedError
+
+    def _settle(self, best: Candidate, default: Candidate, times: dict[int, dict[str, float]],
+                label: str) -> None:
+        """Choose between ``best`` and ``default`` timed again (:func:`confirm_verdict`)."""
+        self.chosen, self.confirmation = confirm_verdict(best, default, times)
+        scores = ", ".join(f"#{i} {v:.2f}" for i, v in self.confirmation.scores.items())
+        self.progress.step(f"{label}: #{self.chosen.id} ({scores})")
+
+    def run(self) -> TuningResult:
+        """Search, confirm, free the workloads; the result."""
+        try:
+            self.search()
+            try:
+                self.confirm()
+            except KeyboardInterrupt:
+                raise
+            except Exception as exc:  # noqa: BLE001 - keep the search's answer
+                self.chosen = self.best()
+                self.confirmation = Confirmation(error=first_line(exc))
+            return self.result()
+        finally:
+            self.release()
 
 
 # -- the search ------------------------------------------------------------------------------
@@ -771,24 +812,7 @@ class Tuner(CoordinateSearch):
                     dec = decs[c.id][shape.model]
                     t = self._time(dec, w, dec.plan(w.indptr, w.last), shape, prune=False)
                     times[c.id][shape.key] = min(times[c.id].get(shape.key, math.inf), t)
-        self.chosen, self.confirmation = confirm_verdict(best, default, times)
-        scores = ", ".join(f"#{i} {v:.2f}" for i, v in self.confirmation.scores.items())
-        self.progress.step(f"confirmed: #{self.chosen.id} ({scores})")
-
-    def run(self) -> TuningResult:
-        """Search, confirm, free the workloads; the result."""
-        try:
-            self.search()
-            try:
-                self.confirm()
-            except KeyboardInterrupt:
-                raise
-            except Exception as exc:  # noqa: BLE001 - keep the search's answer
-                self.chosen = self.best()
-                self.confirmation = Confirmation(error=first_line(exc))
-            return self.result()
-        finally:
-            self.release()
+        self._settle(best, default, times, "confirmed")
 
     def result(self) -> TuningResult:
         """What was found so far, as typed data."""
@@ -811,5 +835,5 @@ class Tuner(CoordinateSearch):
 
 
 __all__ = ["Candidate", "Confirmation", "CoordinateSearch", "NO_BUDGET", "Parameter", "Progress",
-           "SEARCH_SPACE", "Settings", "ShapeResult", "TUNED_FIELDS", "Tuner", "TuningResult",
-           "confirm_verdict", "median_or_pruned", "params_text", "values_to_try"]
+           "SEARCH_SPACE", "Settings", "ShapeResult", "TUNED_FIELDS", "TimedPair", "Tuner",
+           "TuningResult", "confirm_verdict", "median_or_pruned", "params_text", "values_to_try"]
