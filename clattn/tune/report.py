@@ -166,9 +166,10 @@ def jsonable(obj: Any) -> Any:
     non-finite floats become None, fields marked ``repr=False`` are left out."""
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         out = {f.name: jsonable(getattr(obj, f.name)) for f in dataclasses.fields(obj) if f.repr}
-        for name, attr in vars(type(obj)).items():
-            if isinstance(attr, property):
-                out[name] = jsonable(getattr(obj, name))
+        for klass in type(obj).__mro__:  # inherited properties too
+            for name, attr in vars(klass).items():
+                if isinstance(attr, property) and name not in out:
+                    out[name] = jsonable(getattr(obj, name))
         return out
     if isinstance(obj, dict):
         return {str(k): jsonable(v) for k, v in obj.items()}
