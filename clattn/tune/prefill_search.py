@@ -37,7 +37,7 @@ from .search import (
     Settings,
     TimedPair,
     TuningResult,
-    _fits_work_group,
+    fits_work_group,
     median_or_pruned,
 )
 from .timing import event_seconds, first_line, sample
@@ -56,7 +56,7 @@ PREFILL_SPACE: tuple[Parameter, ...] = (
     Parameter("prefill_vec", (4, 8, 16), ("rows",), allowed=_fits_rows_vec),
     Parameter("prefill_kb", (4, 8, 16), ("rows",)),
     Parameter("prefill_qb", (2, 4, 8, 16), ("rows",)),
-    Parameter("prefill_tc", (4, 8, 16, 32), ("tiled",), allowed=_fits_work_group),
+    Parameter("prefill_tc", (4, 8, 16, 32), ("tiled",), allowed=fits_work_group),
     Parameter("prefill_rm", (1, 2, 4, 8), ("tiled",)),
     Parameter("prefill_kb", (16, 32, 64), ("tiled",)),
     Parameter("prefill_qb", (4, 8, 16, 32), ("tiled",)),

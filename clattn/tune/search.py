@@ -8,7 +8,9 @@ the CPU backend before it is timed; times are kernel time from the profiling eve
 each call (decode and merge, host overhead excluded), the median over calls that rotate
 over page sets spanning at least 4x the largest cache. Candidates are scored as CLBlast
 does: the sum over shapes of ``time / best time for that shape``; the winner is timed again
-beside the default and kept only if it is still faster.
+beside the default and kept only if it is still faster. :class:`CoordinateSearch` holds
+what this decode stage shares with the prefill stage (:mod:`clattn.tune.prefill_search`):
+the loop, the scores, the budget and the confirmation rule (:func:`confirm_verdict`).
 """
 from __future__ import annotations
 
@@ -44,7 +46,8 @@ from .workloads import (
 # -- the search space ----------------------------------------------------------------------
 
 
-def _fits_work_group(value: int, limits: Limits) -> bool:
+def fits_work_group(value: int, limits: Limits) -> bool:
+    """Whether ``value`` work-items fit one work-group and its first dimension."""
     return value <= min(limits.max_work_group_size, limits.max_work_item_sizes[0])
 
 
@@ -78,7 +81,7 @@ SEARCH_SPACE: tuple[Parameter, ...] = (
     Parameter("wgs_per_cu", (1, 2, 4, 8, 16), kernel=False),
     Parameter("min_partition_rows", (64, 128, 256, 512, 1024, 2048), kernel=False),
     Parameter("strategy", STRATEGIES),
-    Parameter("thread_limit", (32, 64, 128, 256, 512, 1024), ("tiled",), allowed=_fits_work_group),
+    Parameter("thread_limit", (32, 64, 128, 256, 512, 1024), ("tiled",), allowed=fits_work_group),
     Parameter("reduction", ("local", "subgroup"), ("tiled",), allowed=_has_subgroups,
               resets={"subgroup_size": None}),
 )
@@ -836,4 +839,5 @@ class Tuner(CoordinateSearch):
 
 __all__ = ["Candidate", "Confirmation", "CoordinateSearch", "NO_BUDGET", "Parameter", "Progress",
            "SEARCH_SPACE", "Settings", "ShapeResult", "TUNED_FIELDS", "TimedPair", "Tuner",
-           "TuningResult", "confirm_verdict", "median_or_pruned", "params_text", "values_to_try"]
+           "TuningResult", "confirm_verdict", "fits_work_group", "median_or_pruned",
+           "params_text", "values_to_try"]
