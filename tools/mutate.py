@@ -418,7 +418,7 @@ MUTANTS = [
         ["tests/test_tune_prefill.py", "-k", k("verifies_every_candidate", "pocl")],
         "the tuner's prefill stage times a candidate without checking it against the CPU "
         "backend (a wrong kernel can win)", "python"),
-    Mutant("prefill-tuner-keeps-a-slower-winner", "clattn/tune/search.py", [
+    Mutant("tuner-keeps-a-slower-winner", "clattn/tune/search.py", [
         ("    if best is not default and scores[best.id] >= scores[default.id]:",
          "    if False:")],
         ["tests/test_profiler.py", "-k", "does_not_hold_up"],
