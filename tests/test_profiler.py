@@ -169,8 +169,15 @@ def test_quick_run_saved_profile_round_trips_through_registry(quick, monkeypatch
     assert entry["source"].startswith("measured by clattn tune on ")
     chosen = next(c for c in rep["tuning"]["candidates"]
                   if c["id"] == rep["tuning"]["chosen"]["id"])
-    assert entry["params"] == {k: v for k, v in chosen["profile"].items()
+    # the saved profile: the prefill stage's choice, which carries the decode stage's
+    assert entry["params"] == {k: v for k, v in rep["chosen"].items()
                                if k not in ("name", "source")}
+    assert {k: v for k, v in entry["params"].items() if not k.startswith("prefill_")} == \
+        {k: v for k, v in chosen["profile"].items()
+         if k not in ("name", "source") and not k.startswith("prefill_")}
+    pre = rep["prefill"]  # the prefill stage ran, from the decode stage's choice
+    assert pre["candidates"][0]["origin"] == "default" and pre["chosen"]
+    assert rep["chosen"] == pre["chosen"]["profile"]
     _isolate(monkeypatch, cfg)
     m = match(device_info(POCL))
     assert m.level == "user" and m.profile.name == saved["name"]
@@ -353,6 +360,18 @@ def test_wrong_kernel_result_fails_loudly_and_saves_nothing(tmp_path, monkeypatc
     assert rep["tuning"] is None
 
 
+class _FakePrefillTuner:
+    """Stands for prefill_search.PrefillTuner: keeps its default (no prefill kernels)."""
+
+    def __init__(self, rt, info, base, settings, progress, budget_s, seeds=()):
+        self.base = base
+
+    def run(self):
+        default = Candidate(0, self.base, "default", status="ok", score=1.0)
+        return TuningResult(Settings.make(True, None), [], {}, [default], 0.1, chosen=default,
+                            default=default)
+
+
 class _FakeTuner:
     """Stands for search.Tuner: 'finds' a profile with vec=4 (not the one checked first)."""
 
@@ -373,6 +392,7 @@ def test_the_winner_is_verified_on_the_full_set_before_it_is_saved(tmp_path, mon
     _isolate(monkeypatch, tmp_path / "cfg")
     monkeypatch.setattr(session, "measure_ceilings", lambda rt, s: CeilingsResult())
     monkeypatch.setattr(session, "Tuner", _FakeTuner)
+    monkeypatch.setattr(session, "PrefillTuner", _FakePrefillTuner)
     seen = []
 
     def fake_correctness(device, *, profile=None):

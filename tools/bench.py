@@ -111,10 +111,15 @@ from clattn.tune import ceilings as ceil  # noqa: E402
 from clattn.tune.checks import TOL, compare, decoder  # noqa: E402
 from clattn.tune.roofline import decode_roofline  # noqa: E402
 from clattn.tune.timing import cell, event_seconds, sample, table  # noqa: E402
-from clattn.tune.workloads import PagePool, Workload, pool_pages, rotating_tables  # noqa: E402
+from clattn.tune.workloads import (  # noqa: E402
+    PREFILL_CHUNKS,
+    PagePool,
+    Workload,
+    pool_pages,
+    prefill_flops,
+    rotating_tables,
+)
 
-#: (new tokens, cached tokens) per sequence of the prefill rows
-PREFILL_CHUNKS = [(512, 0), (128, 4096)]
 #: values packed on the host at once for a quantized pool (the block repeated over it)
 PACK_VALUES = 1 << 22
 #: row keys shown in the table even when the row was skipped
@@ -883,11 +888,6 @@ def suite_split(args: argparse.Namespace, deadline: Deadline) -> dict:
 
 
 # -- prefill suite -----------------------------------------------------------------------
-def prefill_flops(spec: AttentionSpec, B: int, n: int, ctx: int) -> float:
-    """4 * H_qo * D per attended (query, key) pair (QK and PV), causal."""
-    return 4.0 * spec.num_qo_heads * spec.head_dim * B * (n * ctx + n * (n + 1) / 2)
-
-
 def fma_peak_call(rt: Any) -> tuple[Callable[[], dict], float]:
     """A timed launch of the f32 multiply-add peak kernel and the FLOPs it does."""
     launch, flops = ceil.fma_launcher(rt)
@@ -968,7 +968,7 @@ def _prefill_row(args: argparse.Namespace, db: DeviceBench, row: dict, pre: Batc
     res, _ = sample_interleaved(calls, args.repeat, args.row_seconds)
     s = res["clattn"]["s"]
     row.update(units=len(plan.units), kernel_ms=s * 1e3, runs=res["clattn"]["runs"],
-               gflops=prefill_flops(spec, B, n, ctx) / s * 1e-9,
+               gflops=prefill_flops(spec.num_qo_heads, spec.head_dim, B, n, ctx) / s * 1e-9,
                peak=peak[1] / res["peak"]["s"] * 1e-9)
     row["peak_frac"] = row["gflops"] / row["peak"]
     torch_s = {k: r["s"] for k, r in res.items() if k.startswith("torch")}
@@ -985,7 +985,7 @@ def suite_prefill(args: argparse.Namespace, deadline: Deadline) -> dict:
     peak = fma_peak_call(db.rt)
     models = args.models or ["Llama-3-8B", "Qwen2.5-0.5B"]
     batches = args.batches or [1, 4]
-    chunks = args.chunks or PREFILL_CHUNKS
+    chunks = args.chunks or list(PREFILL_CHUNKS)
     dtypes = args.dtypes or ["float16"]
     if args.smoke:
         models, batches, chunks, dtypes = ["Qwen2.5-0.5B"], [1], [(32, 64)], ["float16"]

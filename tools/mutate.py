@@ -413,6 +413,17 @@ MUTANTS = [
         ["tests/test_profiler.py", "-k", "shrink"],
         "the tuner's pools are not shrunk to the memory there is (shapes dropped instead)",
         "python"),
+    Mutant("prefill-tuner-times-unverified", "clattn/tune/prefill_search.py", [
+        ("                why = self._verify(pre, name)\n", "                why = None\n")],
+        ["tests/test_tune_prefill.py", "-k", k("verifies_every_candidate", "pocl")],
+        "the tuner's prefill stage times a candidate without checking it against the CPU "
+        "backend (a wrong kernel can win)", "python"),
+    Mutant("tuner-keeps-a-slower-winner", "clattn/tune/search.py", [
+        ("    if best is not default and scores[best.id] >= scores[default.id]:",
+         "    if False:")],
+        ["tests/test_profiler.py", "-k", "does_not_hold_up"],
+        "a search winner slower than the default when timed again is kept (both stages)",
+        "python"),
     Mutant("llvmpipe-tiled-prefill", "clattn/fit.py", [
         ('            tiled_prefill="llvmpipe" not in '
          'str(info.get("device_name") or "").lower(),\n',

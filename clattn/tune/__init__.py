@@ -10,17 +10,30 @@ The tool around the core, never imported by it. Modules, in import order:
 * :mod:`~clattn.tune.workloads`: model shapes, page pools and rotating page sets;
 * :mod:`~clattn.tune.checks`: the correctness set against the CPU backend (decode, f16
   and quantized pages, prefill, merges);
-* :mod:`~clattn.tune.search`: the search space and the tuner;
+* :mod:`~clattn.tune.search`: the search space and the tuner (the decode stage, and the
+  coordinate search both stages share);
+* :mod:`~clattn.tune.prefill_search`: the prefill stage's space and tuner;
 * :mod:`~clattn.tune.report`: the report as typed data, its text, JSON and plot;
 * :mod:`~clattn.tune.session`: one run, step by step;
 * :mod:`~clattn.tune.command`: the ``clattn tune`` command line (alias ``clattn profile``).
 """
-from . import ceilings, checks, command, report, roofline, search, session, timing, workloads
+from . import (
+    ceilings,
+    checks,
+    command,
+    prefill_search,
+    report,
+    roofline,
+    search,
+    session,
+    timing,
+    workloads,
+)
 from .checks import Check, correctness
 from .report import Report, format_report, plot_report
 from .search import Settings, Tuner
 from .session import tune_device
 
 __all__ = ["Check", "Report", "Settings", "Tuner", "ceilings", "checks", "command",
-           "correctness", "format_report", "plot_report", "report", "roofline", "search", "session",
-           "timing", "tune_device", "workloads"]
+           "correctness", "format_report", "plot_report", "prefill_search", "report", "roofline",
+           "search", "session", "timing", "tune_device", "workloads"]

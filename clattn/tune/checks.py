@@ -160,6 +160,13 @@ def check_decode(name: str, dec: Any, args: tuple, kw: dict, split: Any = None) 
                       lambda: cpu_backend.batch_decode(dec.spec, *args, **kw))
 
 
+def check_prefill(name: str, pre: Any, args: tuple, kw: dict) -> Check:
+    """Run the prefill ``pre`` on a host case (:func:`make_prefill_case`'s arguments and
+    keywords) and compare with the CPU backend."""
+    return check_call(name, pre.spec.dtype, lambda: pre.run(*args, **kw),
+                      lambda: cpu_backend.batch_prefill(pre.spec, *args, **kw))
+
+
 def make_prefill_case(spec: Any, lengths: list[int], new: list[int], seed: int, *,
                       rope: bool = False) -> tuple[tuple, dict]:
     """A random host prefill batch: the positional arguments and keywords of
@@ -286,10 +293,7 @@ def prefill_checks(device: Any, profile: Profile | None = None) -> list[Check]:
     checks = []
     for i, (case_kw, call_kw, what) in enumerate(PREFILL_CASES):
         args, kw = make_prefill_case(spec, VERIFY_LENGTHS, PREFILL_NEW, seed=300 + i, **case_kw)
-        kw.update(call_kw)
-        checks.append(check_call(f"{head} {what}", spec.dtype,
-                                 lambda: pre.run(*args, **kw),
-                                 lambda: cpu_backend.batch_prefill(spec, *args, **kw)))
+        checks.append(check_prefill(f"{head} {what}", pre, args, {**kw, **call_kw}))
     return checks
 
 
@@ -373,6 +377,6 @@ def correctness(device: Any, *, profile: Profile | None = None) -> list[Check]:
 
 
 __all__ = ["Check", "DECODE_CASES", "KvBytes", "PREFILL_CASES", "PREFILL_NEW", "QUANT_CASES",
-           "TOL", "VERIFY_LENGTHS", "check_call", "check_decode", "compare", "correctness",
-           "decoder", "kv_bytes", "make_case", "make_prefill_case", "prefill_checks",
-           "quantized_checks"]
+           "TOL", "VERIFY_LENGTHS", "check_call", "check_decode", "check_prefill", "compare",
+           "correctness", "decoder", "kv_bytes", "make_case", "make_prefill_case",
+           "prefill_checks", "quantized_checks"]

@@ -102,8 +102,11 @@ def _save(rep: Report, name: str | None, out: Outputs) -> None:
     dev = str(rep.device.get("device_name") or "device").strip()
     name = name or f"measured-{_slug(dev)}"
     speed = ", ".join(f"{r.shape.key}: {r.speedup:.2f}x" for r in rep.tuning.per_shape if r.speedup)
+    pre = ", ".join(f"{r.shape.key}: {r.speedup:.2f}x"
+                    for r in (rep.prefill.per_shape if rep.prefill else ()) if r.speedup)
     entry = profile_entry(name, dev, rep.chosen, rep.builtin.name,
-                          f"clattn tune ({rep.mode}): speedup over {rep.builtin.name}: {speed}")
+                          f"clattn tune ({rep.mode}): speedup over {rep.builtin.name}: {speed}"
+                          + (f"; prefill {pre}" if pre else ""))
     try:
         path = save_user_profile(entry)
     except (OSError, ValueError) as exc:

@@ -13,6 +13,7 @@ from ..profiles import device_info
 from ..profiles.record import Profile
 from .ceilings import FMA_LANES, FmaPeak, Latency, Measurement, Transfer
 from .checks import Check, KvBytes
+from .prefill_search import PrefillShapeResult, prefill_params_text
 from .roofline import Roofline, decode_roofline
 from .search import ShapeResult, TuningResult, params_text
 from .timing import cell, table
@@ -77,9 +78,10 @@ class CeilingsResult:
 class Report:
     """Everything one ``clattn tune`` run measured.
 
-    ``correctness``: the registry profile's checks; ``winner_checks``: the chosen
-    profile's, or None when it is the profile already checked. ``kv_bytes``: pool bytes
-    per token of each page format for the shape of the quantized checks.
+    ``correctness``: the registry profile's checks; ``tuning``: the decode stage;
+    ``prefill``: the prefill stage (from the decode stage's winner); ``winner_checks``: the
+    chosen profile's, or None when it is the profile already checked. ``kv_bytes``: pool
+    bytes per token of each page format for the shape of the quantized checks.
     """
 
     date: str
@@ -95,6 +97,7 @@ class Report:
     step_seconds: dict[str, float] = field(default_factory=dict)
     elapsed_s: float = 0.0
     kv_bytes: KvBytes | None = None
+    prefill: TuningResult | None = None
 
     @property
     def correctness_passed(self) -> bool:
@@ -113,9 +116,16 @@ class Report:
 
     @property
     def chosen(self) -> Profile | None:
-        """The tuned profile, or None when tuning found nothing."""
-        c = self.tuning.chosen if self.tuning else None
+        """The tuned profile (the prefill stage's choice, which carries the decode stage's),
+        or None when tuning found nothing."""
+        c = self.prefill.chosen if self.prefill and self.prefill.chosen else None
+        c = c or (self.tuning.chosen if self.tuning else None)
         return c.profile if c else None
+
+    def fraction_of_peak(self, row: PrefillShapeResult) -> float | None:
+        """Tuned GFLOP/s of a prefill shape over the median f32 multiply-add peak."""
+        fma = self.ceilings.fma
+        return row.tuned_gflops / fma.gflops if row.tuned_gflops and fma and fma.gflops else None
 
     def fraction_of_read(self, row: ShapeResult) -> float | None:
         """Median tuned GB/s over the median read ceiling (like with like)."""
@@ -145,6 +155,9 @@ class Report:
                 j["roofline"] = None if roof is None else dict(
                     bound=roof.bound, bound_s=roof.bound_s, memory_s=roof.memory_s,
                     compute_s=roof.compute_s, fraction=roof.fraction(row.tuned_s))
+        if self.prefill:
+            for row, j in zip(self.prefill.per_shape, out["prefill"]["per_shape"]):
+                j["fraction_of_fma_peak"] = self.fraction_of_peak(row)
         return out
 
 
@@ -153,9 +166,10 @@ def jsonable(obj: Any) -> Any:
     non-finite floats become None, fields marked ``repr=False`` are left out."""
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         out = {f.name: jsonable(getattr(obj, f.name)) for f in dataclasses.fields(obj) if f.repr}
-        for name, attr in vars(type(obj)).items():
-            if isinstance(attr, property):
-                out[name] = jsonable(getattr(obj, name))
+        for klass in type(obj).__mro__:  # inherited properties too
+            for name, attr in vars(klass).items():
+                if isinstance(attr, property) and name not in out:
+                    out[name] = jsonable(getattr(obj, name))
         return out
     if isinstance(obj, dict):
         return {str(k): jsonable(v) for k, v in obj.items()}
@@ -207,21 +221,23 @@ def _checks_lines(title: str, checks: list[Check]) -> list[str]:
     return ["", title] + table(["", "check", "max err", "tol", "problem"], rows)
 
 
-def _candidate_lines(t: TuningResult) -> list[str]:
+def _candidate_lines(t: TuningResult, title: str = "Tuning",
+                     text: Any = params_text) -> list[str]:
     counts: dict[str, int] = {}
     for cd in t.candidates:
         counts[cd.status] = counts.get(cd.status, 0) + 1
     ctext = ", ".join(f"{v} {k}" for k, v in counts.items())
-    lines = [f"Tuning: {len(t.shapes)} shapes, {len(t.candidates)} candidates ({ctext}), "
-             + (f"{t.elapsed_s:.0f} s, no time budget" if math.isinf(t.settings.budget_s)
-                else f"{t.elapsed_s:.0f} s of a {t.settings.budget_s:.0f} s budget")
+    budget = t.settings.budget_s if t.budget_s is None else t.budget_s
+    lines = [f"{title}: {len(t.shapes)} shapes, {len(t.candidates)} candidates ({ctext}), "
+             + (f"{t.elapsed_s:.0f} s, no time budget" if math.isinf(budget)
+                else f"{t.elapsed_s:.0f} s of a {budget:.0f} s budget")
              + (f"; stopped: {t.stopped}" if t.stopped else "")]
     for k, why in t.skipped_shapes.items():
         lines.append(f"  shape {k} not measured: {why}")
     for note in t.memory_notes:
         lines.append(f"  memory: {note}")
     best_id = t.chosen.id if t.chosen else None
-    rows = [["*" if cd.id == best_id else "", f"#{cd.id}", cd.origin, params_text(cd.profile),
+    rows = [["*" if cd.id == best_id else "", f"#{cd.id}", cd.origin, text(cd.profile),
              cell(cd.score, ".2f"), cd.status + (f": {cd.reason}" if cd.reason else "")]
             for cd in t.candidates]
     lines += table(["", "id", "from", "parameters", "score", "status"], rows, right={4})
@@ -230,8 +246,23 @@ def _candidate_lines(t: TuningResult) -> list[str]:
     return lines
 
 
+def _tuned_lines(t: TuningResult, text: Any, how: str) -> list[str]:
+    """The chosen parameters, the scores, and the confirmation's verdict."""
+    chosen, default, conf = t.chosen, t.default, t.confirmation
+    again = ", ".join(f"#{k} {v:.2f}" for k, v in conf.scores.items()) if conf else ""
+    lines = [f"  tuned: {text(chosen.profile)} "
+             f"(search score {cell(chosen.score, '.2f')} "
+             f"vs default {cell(default.score if default else None, '.2f')}"
+             + (f"; timed again {how}: {again}" if again else "") + ")"]
+    if conf and conf.kept_default:
+        lines.append(f"  kept the default: {conf.kept_default}")
+    if conf and conf.error:
+        lines.append(f"  re-timing failed: {conf.error}")
+    return lines
+
+
 def _per_shape_lines(rep: Report, t: TuningResult) -> list[str]:
-    chosen, default = t.chosen, t.default
+    chosen = t.chosen
     lines = ["", f"Default ({rep.builtin.name}) vs tuned (#{chosen.id}) per shape "
                  f"(median kernel time over calls rotating over page sets)"]
     rows = []
@@ -249,17 +280,24 @@ def _per_shape_lines(rep: Report, t: TuningResult) -> list[str]:
                     "page sets"], rows, right={1, 2, 3, 4, 5, 6, 8, 9})
     lines.append("  (roofline: the larger of bytes moved / median read bandwidth and "
                  "2 x heads x head_dim multiply-adds per row / the median multiply-add peak)")
-    conf = t.confirmation
-    again = ", ".join(f"#{k} {v:.2f}" for k, v in conf.scores.items()) if conf else ""
-    lines.append(f"  tuned: {params_text(chosen.profile)} "
-                 f"(search score {cell(chosen.score, '.2f')} "
-                 f"vs default {cell(default.score if default else None, '.2f')}"
-                 + (f"; timed again side by side: {again}" if again else "") + ")")
-    if conf and conf.kept_default:
-        lines.append(f"  kept the default: {conf.kept_default}")
-    if conf and conf.error:
-        lines.append(f"  re-timing failed: {conf.error}")
-    return lines
+    return lines + _tuned_lines(t, params_text, "side by side")
+
+
+def _prefill_lines(rep: Report, t: TuningResult) -> list[str]:
+    """The prefill stage: its candidates, then default vs tuned per shape."""
+    lines = [""] + _candidate_lines(t, "Prefill tuning", prefill_params_text)
+    if not (t.per_shape and t.chosen):
+        return lines
+    chosen = t.chosen
+    lines += ["", f"Prefill default vs tuned (#{chosen.id}) per shape (median kernel time)"]
+    rows = [[r.shape.key, cell(r.default_s and r.default_s * 1e3, ".3f"),
+             cell(r.tuned_s and r.tuned_s * 1e3, ".3f"), cell(r.speedup, ".2f") + "x",
+             cell(r.default_gflops, ".1f"), cell(r.tuned_gflops, ".1f"),
+             cell(rep.fraction_of_peak(r) and 100 * rep.fraction_of_peak(r), ".0f") + "%"]
+            for r in t.per_shape]
+    lines += table(["shape", "default ms", "tuned ms", "speedup", "default GFLOP/s",
+                    "tuned GFLOP/s", "of f32 FMA peak"], rows, right={1, 2, 3, 4, 5, 6})
+    return lines + _tuned_lines(t, prefill_params_text, "round-robin")
 
 
 def format_report(rep: Report) -> str:
@@ -289,6 +327,8 @@ def format_report(rep: Report) -> str:
         lines += _candidate_lines(t)
         if t.per_shape and t.chosen:
             lines += _per_shape_lines(rep, t)
+    if rep.prefill is not None:
+        lines += _prefill_lines(rep, rep.prefill)
     if rep.winner_checks is not None:
         lines += _checks_lines("Correctness of the tuned profile vs the CPU backend",
                                rep.winner_checks)

@@ -8,7 +8,9 @@ the CPU backend before it is timed; times are kernel time from the profiling eve
 each call (decode and merge, host overhead excluded), the median over calls that rotate
 over page sets spanning at least 4x the largest cache. Candidates are scored as CLBlast
 does: the sum over shapes of ``time / best time for that shape``; the winner is timed again
-beside the default and kept only if it is still faster.
+beside the default and kept only if it is still faster. :class:`CoordinateSearch` holds
+what this decode stage shares with the prefill stage (:mod:`clattn.tune.prefill_search`):
+the loop, the scores, the budget and the confirmation rule (:func:`confirm_verdict`).
 """
 from __future__ import annotations
 
@@ -30,6 +32,8 @@ from .timing import event_seconds, first_line, sample
 from .workloads import (
     FULL_POINTS,
     MODELS,
+    PREFILL_FULL_POINTS,
+    PREFILL_QUICK_POINTS,
     QUICK_POINTS,
     PagePool,
     Shape,
@@ -42,7 +46,8 @@ from .workloads import (
 # -- the search space ----------------------------------------------------------------------
 
 
-def _fits_work_group(value: int, limits: Limits) -> bool:
+def fits_work_group(value: int, limits: Limits) -> bool:
+    """Whether ``value`` work-items fit one work-group and its first dimension."""
     return value <= min(limits.max_work_group_size, limits.max_work_item_sizes[0])
 
 
@@ -76,7 +81,7 @@ SEARCH_SPACE: tuple[Parameter, ...] = (
     Parameter("wgs_per_cu", (1, 2, 4, 8, 16), kernel=False),
     Parameter("min_partition_rows", (64, 128, 256, 512, 1024, 2048), kernel=False),
     Parameter("strategy", STRATEGIES),
-    Parameter("thread_limit", (32, 64, 128, 256, 512, 1024), ("tiled",), allowed=_fits_work_group),
+    Parameter("thread_limit", (32, 64, 128, 256, 512, 1024), ("tiled",), allowed=fits_work_group),
     Parameter("reduction", ("local", "subgroup"), ("tiled",), allowed=_has_subgroups,
               resets={"subgroup_size": None}),
 )
@@ -123,6 +128,12 @@ class Settings:
     prune: float = 3.0  # a candidate this many times slower than the best on a shape is dropped
     ceiling_target_s: float = 0.25
     ceiling_widths: tuple = (1, 2, 4, 8, 16)  # vector widths of the bandwidth kernels
+    # the prefill stage (clattn.tune.prefill_search): its (batch, new, cached) points, its
+    # cap on distinct kernels and its share of budget_s (the decode stage stops at the
+    # rest; the prefill stage gets whatever the decode stage left)
+    prefill_points: tuple = PREFILL_FULL_POINTS
+    prefill_max_kernels: int = 12
+    prefill_share: float = 0.3
 
     @classmethod
     def make(cls, quick: bool, budget: float | None) -> "Settings":
@@ -130,13 +141,19 @@ class Settings:
         if quick:
             return cls(True, 20.0 if budget is None else budget, QUICK_POINTS, max_kernels=6,
                        max_plans=3, passes=1, target_s=0.03, reps=3, prune=2.5,
-                       ceiling_target_s=0.03, ceiling_widths=(4, 8, 16))
+                       ceiling_target_s=0.03, ceiling_widths=(4, 8, 16),
+                       prefill_points=PREFILL_QUICK_POINTS, prefill_max_kernels=3)
         return cls(False, 300.0 if budget is None else budget)
 
     @property
     def mode(self) -> str:
         """``"quick"`` or ``"full"``."""
         return "quick" if self.quick else "full"
+
+    @property
+    def decode_budget_s(self) -> float:
+        """The decode stage's share of :attr:`budget_s` (NO_BUDGET stays NO_BUDGET)."""
+        return self.budget_s * (1.0 - self.prefill_share)
 
 
 class Progress:
@@ -220,19 +237,26 @@ class Candidate:
 
 
 @dataclass(frozen=True)
-class ShapeResult:
-    """The default and the chosen profile on one shape (median kernel seconds)."""
+class TimedPair:
+    """The default and the chosen profile on one shape of a stage (median kernel seconds)."""
 
-    shape: Shape
+    shape: Any
     default_s: float | None
     tuned_s: float | None
-    plan: str = ""
-    page_sets: int = 1  # disjoint page sets the timed calls rotated over
 
     @property
     def speedup(self) -> float | None:
         """default / tuned time."""
         return self.default_s / self.tuned_s if self.default_s and self.tuned_s else None
+
+
+@dataclass(frozen=True)
+class ShapeResult(TimedPair):
+    """The default and the chosen profile on one decode shape (median kernel seconds)."""
+
+    shape: Shape
+    plan: str = ""
+    page_sets: int = 1  # disjoint page sets the timed calls rotated over
 
     @property
     def default_gbps(self) -> float | None:
@@ -271,15 +295,208 @@ class TuningResult:
     per_shape: list[ShapeResult] = field(default_factory=list)
     #: how the pools were sized where memory was short (shrunk cold pools)
     memory_notes: list[str] = field(default_factory=list)
+    #: this stage's share of the budget (None: ``settings.budget_s``)
+    budget_s: float | None = None
 
 
 class _Pruned(Exception):
     """A candidate is too slow on a shape to be worth timing further."""
 
 
+def median_or_pruned(call: Callable[[], float], best_known: float | None,
+                     settings: Settings, shape_key: str) -> float | str:
+    """Median kernel seconds of ``call`` (one launch, its event seconds) under ``settings``
+    (one warm-up, at least ``reps`` runs, about ``target_s``), or ``"pruned: why"``.
+
+    Pruning rule, with ``best_known`` the best time on the shape so far (None: never
+    pruned): a warm-up run slower than 1.5 x ``prune`` x the best (plus 2 ms), or a
+    fastest timed run slower than ``prune`` x the best, stops the candidate.
+    """
+    fastest = [math.inf]
+
+    def observe(_: str, result: Mapping[str, float], warm: bool) -> None:
+        if best_known is None:
+            return
+        t = result["kernel"]
+        if warm:
+            if t > 1.5 * settings.prune * best_known + 0.002:
+                raise _Pruned(f"{t / best_known:.1f}x the best time on {shape_key}")
+            return
+        fastest[0] = min(fastest[0], t)
+        if fastest[0] > settings.prune * best_known:
+            raise _Pruned(f"{fastest[0] / best_known:.1f}x the best time on {shape_key}")
+
+    try:
+        res = sample({"run": lambda: {"kernel": call()}}, warmup=1, min_runs=settings.reps,
+                     max_runs=200, seconds=settings.target_s, observe=observe)
+    except _Pruned as why:
+        return f"pruned: {why}"
+    return res["run"]["kernel"].median
+
+
+def confirm_verdict(best: Candidate, default: Candidate,
+                    times: dict[int, dict[str, float]]) -> tuple[Candidate, Confirmation]:
+    """The confirmation rule of both stages: the winner of the search is kept only if its
+    summed relative time over the shapes timed again (``times``: candidate id -> shape key
+    -> seconds) is lower than the default's; else the default. Returns (chosen, record)."""
+    pair = [default] if best is default else [default, best]
+    fastest = {k: min(times[c.id][k] for c in pair) for k in times[default.id]}
+    scores = {c.id: sum(times[c.id][k] / fastest[k] for k in fastest) for c in pair}
+    if best is not default and scores[best.id] >= scores[default.id]:
+        return default, Confirmation(times, scores, (
+            f"#{best.id} won the search (score {best.score:.2f}) but was not faster than "
+            f"the default when timed again ({scores[best.id]:.2f} vs "
+            f"{scores[default.id]:.2f})"))
+    return best, Confirmation(times, scores)
+
+
+class CoordinateSearch:
+    """What the decode and the prefill stages share: candidates and their scores, the
+    budget and its reserve, and the coordinate-search loop over a :class:`Parameter`
+    space (a subclass gives :meth:`evaluate`, and :meth:`_resolved` where a field's
+    current value is derived).
+
+    Parameters
+    ----------
+    settings : Settings
+    progress : Progress
+    limits : clattn.fit.Limits
+    space : tuple of Parameter
+    seeds : list of (Profile, origin)
+        Evaluated first, past the caps (the first: the default).
+    budget_s : float
+        This stage's wall time (NO_BUDGET: none).
+    """
+
+    def __init__(self, settings: Settings, progress: Progress, limits: Limits,
+                 space: tuple[Parameter, ...], seeds: list[tuple[Profile, str]],
+                 budget_s: float) -> None:
+        self.settings, self.progress, self.limits, self.space = settings, progress, limits, space
+        self.seeds = seeds
+        self.budget_s = budget_s
+        self.shapes: list = []
+        self.candidates: list[Candidate] = []
+        self._kernel_costs: list[float] = []  # seconds each new kernel took, start to end
+        self._reserve = 0.0  # seconds kept for confirm(): 4x the default's timing time
+        self.stop_reason = ""
+        self.kernel_stop = ""
+        self.chosen: Candidate | None = None
+        self.confirmation: Confirmation | None = None
+        self.t0 = time.perf_counter()
+
+    def evaluate(self, prof: Profile, origin: str, *, force: bool = False) -> Candidate | None:
+        """Verify and time ``prof``; None for a duplicate or past a cap."""
+        raise NotImplementedError
+
+    def _resolved(self, prof: Profile) -> Profile:
+        """``prof`` with the current values the search moves from (derived ones filled in)."""
+        return prof
+
+    # ---- bookkeeping
+    def elapsed(self) -> float:
+        """Seconds since the stage began."""
+        return time.perf_counter() - self.t0
+
+    def deadline(self) -> float:
+        """Seconds into tuning when the search stops: the budget less the re-timing reserve."""
+        return self.budget_s - min(self._reserve, 0.5 * self.budget_s)
+
+    def over_budget(self) -> bool:
+        """Whether the search is past :meth:`deadline`."""
+        return self.elapsed() > self.deadline()
+
+    def _budget_text(self) -> str:
+        return f"time budget of {self.budget_s:.0f} s"
+
+    def _budget_admits(self, new_kernel: bool) -> bool:
+        """Whether the time budget leaves room for a non-forced candidate (a new kernel:
+        room for about as long as the kernels so far took on average)."""
+        if self.over_budget():
+            self.stop_reason = self.stop_reason or f"{self._budget_text()} used up"
+            return False
+        if new_kernel and self._kernel_costs:
+            cost = sum(self._kernel_costs) / len(self._kernel_costs)
+            if self.elapsed() + 0.75 * cost > self.deadline():
+                # no new kernels; plan-only candidates (no build) may still fit
+                self.kernel_stop = self.kernel_stop or (
+                    f"{self._budget_text()}: not enough left for another kernel (about "
+                    f"{cost:.0f} s each to build, verify and time)")
+                return False
+        return True
+
+    def _rescore(self) -> None:
+        done = [c for c in self.candidates if c.status == "ok"]
+        keys = [s.key for s in self.shapes]
+        best = {k: min(c.times[k] for c in done) for k in keys} if done else {}
+        for c in self.candidates:
+            c.score = sum(c.times[k] / best[k] for k in keys) if c.status == "ok" and keys else None
+
+    def best(self) -> Candidate | None:
+        """The candidate with the lowest score (the earliest on a tie)."""
+        ok = [c for c in self.candidates if c.status == "ok" and c.score is not None]
+        return min(ok, key=lambda c: (c.score, c.id)) if ok else None
+
+    def search(self) -> None:
+        """The seeds, then passes over the search space from the best so far."""
+        for prof, origin in self.seeds:
+            self.evaluate(prof, origin, force=True)
+        best = self.best()
+        if best is None:
+            self.stop_reason = "the default profile could not be timed"
+            return
+        for _ in range(self.settings.passes):
+            before = best.id
+            for param in self.space:
+                current = best.profile
+                for value in values_to_try(param, self._resolved(current), self.limits,
+                                           self.settings.quick):
+                    self.evaluate(current.with_(**{param.field: value, **param.resets}),
+                                  f"{param.field}={value}")
+                    if self.stop_reason:
+                        return
+                best = self.best() or best
+            if best.id == before:
+                break
+
+    def confirm(self) -> None:
+        """Time the default and the search's winner again (:meth:`_settle` decides)."""
+        raise NotImplementedError
+
+    def result(self) -> TuningResult:
+        """What was found so far, as typed data."""
+        raise NotImplementedError
+
+    def release(self) -> None:
+        """Free the device buffers of the workloads."""
+        raise NotImplementedError
+
+    def _settle(self, best: Candidate, default: Candidate, times: dict[int, dict[str, float]],
+                label: str) -> None:
+        """Choose between ``best`` and ``default`` timed again (:func:`confirm_verdict`)."""
+        self.chosen, self.confirmation = confirm_verdict(best, default, times)
+        scores = ", ".join(f"#{i} {v:.2f}" for i, v in self.confirmation.scores.items())
+        self.progress.step(f"{label}: #{self.chosen.id} ({scores})")
+
+    def run(self) -> TuningResult:
+        """Search, confirm, free the workloads; the result."""
+        try:
+            self.search()
+            try:
+                self.confirm()
+            except KeyboardInterrupt:
+                raise
+            except Exception as exc:  # noqa: BLE001 - keep the search's answer
+                self.chosen = self.best()
+                self.confirmation = Confirmation(error=first_line(exc))
+            return self.result()
+        finally:
+            self.release()
+
+
 # -- the search ------------------------------------------------------------------------------
-class Tuner:
+class Tuner(CoordinateSearch):
     """Coordinate search over :data:`SEARCH_SPACE`; every candidate verified, then timed.
+    Its budget is ``settings.decode_budget_s``.
 
     Parameters
     ----------
@@ -299,9 +516,9 @@ class Tuner:
     def __init__(self, rt: Any, info: dict, base: Profile, settings: Settings,
                  progress: Progress, extra_seeds: Iterable[tuple[Profile, str]] = (),
                  space: tuple[Parameter, ...] = SEARCH_SPACE) -> None:
-        self.rt, self.info, self.settings, self.progress = rt, info, settings, progress
-        self.space = space
-        self.limits = Limits.from_info(info)
+        super().__init__(settings, progress, Limits.from_info(info), space,
+                         [(base, "default")] + list(extra_seeds), settings.decode_budget_s)
+        self.rt, self.info = rt, info
         self.models = list(MODELS)
         self.specs = {m.name: spec_for(m) for m in self.models}
         self.cold_bytes = sizing(rt.device).working_set_bytes
@@ -310,8 +527,6 @@ class Tuner:
         self._pool_pages: dict[str, int] = {}
         self.shapes = self._fit_shapes(shapes_for(settings.points, self.models))
         self.base = base
-        self.seeds = [(base, "default")] + list(extra_seeds)
-        self.candidates: list[Candidate] = []
         self._keys: dict[tuple, Candidate] = {}
         self._kernel_ok: dict[Any, str | None] = {}  # kernel key -> None (verified) or reason
         self._measured: dict[tuple, float] = {}  # (kernel key, shape, plan sig) -> seconds
@@ -321,13 +536,6 @@ class Tuner:
         self._ref: dict[str, tuple] = {}
         self._kernels_tried = 0
         self._plans_tried = 0
-        self._kernel_costs: list[float] = []  # seconds each new kernel took, start to end
-        self._reserve = 0.0  # seconds kept for confirm(): 4x the default's timing time
-        self.stop_reason = ""
-        self.kernel_stop = ""
-        self.chosen: Candidate | None = None
-        self.confirmation: Confirmation | None = None
-        self.t0 = time.perf_counter()
 
     # ---- memory: one pool per model, past every cache where memory allows
     def _room(self) -> int:
@@ -407,18 +615,6 @@ class Tuner:
         self._pools.clear()
 
     # ---- bookkeeping
-    def elapsed(self) -> float:
-        """Seconds since the tuner was made."""
-        return time.perf_counter() - self.t0
-
-    def deadline(self) -> float:
-        """Seconds into tuning when the search stops: the budget less the re-timing reserve."""
-        return self.settings.budget_s - min(self._reserve, 0.5 * self.settings.budget_s)
-
-    def over_budget(self) -> bool:
-        """Whether the search is past :meth:`deadline`."""
-        return self.elapsed() > self.deadline()
-
     def _kernel_key(self, prof: Profile) -> tuple:
         try:
             return tuple(g for m in self.models for g in (
@@ -447,32 +643,14 @@ class Tuner:
               prune: bool = True) -> float | str:
         """Median kernel seconds per call (events of the decode and its merge), or a
         string saying why the candidate was dropped."""
-        best_known = self._best.get(shape.key) if prune else None
         counter = itertools.count()
-        fastest = [math.inf]
 
-        def call() -> dict[str, float]:
+        def call() -> float:
             res = dec.run(*w.args(next(counter)), plan=plan, out=w.out, lse=w.lse)
-            return {"kernel": event_seconds(getattr(res, "events", (res.event,)))}
+            return event_seconds(getattr(res, "events", (res.event,)))
 
-        def observe(_: str, result: Mapping[str, float], warm: bool) -> None:
-            if best_known is None:
-                return
-            t = result["kernel"]
-            if warm:
-                if t > 1.5 * self.settings.prune * best_known + 0.002:
-                    raise _Pruned(f"{t / best_known:.1f}x the best time on {shape.key}")
-                return
-            fastest[0] = min(fastest[0], t)
-            if fastest[0] > self.settings.prune * best_known:
-                raise _Pruned(f"{fastest[0] / best_known:.1f}x the best time on {shape.key}")
-
-        try:
-            res = sample({"decode": call}, warmup=1, min_runs=self.settings.reps, max_runs=200,
-                         seconds=self.settings.target_s, observe=observe)
-        except _Pruned as why:
-            return f"pruned: {why}"
-        return res["decode"]["kernel"].median
+        return median_or_pruned(call, self._best.get(shape.key) if prune else None,
+                                self.settings, shape.key)
 
     def _admit(self, new_kernel: bool) -> bool:
         """Whether a non-forced candidate still fits the caps and the time budget."""
@@ -480,19 +658,7 @@ class Tuner:
             return False
         if not new_kernel and self._plans_tried >= self.settings.max_plans:
             return False
-        if self.over_budget():
-            self.stop_reason = self.stop_reason or \
-                f"time budget of {self.settings.budget_s:.0f} s used up"
-            return False
-        if new_kernel and self._kernel_costs:
-            cost = sum(self._kernel_costs) / len(self._kernel_costs)
-            if self.elapsed() + 0.75 * cost > self.deadline():
-                # no new kernels; plan-only candidates (no build) may still fit
-                self.kernel_stop = self.kernel_stop or (
-                    f"time budget of {self.settings.budget_s:.0f} s: not enough left for "
-                    f"another kernel (about {cost:.0f} s each to build, verify and time)")
-                return False
-        return True
+        return self._budget_admits(new_kernel)
 
     def _build(self, cand: Candidate, new_kernel: bool,
                label: str) -> dict[str, BatchDecode] | None:
@@ -544,7 +710,7 @@ class Tuner:
                     self._drop_shapes(self.shapes[i:])
                     break
                 cand.status = "stopped"
-                cand.reason = f"time budget of {self.settings.budget_s:.0f} s used up"
+                cand.reason = f"{self._budget_text()} used up"
                 self.stop_reason = self.stop_reason or cand.reason
                 return
             dec = decs[shape.model]
@@ -580,13 +746,11 @@ class Tuner:
     def _drop_shapes(self, shapes: list) -> None:
         """Leave ``shapes`` out of the run: the budget was spent before the default was
         timed on them."""
-        why = (f"time budget of {self.settings.budget_s:.0f} s used up before the default "
-               f"profile was timed on it")
+        why = f"{self._budget_text()} used up before the default profile was timed on it"
         for s in shapes:
             self.skipped_shapes[s.key] = why
         self.shapes = [s for s in self.shapes if s not in shapes]
-        self.stop_reason = self.stop_reason or \
-            f"time budget of {self.settings.budget_s:.0f} s used up"
+        self.stop_reason = self.stop_reason or f"{self._budget_text()} used up"
 
     def evaluate(self, prof: Profile, origin: str, *, force: bool = False) -> Candidate | None:
         """Fit, verify and time ``prof`` on every shape; None for a duplicate or past a cap.
@@ -607,7 +771,7 @@ class Tuner:
         self._keys[key] = cand
         if force and cand.id and self.over_budget():  # a seed after the default: not built
             cand.status = "stopped"
-            cand.reason = f"time budget of {self.settings.budget_s:.0f} s used up"
+            cand.reason = f"{self._budget_text()} used up"
             self.stop_reason = self.stop_reason or cand.reason
             return cand
         if new_kernel:
@@ -626,40 +790,6 @@ class Tuner:
         self.progress.step(f"{label}: {tail}")
         return cand
 
-    def _rescore(self) -> None:
-        done = [c for c in self.candidates if c.status == "ok"]
-        keys = [s.key for s in self.shapes]
-        best = {k: min(c.times[k] for c in done) for k in keys} if done else {}
-        for c in self.candidates:
-            c.score = sum(c.times[k] / best[k] for k in keys) if c.status == "ok" and keys else None
-
-    def best(self) -> Candidate | None:
-        """The candidate with the lowest score (the earliest on a tie)."""
-        ok = [c for c in self.candidates if c.status == "ok" and c.score is not None]
-        return min(ok, key=lambda c: (c.score, c.id)) if ok else None
-
-    # ---- the loop
-    def search(self) -> None:
-        """The seeds, then passes over the search space from the best so far."""
-        for prof, origin in self.seeds:
-            self.evaluate(prof, origin, force=True)
-        best = self.best()
-        if best is None:
-            self.stop_reason = "the default profile could not be timed"
-            return
-        for _ in range(self.settings.passes):
-            before = best.id
-            for param in self.space:
-                current = best.profile
-                for value in values_to_try(param, current, self.limits, self.settings.quick):
-                    self.evaluate(current.with_(**{param.field: value, **param.resets}),
-                                  f"{param.field}={value}")
-                    if self.stop_reason:
-                        return
-                best = self.best() or best
-            if best.id == before:
-                break
-
     def confirm(self) -> None:
         """Time the default and the winner again, interleaved, on every shape.
 
@@ -671,7 +801,7 @@ class Tuner:
         self.chosen = best
         if best is None or default is None or default.status != "ok":
             return
-        if best is default and self.elapsed() > self.settings.budget_s:
+        if best is default and self.elapsed() > self.budget_s:
             return  # nothing to compare, and no time left to time the default again
         pair = [default] if best is default else [default, best]
         times: dict[int, dict[str, float]] = {c.id: {} for c in pair}
@@ -685,32 +815,7 @@ class Tuner:
                     dec = decs[c.id][shape.model]
                     t = self._time(dec, w, dec.plan(w.indptr, w.last), shape, prune=False)
                     times[c.id][shape.key] = min(times[c.id].get(shape.key, math.inf), t)
-        fastest = {k: min(times[c.id][k] for c in pair) for k in times[default.id]}
-        scores = {c.id: sum(times[c.id][k] / fastest[k] for k in fastest) for c in pair}
-        kept = ""
-        if best is not default and scores[best.id] >= scores[default.id]:
-            self.chosen = default
-            kept = (f"#{best.id} won the search (score {best.score:.2f}) but was not faster than "
-                    f"the default when timed again ({scores[best.id]:.2f} vs "
-                    f"{scores[default.id]:.2f})")
-        self.confirmation = Confirmation(times, scores, kept)
-        self.progress.step(f"confirmed: #{self.chosen.id} "
-                           f"({', '.join(f'#{i} {v:.2f}' for i, v in scores.items())})")
-
-    def run(self) -> TuningResult:
-        """Search, confirm, free the workloads; the result."""
-        try:
-            self.search()
-            try:
-                self.confirm()
-            except KeyboardInterrupt:
-                raise
-            except Exception as exc:  # noqa: BLE001 - keep the search's answer
-                self.chosen = self.best()
-                self.confirmation = Confirmation(error=first_line(exc))
-            return self.result()
-        finally:
-            self.release()
+        self._settle(best, default, times, "confirmed")
 
     def result(self) -> TuningResult:
         """What was found so far, as typed data."""
@@ -729,8 +834,10 @@ class Tuner:
                             list(self.candidates), self.elapsed(),
                             self.stop_reason or self.kernel_stop, self.confirmation,
                             chosen if default is not None and default.status == "ok" else None,
-                            default, per_shape, list(self.memory_notes))
+                            default, per_shape, list(self.memory_notes), self.budget_s)
 
 
-__all__ = ["Candidate", "Confirmation", "Parameter", "Progress", "SEARCH_SPACE", "Settings",
-           "ShapeResult", "TUNED_FIELDS", "Tuner", "TuningResult", "params_text", "values_to_try"]
+__all__ = ["Candidate", "Confirmation", "CoordinateSearch", "NO_BUDGET", "Parameter", "Progress",
+           "SEARCH_SPACE", "Settings", "ShapeResult", "TUNED_FIELDS", "TimedPair", "Tuner",
+           "TuningResult", "confirm_verdict", "fits_work_group", "median_or_pruned",
+           "params_text", "values_to_try"]

@@ -6,7 +6,9 @@ checks.
    cache, launch latency, host<->device transfers, the f32 multiply-add peak.
 3. **Correctness** (:mod:`clattn.tune.checks`) of the device's current profile: decode (f16,
    f32, quantized pages), prefill, merges; and the pool bytes per token of each page format.
-4. **Tuning** (:mod:`clattn.tune.search`), only when every check passed.
+4. **Tuning**, only when every check passed: decode (:mod:`clattn.tune.search`), in
+   ``settings.decode_budget_s``, then prefill (:mod:`clattn.tune.prefill_search`) from
+   the decode winner, in what is left of the budget.
 5. **The winner's correctness**: the full set again with the tuned profile, unless it is
    the profile already checked.
 """
@@ -21,6 +23,7 @@ from ..device_fit import report_fit
 from ..profiles import device_info, match
 from . import ceilings
 from .checks import correctness, kv_bytes
+from .prefill_search import PrefillTuner, prefill_default
 from .report import CeilingsResult, ProfileChoice, Report
 from .search import Progress, Settings, Tuner
 from .timing import first_line
@@ -52,6 +55,21 @@ def measure_ceilings(rt: Any, settings: Settings) -> CeilingsResult:
 def _choice(m: Any, info: dict) -> ProfileChoice:
     fit = report_fit(m.profile, info)
     return ProfileChoice(m.profile.name, m.level, m.rule, fit.notes, fit.profile)
+
+
+def _tune_prefill(rt: Any, info: dict, decoded: Any, builtin: Any, settings: Settings,
+                 budget_s: float, progress: bool, say: Callable[[str], None]) -> Any:
+    """The prefill stage from the decode stage's winner ``decoded``: the default has the
+    registry's prefill fields (``builtin``'s), ``decoded``'s own (a user profile's) are a
+    seed."""
+    say(f"tuning prefill (budget {budget_s:.0f} s)...")
+    base = prefill_default(decoded, builtin)
+    seeds = ((decoded, "current"),) if decoded != base else ()
+    prog = Progress(budget_s, enabled=progress)
+    try:
+        return PrefillTuner(rt, info, base, settings, prog, budget_s, seeds).run()
+    finally:
+        prog.done()
 
 
 def tune_device(device: Any, settings: Settings, *, progress: bool = True,
@@ -95,7 +113,7 @@ def tune_device(device: Any, settings: Settings, *, progress: bool = True,
         rep.tuning_note = "skipped: correctness failed"
     else:
         say(f"tuning ({settings.mode}, budget {settings.budget_s:.0f} s)...")
-        prog = Progress(settings.budget_s, enabled=progress)
+        prog = Progress(settings.decode_budget_s, enabled=progress)
         seeds = [(current.profile, f"current ({current.level})")] \
             if current.profile != builtin.profile else []
         try:
@@ -103,6 +121,11 @@ def tune_device(device: Any, settings: Settings, *, progress: bool = True,
         finally:
             prog.done()
         steps["tuning"] = rep.tuning.elapsed_s
+        if rep.tuning.chosen is not None:
+            rep.prefill = _tune_prefill(rt, info, rep.tuning.chosen.profile, builtin.profile,
+                                        settings, settings.budget_s - rep.tuning.elapsed_s,
+                                        progress, say)
+            steps["prefill tuning"] = rep.prefill.elapsed_s
         if rep.chosen is not None and rep.chosen != current.profile:
             say("checking the tuned profile's correctness...")
             t = time.perf_counter()

@@ -1,10 +1,13 @@
-"""What the tuner and the benchmarks run: model shapes, and decode inputs on the device.
+"""What the tuner and the benchmarks run: model shapes, and decode and prefill inputs on
+the device.
 
 A real decode step reads each layer's KV once, so timings rotate over disjoint page sets
 (:func:`rotating_tables`) that together span at least
 :data:`~clattn.tune.ceilings.COLD_FACTOR` x the largest cache: no timed call finds its
 pages in a cache. :class:`PagePool` is one model's pool of pages on the device;
-:class:`Workload` is one (batch, context) shape on it.
+:class:`Workload` is one (batch, context) shape on it. A prefill reads every key once per
+tile of queries (compute-bound: :func:`prefill_flops`), so :class:`PrefillWorkload` (one
+:class:`PrefillShape`) holds one page set, its own.
 """
 from __future__ import annotations
 
@@ -24,6 +27,12 @@ MODELS: tuple[ModelShape, ...] = (model_shape("Llama-3-8B"), model_shape("Qwen2.
 #: (batch, context) points per model
 FULL_POINTS = ((1, 1024), (8, 1024), (1, 8192), (8, 8192))
 QUICK_POINTS = ((1, 1024), (8, 1024), (1, 8192))
+#: (new tokens, cached tokens) per sequence of the prefill workloads: a prompt on an empty
+#: cache and a chunk over a long cache (the tuner's and ``tools/bench.py``'s)
+PREFILL_CHUNKS = ((512, 0), (128, 4096))
+#: (batch, new, cached) prefill points per model
+PREFILL_FULL_POINTS = tuple((1, n, c) for n, c in PREFILL_CHUNKS)
+PREFILL_QUICK_POINTS = ((1, 128, 1024),)
 PAGE_SIZE = 16
 DTYPE = "float16"
 
@@ -84,6 +93,46 @@ class Shape:
         """K and V rows read, plus q read and out written (lse and tables neglected)."""
         kv = self.batch * self.context * 2 * self.num_kv_heads * self.head_dim * self.itemsize
         return kv + 2 * self.batch * self.num_qo_heads * self.head_dim * self.itemsize
+
+
+def prefill_flops(num_qo_heads: int, head_dim: int, batch: int, new: int, cached: int) -> float:
+    """Causal prefill FLOPs: 4 x H_qo x D per attended (query, key) pair (QK and PV); query
+    ``i`` of ``new`` attends the ``cached`` rows and new rows ``0..i``."""
+    return 4.0 * num_qo_heads * head_dim * batch * (new * cached + new * (new + 1) / 2)
+
+
+@dataclass(frozen=True)
+class PrefillShape:
+    """One prefill workload: a model, ``batch`` sequences of ``new`` queries each over
+    ``cached`` rows already stored (the new rows are appended: ``new + cached`` stored)."""
+
+    model: str
+    num_qo_heads: int
+    num_kv_heads: int
+    head_dim: int
+    batch: int
+    new: int
+    cached: int
+    dtype: str = DTYPE
+    page_size: int = PAGE_SIZE
+
+    @property
+    def key(self) -> str:
+        """``Llama-3-8B B=1 new=128 cached=4096``."""
+        return f"{self.model} B={self.batch} new={self.new} cached={self.cached}"
+
+    @property
+    def flops(self) -> float:
+        """:func:`prefill_flops` of the shape."""
+        return prefill_flops(self.num_qo_heads, self.head_dim, self.batch, self.new, self.cached)
+
+
+def prefill_shapes_for(points: Iterable[tuple[int, int, int]],
+                       models: Iterable[ModelShape] = MODELS) -> list[PrefillShape]:
+    """Every (model, batch, new, cached), cheapest first (slow candidates pruned early)."""
+    out = [PrefillShape(m.name, m.num_qo_heads, m.num_kv_heads, m.head_dim, b, n, c)
+           for m in models for b, n, c in points]
+    return sorted(out, key=lambda s: (s.flops, s.key))
 
 
 def shapes_for(points: Iterable[tuple[int, int]],
@@ -192,6 +241,42 @@ class Workload:
         _release(self.q, self.d_indptr, self.d_last, self._d_sets, self.out, self.lse)
 
 
+class PrefillWorkload:
+    """One :class:`PrefillShape`'s device inputs: its own pool (pseudo-random pages, each
+    sequence's pages shuffled over it), the tables, q, out and lse. ``args()``: the
+    positional arguments of ``BatchPrefill.run``; ``qo``, ``indptr``, ``last``: the host
+    tables ``BatchPrefill.plan`` reads."""
+
+    def __init__(self, rt: Any, spec: AttentionSpec, shape: PrefillShape, seed: int) -> None:
+        cl = runtime.cl()
+        q = rt.queue
+        rng = np.random.default_rng(seed)
+        B, rows = shape.batch, shape.new + shape.cached
+        per_seq = max(1, -(-rows // spec.page_size))
+        self.pool = PagePool(rt, spec, B * per_seq, seed)
+        self.qo = (np.arange(B + 1) * shape.new).astype(np.int32)
+        self.indptr = (np.arange(B + 1) * per_seq).astype(np.int32)
+        self.last = np.full(B, rows - (per_seq - 1) * spec.page_size, np.int32)
+        indices = rng.permutation(B * per_seq).astype(np.int32)
+        q_host = rng.standard_normal((B * shape.new, spec.num_qo_heads, spec.head_dim))
+        self.q = cl.array.to_device(q, q_host.astype(spec.np_dtype))
+        self.d_tables = [cl.array.to_device(q, a) for a in (self.qo, self.indptr, indices,
+                                                             self.last)]
+        self.out = cl.array.empty(q, self.q.shape, spec.np_dtype)
+        self.lse = cl.array.empty(q, self.q.shape[:2], np.float32)
+        q.finish()
+
+    def args(self) -> tuple:
+        """``(q, pages, qo_indptr, page_indptr, page_indices, last_page_len)`` on the device."""
+        qo, indptr, indices, last = self.d_tables
+        return (self.q, self.pool.pages, qo, indptr, indices, last)
+
+    def release(self) -> None:
+        """Free the device memory now (the pool's included)."""
+        _release(self.q, self.out, self.lse, *self.d_tables)
+        self.pool.release()
+
+
 def _release(*arrays: Any) -> None:
     for a in arrays:
         try:
@@ -201,5 +286,7 @@ def _release(*arrays: Any) -> None:
             pass
 
 
-__all__ = ["DTYPE", "FULL_POINTS", "MODELS", "PAGE_SIZE", "PagePool", "QUICK_POINTS",
-           "Shape", "Workload", "pool_pages", "rotating_tables", "shapes_for", "spec_for"]
+__all__ = ["DTYPE", "FULL_POINTS", "MODELS", "PAGE_SIZE", "PREFILL_CHUNKS", "PREFILL_FULL_POINTS",
+           "PREFILL_QUICK_POINTS", "PagePool", "PrefillShape", "PrefillWorkload", "QUICK_POINTS",
+           "Shape", "Workload", "pool_pages", "prefill_flops", "prefill_shapes_for",
+           "rotating_tables", "shapes_for", "spec_for"]
