@@ -1015,7 +1015,8 @@ def suite_prefill(args: argparse.Namespace, deadline: Deadline) -> dict:
         + (", " + "-".join(dict.fromkeys(f"{p:.0f}" for p in (min(peaks), max(peaks))))
            + " GFLOP/s over the rows" if peaks else ""),
         "- torch: scaled_dot_product_attention on the same inputs (dense K/V, GQA, causal), "
-        "wall time; torch best / clattn > 1: clattn is faster"]
+        "wall time; torch best / clattn > 1: clattn is faster; SDPA has no logit soft-cap, "
+        "so a soft-capped model's torch rows (Gemma-2) skip the tanh clattn computes"]
     return {"sections": [("Prefill (median kernel event times; device-resident inputs)", rows,
                           cols)],
             "ceilings": dict(db.ceilings(), fma_gflops=peaks),
