@@ -112,7 +112,8 @@ def make_case(spec: Any, lengths: list[int], seed: int, *, window: bool = False,
     -------
     (args, kw)
         ``(q, pages, indptr, indices, last_page_len)`` and the keywords; ``pages`` is a
-        byte pool (:func:`clattn.quant.pack_pool`) when the spec quantizes K or V.
+        byte pool (:func:`clattn.quant.pack_pool`) when the spec quantizes K or V, and a
+        pool of key rows alone when its values are in them (``value_in_key``).
     """
     rng = np.random.default_rng(seed)
     ps, dt = spec.page_size, spec.np_dtype
@@ -121,9 +122,12 @@ def make_case(spec: Any, lengths: list[int], seed: int, *, window: bool = False,
     total = sum(npages)
     P = total + 2
     q = (rng.standard_normal((B, H, D)) * q_scale).astype(dt)
-    pages = rng.standard_normal((P, 2, Hkv, ps, D)).astype(dt)
-    if spec.byte_pool:
-        pages = pack_pool(pages[:, 0], pages[:, 1], spec.layout)
+    if spec.value_in_key:
+        pages = pack_pool(rng.standard_normal((P, Hkv, ps, D)).astype(dt), None, spec.layout)
+    else:
+        pages = rng.standard_normal((P, 2, Hkv, ps, D)).astype(dt)
+        if spec.byte_pool:
+            pages = pack_pool(pages[:, 0], pages[:, 1], spec.layout)
     indices = rng.permutation(P)[:total].astype(np.int32)
     indptr = np.concatenate([[0], np.cumsum(npages)]).astype(np.int32)
     last = np.array([n - (k - 1) * ps if k else 0 for n, k in zip(lengths, npages)], np.int32)

@@ -143,7 +143,8 @@ class Report:
         return decode_roofline(batch=sh.batch, context=sh.context,
                                num_qo_heads=sh.num_qo_heads, head_dim=sh.head_dim,
                                bytes_moved=sh.bytes_moved, read_gbps=read.median_gbps,
-                               fma_gflops=fma.gflops if fma else None)
+                               fma_gflops=fma.gflops if fma else None,
+                               head_dim_v=sh.head_dim_v)
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-able dict: every field, and the derived figures."""
@@ -279,7 +280,8 @@ def _per_shape_lines(rep: Report, t: TuningResult) -> list[str]:
                     "of read BW (medians)", "roofline ms", "bound", "of roofline",
                     "page sets"], rows, right={1, 2, 3, 4, 5, 6, 8, 9})
     lines.append("  (roofline: the larger of bytes moved / median read bandwidth and "
-                 "2 x heads x head_dim multiply-adds per row / the median multiply-add peak)")
+                 "heads x (head_dim + head_dim_v) multiply-adds per row / the median "
+                 "multiply-add peak)")
     return lines + _tuned_lines(t, params_text, "side by side")
 
 

@@ -3,7 +3,8 @@ allow on a device with measured ceilings.
 
 A decode call reads every KV row of its chunks once (K and V of every KV head: the pool's
 bytes per token, block scales included) plus q, and writes out and lse; for every row and
-query head it does ``2 x head_dim`` multiply-adds (the score, then the weighted value). Its
+query head it does ``head_dim + head_dim_v`` multiply-adds (the score, then the weighted
+value; ``2 x head_dim`` where values are as wide as keys). Its
 time can be no less than the larger of
 
 * memory: bytes moved / the streaming read bandwidth;
@@ -51,14 +52,16 @@ class Roofline:
         return self.bound_s / seconds if seconds else None
 
 
-def decode_fmas(batch: int, context: int, num_qo_heads: int, head_dim: int) -> int:
-    """Multiply-adds of a decode call over ``context`` rows per sequence."""
-    return 2 * batch * context * num_qo_heads * head_dim
+def decode_fmas(batch: int, context: int, num_qo_heads: int, head_dim: int,
+                head_dim_v: int | None = None) -> int:
+    """Multiply-adds of a decode call over ``context`` rows per sequence (``head_dim_v``:
+    the values' width, default ``head_dim``)."""
+    return batch * context * num_qo_heads * (head_dim + (head_dim_v or head_dim))
 
 
 def decode_roofline(*, batch: int, context: int, num_qo_heads: int, head_dim: int,
                     bytes_moved: int, read_gbps: float,
-                    fma_gflops: float | None) -> Roofline:
+                    fma_gflops: float | None, head_dim_v: int | None = None) -> Roofline:
     """The :class:`Roofline` of a decode call of ``batch`` sequences of ``context`` rows
     that moves ``bytes_moved`` bytes.
 
@@ -72,11 +75,14 @@ def decode_roofline(*, batch: int, context: int, num_qo_heads: int, head_dim: in
         Streaming read bandwidth, GB/s (:func:`clattn.tune.ceilings.read_bandwidth`).
     fma_gflops : float or None
         f32 multiply-add peak, GFLOP/s (:func:`clattn.tune.ceilings.fma_peak`).
+    head_dim_v : int, optional
+        The values' width (default ``head_dim``).
     """
     if not read_gbps or read_gbps <= 0:
         raise ValueError(f"read_gbps={read_gbps!r}: pass the measured read bandwidth (> 0)")
-    return Roofline(int(bytes_moved), decode_fmas(batch, context, num_qo_heads, head_dim),
-                    float(read_gbps), float(fma_gflops) if fma_gflops else None)
+    fmas = decode_fmas(batch, context, num_qo_heads, head_dim, head_dim_v)
+    return Roofline(int(bytes_moved), fmas, float(read_gbps),
+                    float(fma_gflops) if fma_gflops else None)
 
 
 __all__ = ["Roofline", "decode_fmas", "decode_roofline"]

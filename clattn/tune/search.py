@@ -31,10 +31,13 @@ from .checks import VERIFY_LENGTHS, check_decode, decoder, make_case
 from .timing import event_seconds, first_line, sample
 from .workloads import (
     FULL_POINTS,
+    MLA_MODELS,
+    MLA_POINTS,
     MODELS,
     PREFILL_FULL_POINTS,
     PREFILL_QUICK_POINTS,
     QUICK_POINTS,
+    DecodeModel,
     PagePool,
     Shape,
     Workload,
@@ -120,6 +123,9 @@ class Settings:
     # passes), so what it tries does not depend on the machine's speed (the tests)
     budget_s: float
     points: tuple = FULL_POINTS
+    # (batch, context) points of the MLA models (workloads.MLA_MODELS); the full settings
+    # (make(False)) time MLA_POINTS, quick ones none (their budget is already tight)
+    mla_points: tuple = ()
     max_kernels: int = 40  # distinct kernel configurations (each one compiles)
     max_plans: int = 16  # plan-only variations (no compile)
     passes: int = 2  # coordinate-search passes over the fields
@@ -143,7 +149,7 @@ class Settings:
                        max_plans=3, passes=1, target_s=0.03, reps=3, prune=2.5,
                        ceiling_target_s=0.03, ceiling_widths=(4, 8, 16),
                        prefill_points=PREFILL_QUICK_POINTS, prefill_max_kernels=3)
-        return cls(False, 300.0 if budget is None else budget)
+        return cls(False, 300.0 if budget is None else budget, mla_points=MLA_POINTS)
 
     @property
     def mode(self) -> str:
@@ -519,13 +525,15 @@ class Tuner(CoordinateSearch):
         super().__init__(settings, progress, Limits.from_info(info), space,
                          [(base, "default")] + list(extra_seeds), settings.decode_budget_s)
         self.rt, self.info = rt, info
-        self.models = list(MODELS)
+        self.models = [DecodeModel.of(m) for m in MODELS] + \
+            (list(MLA_MODELS) if settings.mla_points else [])
         self.specs = {m.name: spec_for(m) for m in self.models}
+        self._sm_scale = {m.name: m.sm_scale for m in self.models}
         self.cold_bytes = sizing(rt.device).working_set_bytes
         self.skipped_shapes: dict[str, str] = {}
         self.memory_notes: list[str] = []
         self._pool_pages: dict[str, int] = {}
-        self.shapes = self._fit_shapes(shapes_for(settings.points, self.models))
+        self.shapes = self._fit_shapes(shapes_for(settings.points, MODELS, settings.mla_points))
         self.base = base
         self._keys: dict[tuple, Candidate] = {}
         self._kernel_ok: dict[Any, str | None] = {}  # kernel key -> None (verified) or reason
@@ -602,7 +610,8 @@ class Tuner(CoordinateSearch):
                                                 seed=len(self._pools) + 11)
         if shape.key not in self._workloads:
             self._workloads[shape.key] = Workload(self.rt, self._pools[shape.model], shape.batch,
-                                                  shape.context, seed=len(self._workloads) + 31)
+                                                  shape.context, seed=len(self._workloads) + 31,
+                                                  sm_scale=shape.sm_scale)
         return self._workloads[shape.key]
 
     def release(self) -> None:
@@ -619,7 +628,8 @@ class Tuner(CoordinateSearch):
         try:
             return tuple(g for m in self.models for g in (
                 decode_geometry(self.specs[m.name], prof, self.limits),
-                merge_geometry(m.head_dim, self.specs[m.name].dtype, prof, self.limits)))
+                merge_geometry(self.specs[m.name].head_dim_v, self.specs[m.name].dtype, prof,
+                               self.limits)))
         except ValueError as exc:
             return ("invalid", str(exc))
 
@@ -630,7 +640,8 @@ class Tuner(CoordinateSearch):
     def _verify(self, dec: BatchDecode, name: str) -> str | None:
         """None if ``dec`` agrees with the CPU backend (split and not), else why not."""
         if name not in self._ref:
-            self._ref[name] = make_case(dec.spec, VERIFY_LENGTHS, seed=5)
+            args, kw = make_case(dec.spec, VERIFY_LENGTHS, seed=5)
+            self._ref[name] = args, {**kw, "sm_scale": self._sm_scale[name]}
         args, kw = self._ref[name]
         for split in (None, 2 * dec.spec.page_size):
             chk = check_decode(name, dec, args, kw, split=split)
@@ -646,7 +657,7 @@ class Tuner(CoordinateSearch):
         counter = itertools.count()
 
         def call() -> float:
-            res = dec.run(*w.args(next(counter)), plan=plan, out=w.out, lse=w.lse)
+            res = dec.run(*w.args(next(counter)), **w.kw, plan=plan, out=w.out, lse=w.lse)
             return event_seconds(getattr(res, "events", (res.event,)))
 
         return median_or_pruned(call, self._best.get(shape.key) if prune else None,

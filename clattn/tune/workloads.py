@@ -18,15 +18,61 @@ from typing import Any, Iterable
 import numpy as np
 
 from .. import host_memory, runtime
-from ..models import ModelShape, model_shape
+from ..models import MLAShape, ModelShape, mla_shape, model_shape
 from ..spec import AttentionSpec
 from .ceilings import fill_random
 
+
+@dataclass(frozen=True)
+class DecodeModel:
+    """One model as the decode stage runs it: its name in the tables, its
+    :class:`AttentionSpec`'s shape fields and the softmax scale its calls pass.
+
+    Attributes
+    ----------
+    name : str
+    num_qo_heads, num_kv_heads, head_dim : int
+    head_dim_v : int or None
+        Width of values and out (None: ``head_dim``).
+    value_in_key : bool
+        Values read from the leading ``head_dim_v`` values of each key row (a pool of
+        key rows only).
+    sm_scale : float or None
+        Passed to every call (None: the kernel's ``1/sqrt(head_dim)``).
+    """
+
+    name: str
+    num_qo_heads: int
+    num_kv_heads: int
+    head_dim: int
+    head_dim_v: int | None = None
+    value_in_key: bool = False
+    sm_scale: float | None = None
+
+    @classmethod
+    def of(cls, m: ModelShape) -> "DecodeModel":
+        """A :class:`~clattn.models.ModelShape` (K and V ``head_dim`` wide)."""
+        return cls(m.name, m.num_qo_heads, m.num_kv_heads, m.head_dim)
+
+    @classmethod
+    def latent(cls, m: MLAShape) -> "DecodeModel":
+        """The latent form of an MLA model (:meth:`~clattn.models.MLAShape.spec`), named
+        ``"<name> (latent)"``, at the model's softmax scale."""
+        s = m.spec("latent")
+        return cls(f"{m.name} (latent)", s.num_qo_heads, s.num_kv_heads, s.head_dim,
+                   s.head_dim_v, s.value_in_key, m.sm_scale)
+
+
 #: the tuner's models: a GQA-4 shape with head_dim 128 and a GQA-7 one with head_dim 64
 MODELS: tuple[ModelShape, ...] = (model_shape("Llama-3-8B"), model_shape("Qwen2.5-0.5B"))
+#: the full run's MLA models: DeepSeek-V2-Lite's latent form (one 576-wide key row per
+#: token, values its leading 512)
+MLA_MODELS: tuple[DecodeModel, ...] = (DecodeModel.latent(mla_shape("DeepSeek-V2-Lite")),)
 #: (batch, context) points per model
 FULL_POINTS = ((1, 1024), (8, 1024), (1, 8192), (8, 8192))
 QUICK_POINTS = ((1, 1024), (8, 1024), (1, 8192))
+#: (batch, context) points per :data:`MLA_MODELS` model (full runs only)
+MLA_POINTS = ((1, 8192),)
 #: (new tokens, cached tokens) per sequence of the prefill workloads: a prompt on an empty
 #: cache and a chunk over a long cache (the tuner's and ``tools/bench.py``'s)
 PREFILL_CHUNKS = ((512, 0), (128, 4096))
@@ -37,17 +83,20 @@ PAGE_SIZE = 16
 DTYPE = "float16"
 
 
-def spec_for(model: Any, **kw: Any) -> AttentionSpec:
-    """The :class:`AttentionSpec` of a :class:`~clattn.models.ModelShape` or :class:`Shape`
-    (``dtype`` and other spec fields as keywords; f16 pages of :data:`PAGE_SIZE` rows by
-    default)."""
-    return AttentionSpec(model.num_qo_heads, model.num_kv_heads, model.head_dim,
-                         page_size=PAGE_SIZE, dtype=kw.pop("dtype", DTYPE), **kw)
+def spec_for(model: ModelShape | DecodeModel | Shape, **kw: Any) -> AttentionSpec:
+    """The :class:`AttentionSpec` of a :class:`~clattn.models.ModelShape`,
+    :class:`DecodeModel` or :class:`Shape` (``dtype``, ``page_size`` and other spec fields
+    as keywords; f16 pages of :data:`PAGE_SIZE` rows by default)."""
+    m = DecodeModel.of(model) if isinstance(model, ModelShape) else model
+    return AttentionSpec(m.num_qo_heads, m.num_kv_heads, m.head_dim, head_dim_v=m.head_dim_v,
+                         value_in_key=m.value_in_key, page_size=kw.pop("page_size", PAGE_SIZE),
+                         dtype=kw.pop("dtype", DTYPE), **kw)
 
 
 @dataclass(frozen=True)
 class Shape:
-    """One decode workload: a model at (batch, context), every sequence ``context`` rows."""
+    """One decode workload: a model at (batch, context), every sequence ``context`` rows
+    (``head_dim_v``, ``value_in_key``, ``sm_scale``: its :class:`DecodeModel`'s)."""
 
     model: str
     num_qo_heads: int
@@ -57,6 +106,14 @@ class Shape:
     context: int
     dtype: str = DTYPE
     page_size: int = PAGE_SIZE
+    head_dim_v: int | None = None
+    value_in_key: bool = False
+    sm_scale: float | None = None
+
+    @property
+    def spec(self) -> AttentionSpec:
+        """The shape's :class:`AttentionSpec` (:func:`spec_for`)."""
+        return spec_for(self, dtype=self.dtype, page_size=self.page_size)
 
     @property
     def key(self) -> str:
@@ -80,8 +137,8 @@ class Shape:
 
     @property
     def page_bytes(self) -> int:
-        """Bytes of one page (K and V)."""
-        return 2 * self.num_kv_heads * self.page_size * self.head_dim * self.itemsize
+        """Bytes of one page (the pool's bytes per token x rows)."""
+        return int(self.page_size * self.spec.bytes_per_token)
 
     @property
     def pages_bytes(self) -> int:
@@ -90,9 +147,12 @@ class Shape:
 
     @property
     def bytes_moved(self) -> int:
-        """K and V rows read, plus q read and out written (lse and tables neglected)."""
-        kv = self.batch * self.context * 2 * self.num_kv_heads * self.head_dim * self.itemsize
-        return kv + 2 * self.batch * self.num_qo_heads * self.head_dim * self.itemsize
+        """The pool's rows read (bytes per token: K and V, or the K rows alone when values
+        are in them), plus q read and out written (lse and tables neglected)."""
+        spec = self.spec
+        kv = int(self.batch * self.context * spec.bytes_per_token)
+        return kv + self.batch * self.num_qo_heads * (spec.head_dim + spec.head_dim_v) \
+            * self.itemsize
 
 
 def prefill_flops(num_qo_heads: int, head_dim: int, batch: int, new: int, cached: int) -> float:
@@ -136,10 +196,19 @@ def prefill_shapes_for(points: Iterable[tuple[int, int, int]],
 
 
 def shapes_for(points: Iterable[tuple[int, int]],
-               models: Iterable[ModelShape] = MODELS) -> list[Shape]:
-    """Every (model, batch, context), cheapest first (so slow candidates are pruned early)."""
-    out = [Shape(m.name, m.num_qo_heads, m.num_kv_heads, m.head_dim, b, c)
-           for m in models for b, c in points]
+               models: Iterable[ModelShape | DecodeModel] = MODELS,
+               mla_points: Iterable[tuple[int, int]] = (),
+               mla_models: Iterable[DecodeModel] = MLA_MODELS) -> list[Shape]:
+    """Every (model, batch, context) of ``models`` at ``points`` and of ``mla_models`` at
+    ``mla_points``, cheapest first (so slow candidates are pruned early)."""
+    pairs = [(m, p) for m in models for p in points] + \
+        [(m, p) for m in mla_models for p in mla_points]
+    out = []
+    for m, (b, c) in pairs:
+        d = DecodeModel.of(m) if isinstance(m, ModelShape) else m
+        out.append(Shape(d.name, d.num_qo_heads, d.num_kv_heads, d.head_dim, b, c,
+                         head_dim_v=d.head_dim_v, value_in_key=d.value_in_key,
+                         sm_scale=d.sm_scale))
     return sorted(out, key=lambda s: (s.bytes_moved, s.key))
 
 
@@ -178,12 +247,22 @@ def rotating_tables(rng: np.random.Generator, pool: int, batch: int, context: in
 
 
 class PagePool:
-    """One model's pages on the device, pseudo-random ``[pages, 2, H_kv, page_size, D]``."""
+    """One model's pages on the device, pseudo-random in ``[-1, 1)``: ``[pages, 2, H_kv,
+    page_size, D]``, or a byte pool (:attr:`AttentionSpec.byte_pool`: values in the key
+    rows, or unequal widths) whose rows are all ``dtype`` (no quantized format)."""
 
     def __init__(self, rt: Any, spec: AttentionSpec, pages: int, seed: int) -> None:
         self.spec = spec
         self.pages = host_memory.empty(rt.queue, spec.pool_shape(pages), spec.pool_dtype)
-        fill_random(rt, self.pages, seed=seed)
+        if not spec.byte_pool:
+            fill_random(rt, self.pages, seed=seed)
+            return
+        lay = spec.layout
+        if any(lay.format(k) != spec.dtype for k in lay.kinds):
+            raise ValueError(f"PagePool: {spec.k_format}/{spec.v_format} pages; a byte pool "
+                             f"is filled only where every row is {spec.dtype}")
+        # every byte of such a page is a dtype value (no block scales): fill them as dtype
+        fill_random(rt, self.pages.base_data, dtype=spec.np_dtype, seed=seed)
 
     @property
     def num_pages(self) -> int:
@@ -202,14 +281,17 @@ class PagePool:
 class Workload:
     """One shape's device inputs on a :class:`PagePool`: q, the tables of every page
     set, out and lse. ``args(i)``: the positional arguments of ``BatchDecode.run`` for
-    call ``i`` (page set ``i mod n_sets``; always set 0 when ``hot``)."""
+    call ``i`` (page set ``i mod n_sets``; always set 0 when ``hot``), ``kw``: its keywords
+    (``sm_scale``)."""
 
-    def __init__(self, rt: Any, pool: PagePool, batch: int, context: int, seed: int) -> None:
+    def __init__(self, rt: Any, pool: PagePool, batch: int, context: int, seed: int,
+                 sm_scale: float | None = None) -> None:
         cl = runtime.cl()
         q = rt.queue
         spec = pool.spec
         rng = np.random.default_rng(seed)
         self.pool = pool
+        self.kw = {"sm_scale": sm_scale}
         self.indptr, self.last, sets = rotating_tables(rng, pool.num_pages, batch, context,
                                                        spec.page_size)
         self.indices = sets[0]
@@ -222,7 +304,7 @@ class Workload:
         self._d_sets = cl.array.to_device(q, sets.reshape(-1))
         n = sets.shape[1]
         self.d_indices = [self._d_sets[k * n:(k + 1) * n] for k in range(self.n_sets)]
-        self.out = cl.array.empty(q, self.q_host.shape, spec.np_dtype)
+        self.out = cl.array.empty(q, (batch, spec.num_qo_heads, spec.head_dim_v), spec.np_dtype)
         self.lse = cl.array.empty(q, self.q_host.shape[:2], np.float32)
         q.finish()
 
@@ -286,7 +368,8 @@ def _release(*arrays: Any) -> None:
             pass
 
 
-__all__ = ["DTYPE", "FULL_POINTS", "MODELS", "PAGE_SIZE", "PREFILL_CHUNKS", "PREFILL_FULL_POINTS",
-           "PREFILL_QUICK_POINTS", "PagePool", "PrefillShape", "PrefillWorkload", "QUICK_POINTS",
-           "Shape", "Workload", "pool_pages", "prefill_flops", "prefill_shapes_for",
-           "rotating_tables", "shapes_for", "spec_for"]
+__all__ = ["DTYPE", "DecodeModel", "FULL_POINTS", "MLA_MODELS", "MLA_POINTS", "MODELS",
+           "PAGE_SIZE", "PREFILL_CHUNKS", "PREFILL_FULL_POINTS", "PREFILL_QUICK_POINTS",
+           "PagePool", "PrefillShape", "PrefillWorkload", "QUICK_POINTS", "Shape", "Workload",
+           "pool_pages", "prefill_flops", "prefill_shapes_for", "rotating_tables", "shapes_for",
+           "spec_for"]
