@@ -379,7 +379,7 @@ def plot_report(rep: Report, path: str) -> str | None:
                            label=f"read ceiling {read.median_gbps:.1f} GB/s (median)")
             ax.set_xscale("log", base=2)
             ax.set_xlabel("context length (tokens)")
-            ax.set_ylabel("achieved GB/s (K+V+q+out bytes / median kernel time)")
+            ax.set_ylabel("achieved GB/s (KV pool rows + q + out bytes / median kernel time)")
             ax.set_title(model)
             ax.set_ylim(bottom=0)
             ax.legend(fontsize="small")
