@@ -89,12 +89,12 @@ class PrefillShapeResult(TimedPair):
     @property
     def default_gflops(self) -> float | None:
         """FLOPs / default time, GFLOP/s."""
-        return self.shape.flops / self.default_s * 1e-9 if self.default_s else None
+        return self.per_second(self.shape.flops, self.default_s)
 
     @property
     def tuned_gflops(self) -> float | None:
         """FLOPs / tuned time, GFLOP/s."""
-        return self.shape.flops / self.tuned_s * 1e-9 if self.tuned_s else None
+        return self.per_second(self.shape.flops, self.tuned_s)
 
 
 class PrefillTuner(CoordinateSearch):

@@ -255,6 +255,11 @@ class TimedPair:
         """default / tuned time."""
         return self.default_s / self.tuned_s if self.default_s and self.tuned_s else None
 
+    @staticmethod
+    def per_second(amount: float, seconds: float | None, unit: float = 1e-9) -> float | None:
+        """``amount / seconds`` in ``unit`` (default giga), None for a time not measured."""
+        return amount / seconds * unit if seconds else None
+
 
 @dataclass(frozen=True)
 class ShapeResult(TimedPair):
@@ -267,12 +272,12 @@ class ShapeResult(TimedPair):
     @property
     def default_gbps(self) -> float | None:
         """Bytes moved / default time, GB/s."""
-        return self.shape.bytes_moved / self.default_s * 1e-9 if self.default_s else None
+        return self.per_second(self.shape.bytes_moved, self.default_s)
 
     @property
     def tuned_gbps(self) -> float | None:
         """Bytes moved / tuned time, GB/s."""
-        return self.shape.bytes_moved / self.tuned_s * 1e-9 if self.tuned_s else None
+        return self.per_second(self.shape.bytes_moved, self.tuned_s)
 
 
 @dataclass(frozen=True)
