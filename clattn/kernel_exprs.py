@@ -62,18 +62,30 @@ def causal_mask(key: str, v: str, vec: int) -> str:
 def hred_or(v: str, n: int) -> str:
     """Whether any lane of an int<n> expression is nonzero (a tree of .lo | .hi)."""
     while n > 1:
-        v = "((%s).lo | (%s).hi)" % (v, v)
+        v = "(%s | %s)" % halves(v, n, "int")
         n //= 2
     return v
 
 
+def halves(v: str, n: int, elem: str = "float") -> tuple[str, str]:
+    """The low and high halves of an ``elem``<n> expression: ``.lo``/``.hi``, or for 16
+    lanes vectors of its components (Oclgrind's uninitialised-value check reports the
+    halves of a 16-lane vector that a loop computed as uninitialised; the components it
+    tracks)."""
+    if n != 16:
+        return "(%s).lo" % v, "(%s).hi" % v
+    return tuple("(%s8)(%s)" % (elem, ", ".join("(%s).s%x" % (v, i) for i in range(h, h + 8)))
+                 for h in (0, 8))
+
+
 def hred(v: str, op: str, n: int) -> str:
-    """Reduce a float<n> expression to a float with a tree of .lo/.hi halves.
+    """Reduce a float<n> expression to a float with a tree of halves
+    (:func:`halves`).
 
     ``op`` is ``"+"`` (the sum) or ``"max"`` (:func:`select_max`).
     """
     while n > 1:
-        a, b = "(%s).lo" % v, "(%s).hi" % v
+        a, b = halves(v, n)
         v = ("(%s + %s)" % (a, b)) if op == "+" else select_max(a, b)
         n //= 2
     return v
@@ -290,12 +302,14 @@ def block_sums(arr: str, name: str, r0: int, vec: int, w_out: int) -> tuple[list
     ft = vtype("float", w_out)
     terms = ["%s[%d]" % (arr, r0 + j) for j in range(w_out)]
     while w > w_out:
-        terms = ["((%s).lo + (%s).hi)" % (t, t) for t in terms]
+        terms = ["(%s + %s)" % halves(t, w) for t in terms]
         w //= 2
     if w == 1:
         return [], (terms[0] if w_out == 1 else "(%s)(%s)" % (ft, ", ".join(terms)))
     fw = "float%d" % w
     lines, groups = [], []
+    if w == 16:
+        return _halving_sums(arr, name, r0, w_out, lines)
     for g0 in range(0, w_out, w):
         level = []
         for k, t in enumerate(terms[g0:g0 + w]):
@@ -324,6 +338,44 @@ def block_sums(arr: str, name: str, r0: int, vec: int, w_out: int) -> tuple[list
                 "%s.s%x + %s.s%x" % (v, i, v, i + 4) for v in (a, b) for i in range(4))))
         groups.append(level[0])
     return lines, (groups[0] if len(groups) == 1 else "(%s)(%s)" % (ft, ", ".join(groups)))
+
+
+def _halving_order(w: int) -> list[int]:
+    """The slot whose sum lane l of :func:`_halving_sums`'s result holds, for ``w`` slots."""
+    level = [[i] for i in range(w)]
+    while len(level) > 1:
+        level = [[x for t in range(len(a)) for x in (a[t], b[t])]
+                 for a, b in zip(level[0::2], level[1::2])]
+    return level[0]
+
+
+def _halving_sums(arr: str, name: str, r0: int, w: int, lines: list) -> tuple[list[str], str]:
+    """:func:`block_sums` of ``w`` rows of ``w`` lanes (``w`` a power of two): each level
+    pairs vectors (a, b) holding groups of ``s`` lanes, one row's partials per group, and
+    adds the first halves of every group (a's group then b's) to the second halves: whole
+    vector adds of two shuffles, log2(w) levels (no per-lane scalar sums, which a compiler
+    may not vectorise). Rows enter in the order that leaves lane j holding row j."""
+    fw = "float%d" % w
+    slots = [0] * w
+    for lane, slot in enumerate(_halving_order(w)):
+        slots[slot] = lane
+    level = []
+    for k, row in enumerate(slots):
+        level.append("%s_%d" % (name, k))
+        lines.append("const %s %s = %s[%d];" % (fw, level[-1], arr, r0 + row))
+    s, depth = w, 0
+    while len(level) > 1:
+        depth += 1
+        nxt = []
+        for k, (a, b) in enumerate(zip(level[0::2], level[1::2])):
+            nxt.append("%s_%d_%d" % (name, depth, k))
+            halves = [", ".join("%s.s%x" % (v, t * s + off + i) for t in range(w // s)
+                                for v in (a, b) for i in range(s // 2))
+                      for off in (0, s // 2)]
+            lines.append("const %s %s = (%s)(%s) + (%s)(%s);" % (
+                fw, nxt[-1], fw, halves[0], fw, halves[1]))
+        level, s = nxt, s // 2
+    return lines, level[0]
 
 
 @dataclass(frozen=True)

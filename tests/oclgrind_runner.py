@@ -76,7 +76,8 @@ def learned_sinks(H):
 
 # ------------------------------------------------------------------------------ decode variants
 def decode_variant(profile, spec_kw, lengths, *, window=None, sinks=None, rope=False,
-                   splits=(False,), theta=10000.0, seed=0, sink_logits=False):
+                   splits=(False,), theta=10000.0, seed=0, sink_logits=False,
+                   expect_vec=None):
     from cases import make_case, spec_scenario
     spec_kw = dict(spec_kw)
     sc = spec_scenario("variant", spec_kw.pop("num_qo_heads"), spec_kw.pop("num_kv_heads"),
@@ -84,6 +85,7 @@ def decode_variant(profile, spec_kw, lengths, *, window=None, sinks=None, rope=F
     spec = sc.spec
     dec = _decoder(spec, profile)
     print(f"geometry: {dec.geometry}", flush=True)
+    assert expect_vec in (None, dec.geometry.vec), dec.geometry
     case = make_case(spec, lengths, seed=seed, window=window, sinks=sinks, rope=rope,
                      poison=False)
     if spec.sliding_window and window is None:
@@ -206,6 +208,15 @@ def adversarial_variant(profile, dtype="float32", rope=True):
     assert not np.isnan(res.out.get().astype(np.float32)).any()
 
 
+def _native_width(width: int, run):
+    """``run()`` with the rows decode's vector floor (clattn.fit.ROWS_MIN_NATIVE_VEC) at
+    ``width``: the fit then keeps a profile's ``vec`` up to it on this simulator, whose
+    native float width is 1 (each variant runs in a process of its own)."""
+    from clattn import fit
+    fit.ROWS_MIN_NATIVE_VEC = width
+    return run()
+
+
 # ------------------------------------------------------------------------------ the variants
 SMALL_WIN = dict(num_qo_heads=4, num_kv_heads=2, head_dim=16, page_size=4, sliding_window=True,
                  rope_scaling=LLAMA3, max_position_embeddings=131072)
@@ -246,6 +257,12 @@ VARIANTS = {
         dict(SMALL_TILED, fold_merge=False), dict(num_qo_heads=4, num_kv_heads=2,
                                                   head_dim=16, page_size=4, dtype="float16"),
         [9, 0, 5], splits=(False, 4), sink_logits=True),
+    # 16-float vectors: a block's 16 row sums by whole-vector shuffles (a device whose
+    # native width is 16 gets them; the simulator reports 1, so the fit's floor is lifted)
+    "rows-vec16-f16-split": lambda: _native_width(16, lambda: decode_variant(
+        {"strategy": "rows", "vec": 16, "tile_rows": 16}, dict(
+            num_qo_heads=4, num_kv_heads=2, head_dim=32, page_size=4, dtype="float16"),
+        [0, 1, 37], splits=(False, 8), expect_vec=16)),
     "rows-vec1-f16": lambda: decode_variant(
         {"strategy": "rows", "vec": 1}, dict(num_qo_heads=2, num_kv_heads=1, head_dim=16,
                                              page_size=4, dtype="float16"),
@@ -320,7 +337,7 @@ VARIANTS = {
 #: private pointer ("Work item needed to access private memory!"), so only these run with it
 NO_ROPE = ("rows-f32-split", "rows-f32-split-learned-sinks", "tiled-f16-split-learned-sinks",
            "rows-fold-f32-split-learned-sinks", "tiled-separate-f16-split-learned-sinks",
-           "adversarial-rows-fold-norope",
+           "adversarial-rows-fold-norope", "rows-vec16-f16-split",
            "rows-vec1-f16", "tiled-local-f32-g1-tile2", "rows-fold-widths-f32-split",
            "tiled-widths-f16-split", "rows-fold-latent-q8-window-split", "tiled-latent-f16-split",
            "tiled-subgroup-fallback-f16", "merge-rows-f32", "merge-rows-f16", "merge-tiled-f32",

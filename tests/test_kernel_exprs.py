@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 
+import numpy as np
 import pytest
 from mako import parsetree
 from mako.lexer import Lexer
@@ -81,6 +82,46 @@ def test_block_sums():
     assert expr == "bs_0_1_0"
     lines, expr = kx.block_sums("tv", "bs", 0, 8, 16)   # two groups of 8, each x86-hadd
     assert expr == "(float16)(bs_0_x, bs_8_x)" and lines[-1].startswith("const float8 bs_8_x")
+
+
+def _eval_vectors(lines: list, expr: str, env: dict) -> np.ndarray:
+    """The value of ``expr`` after the ``const floatN x = ...;`` lines, over the float
+    vectors in ``env`` (numpy arrays): OpenCL C's component swizzles, vector literals,
+    array indexing and ``+``, read as Python (independent of how the builders pair)."""
+    def py(text: str) -> str:
+        text = re.sub(r"\((\w+(?:\[\d+\])?)\)\.s([0-9a-f])\b|\b(\w+(?:\[\d+\])?)\.s([0-9a-f])\b",
+                      lambda m: "%s[%d]" % (m.group(1) or m.group(3),
+                                            int(m.group(2) or m.group(4), 16)), text)
+        return re.sub(r"\(float\d+\)\(", "V(", text)
+    scope = dict(env, V=lambda *xs: np.concatenate([np.atleast_1d(x) for x in xs]))
+    for line in lines:
+        name, rhs = re.fullmatch(r"const float\d+ (\w+) = (.*);", line).groups()
+        scope[name] = np.asarray(eval(py(rhs), scope))
+    return np.asarray(eval(py(expr), scope))
+
+
+@pytest.mark.parametrize("vec, w_out", [(16, 16), (8, 8), (16, 8), (8, 16), (4, 4), (2, 2)])
+def test_block_sums_values(vec, w_out):
+    """Lane j of the result is the sum of row j's partials, whatever the pairing."""
+    rng = np.random.default_rng(vec * w_out)
+    tv = rng.standard_normal((w_out, vec))
+    lines, expr = kx.block_sums("tv", "bs", 0, vec, w_out)
+    got = _eval_vectors(lines, expr, {"tv": tv})
+    np.testing.assert_allclose(got, tv.sum(axis=1), rtol=1e-12)
+    if vec == w_out == 16:   # whole-vector adds of shuffles, no per-lane scalar sums
+        assert not any("+" in lit for ln in lines
+                       for lit in re.findall(r"\(float16\)\(([^()]*)\)", ln))
+
+
+def test_halves_of_16_lanes_are_components():
+    """16-lane halves are component lists (Oclgrind's uninitialised-value check misreads
+    .lo/.hi of a float16 a loop computed); narrower vectors keep .lo/.hi."""
+    lo, hi = kx.halves("x", 16)
+    assert lo == "(float8)(%s)" % ", ".join("(x).s%x" % i for i in range(8))
+    assert hi.endswith("(x).sf)")
+    assert "(float8)((x).s0" in kx.hred("x", "+", 16) and "(x).lo" not in kx.hred("x", "+", 16)
+    assert kx.halves("x", 8) == ("(x).lo", "(x).hi")
+    assert "(int8)((u).s0" in kx.hred_or("u", 16) and "(u).lo" not in kx.hred_or("u", 16)
 
 
 def test_lanes_page_formats():

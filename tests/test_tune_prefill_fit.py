@@ -154,13 +154,17 @@ def test_wishes_are_cut_with_their_reasons():
     assert (g.tc, g.rm, g.kb) == (16, 4, 32) and not g.notes
 
 
-def test_rows_prefill_vectors_follow_the_native_width_decode_keeps_vec():
+def test_rows_vectors_follow_the_native_width_decode_from_8():
     cpu, spec = PROFILES["generic-cpu"], clattn.AttentionSpec(32, 8, 128, dtype="float16")
-    assert cpu.vec == 8 and cpu.prefill_vec is None
+    assert cpu.vec == 16 and cpu.prefill_vec is None
     wide = Limits(native_float=16)
     g = prefill_geometry(spec, cpu, wide)
     assert g.vec == 16 and not g.notes
-    assert decode_geometry(spec, cpu, wide).vec == 8
+    # decode: the native width (AVX-512: 16, AVX2: 8), never below 8, no note either way
+    for native, want in ((16, 16), (8, 8), (4, 8), (1, 8)):
+        g = decode_geometry(spec, cpu, Limits(native_float=native))
+        assert g.vec == want and not g.notes
+    assert decode_geometry(spec, cpu.with_(vec=8), wide).vec == 8   # a wish below it stands
     # a compiler capped at 8 (PoCL's PyPI build), a narrower native width, head_dim 72
     assert prefill_geometry(spec, cpu, Limits(native_float=16, rows_max_vec=8)).vec == 8
     assert prefill_geometry(spec, cpu, Limits(native_float=4)).vec == 8

@@ -49,7 +49,9 @@ class Profile:
         reduction. rows: rows per block (a power of two up to 16; more than 8 only while
         their K and V rows fit in ``clattn.fit.ROWS_BLOCK_BYTES``).
     vec
-        Elements each work-item loads at once along head_dim (1, 2, 4, 8 or 16).
+        Elements each work-item loads at once along head_dim (1, 2, 4, 8 or 16). rows:
+        at most the device's native float width where that is 8 or more (CPU profiles
+        ask 16: AVX-512 keeps it, AVX2 takes 8).
     reduction / subgroup_size
         How a tiled work-group sums partial dot products: ``"local"`` memory, or
         ``"subgroup"`` reductions with the given required sub-group size (falls back
