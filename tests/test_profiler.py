@@ -482,10 +482,11 @@ def _tiny_tuner(monkeypatch):
     return tuner
 
 
-def _sized_tuner(monkeypatch, cold: int, host_available: int):
+def _sized_tuner(monkeypatch, cold: int, host_available: int, **budget):
     """The quick tuner's shapes on PoCL with a cold-pool wish and a host that has
     ``host_available`` bytes free (what a machine with a large L3 and little free memory
-    gives: PoCL reports its L3 as the global cache, 4x that is the cold wish)."""
+    gives: PoCL reports its L3 as the global cache, 4x that is the cold wish);
+    ``budget``: the Tuner's ``budget_s`` and ``fill_rate``."""
     from clattn.tune.workloads import QUICK_POINTS
 
     monkeypatch.setattr(search, "sizing", lambda dev: Sizing(cold))
@@ -495,7 +496,7 @@ def _sized_tuner(monkeypatch, cold: int, host_available: int):
     info = dict(device_info(POCL), global_mem_size_bytes=64 << 30,
                 max_mem_alloc_size_bytes=16 << 30)
     base = match(info, user=False).profile
-    return Tuner(rt, info, base, settings, search.Progress(60, enabled=False))
+    return Tuner(rt, info, base, settings, search.Progress(60, enabled=False), **budget)
 
 
 @needs_pocl

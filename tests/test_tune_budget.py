@@ -312,3 +312,21 @@ def test_prefill_gets_its_floor_however_long_the_decode_stage_took(monkeypatch, 
     assert math.isclose(seen["decode"], 12.0 * 0.7)
     assert math.isclose(seen["prefill"], prefill_gets)
     assert rep.prefill is not None and rep.step_seconds["tuning"] == decode_takes
+
+
+def test_pools_shrink_to_the_time_their_fill_may_take(monkeypatch):
+    """A cold wish of 1.9 GiB per model filled at 100 MB/s in a 10 s stage: the pools
+    shrink alike to 25% of it (250 MB), keep two page sets each, and the report says so.
+    Nothing is allocated or built (the tuner sizes its pools when it is made)."""
+    from test_profiler import POCL, _sized_tuner
+
+    if POCL is None:
+        pytest.skip("PoCL is not installed")
+    t = _sized_tuner(monkeypatch, cold=1920 << 20, host_available=64 << 30,
+                     budget_s=10.0, fill_rate=1e8)
+    used = sum(n * t.specs[m].layout.page_bytes for m, n in t._pool_pages.items())
+    assert not t.skipped_shapes and used <= 0.25 * 10.0 * 1e8
+    assert any("so that filling them takes at most 25% of the time budget of 10 s" in n
+               for n in t.memory_notes)
+    for s in t.shapes:
+        assert t._pool_pages[s.model] >= 2 * s.num_pages
