@@ -250,7 +250,7 @@ class PrefillTuner(CoordinateSearch):
         if why:
             self._not_tried(origin, why)
             return None
-        t_cand = self.clock()
+        t_cand = self._cost_start()
         cand = Candidate(len(self.candidates), prof, origin, kkey)
         self.candidates.append(cand)
         self._keys[kkey] = cand
@@ -264,7 +264,7 @@ class PrefillTuner(CoordinateSearch):
                 self._time_shapes(cand, pres, label)
             if cand.status == "ok":
                 self._built[cand.id] = pres
-            self._kernel_costs.append(self.clock() - t_cand)
+            self._cost_end(t_cand)
         self._rescore()
         tail = (f"score {cand.score:.2f}" if cand.score is not None
                 else f"{cand.status} ({cand.reason})")

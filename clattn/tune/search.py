@@ -427,7 +427,7 @@ class CoordinateSearch:
         self.not_tried: dict[str, list[str]] = {}
         self.candidates: list[Candidate] = []
         self._best: dict[str, float] = {}  # shape key -> best seconds so far
-        self._kernel_costs: list[float] = []  # seconds each new kernel took, start to end
+        self._kernel_costs: list[float] = []  # seconds each new kernel took, setups left out
         self._reserve = 0.0  # seconds kept for confirm(): 4x the default's timing time
         self._setups = [0, 0.0]  # bytes set up, seconds it took
         self.stop_reason = ""
@@ -501,7 +501,18 @@ class CoordinateSearch:
         return ""
 
     def _not_tried(self, origin: str, why: str) -> None:
-        self.not_tried.setdefault(why, []).append(origin)
+        origins = self.not_tried.setdefault(why, [])
+        if origin not in origins:
+            origins.append(origin)
+
+    def _cost_start(self) -> tuple[float, float]:
+        """The clock and the setup seconds so far, when a candidate starts."""
+        return self.clock(), self._setups[1]
+
+    def _cost_end(self, start: tuple[float, float]) -> None:
+        """Record what a new kernel took from ``start`` (:meth:`_cost_start`), the
+        workloads' setup left out (done once, not per kernel)."""
+        self._kernel_costs.append(self.clock() - start[0] - (self._setups[1] - start[1]))
 
     def _rescore(self) -> None:
         done = [c for c in self.candidates if c.status == "ok"]
@@ -927,7 +938,7 @@ class Tuner(CoordinateSearch):
         if why:
             self._not_tried(origin, why)
             return None
-        t_cand = self.clock()
+        t_cand = self._cost_start()
         cand = Candidate(len(self.candidates), prof, origin, kkey)
         self.candidates.append(cand)
         self._keys[key] = cand
@@ -943,7 +954,7 @@ class Tuner(CoordinateSearch):
         if decs is not None:
             self._time_shapes(cand, decs, label)
         if new_kernel:
-            self._kernel_costs.append(self.clock() - t_cand)
+            self._cost_end(t_cand)
         self._rescore()
         tail = (f"score {cand.score:.2f}" if cand.score is not None
                 else f"{cand.status} ({cand.reason})")
