@@ -305,7 +305,7 @@ def test_profile_interrupted_while_measuring(where, tmp_path, monkeypatch, capsy
     if where == "ceilings":
         monkeypatch.setattr(ceilings, "read_bandwidth", _interrupt)
     else:
-        monkeypatch.setattr(session, "measure_ceilings", lambda rt, s: CeilingsResult())
+        monkeypatch.setattr(session, "measure_ceilings", lambda rt, s, *cap: CeilingsResult())
         monkeypatch.setattr(session, "correctness", _interrupt)
     rc, files = _profile(tmp_path, monkeypatch)
     assert rc == command.EXIT_INTERRUPTED == 130

@@ -339,7 +339,7 @@ def test_correctness_failure_outranks_a_write_error(tmp_path, monkeypatch, capsy
 @needs_pocl
 def test_wrong_kernel_result_fails_loudly_and_saves_nothing(tmp_path, monkeypatch, capsys):
     _isolate(monkeypatch, tmp_path / "cfg")
-    monkeypatch.setattr(session, "measure_ceilings", lambda rt, s: CeilingsResult(
+    monkeypatch.setattr(session, "measure_ceilings", lambda rt, s, *cap: CeilingsResult(
         errors={"read": "stubbed"}))
     real = cpu_backend.batch_decode
 
@@ -375,7 +375,7 @@ class _FakePrefillTuner:
 class _FakeTuner:
     """Stands for search.Tuner: 'finds' a profile with vec=4 (not the one checked first)."""
 
-    def __init__(self, rt, info, base, settings, progress, seeds=()):
+    def __init__(self, rt, info, base, settings, progress, seeds=(), **budget):
         self.base = base
 
     def run(self):
@@ -390,7 +390,7 @@ class _FakeTuner:
 def test_the_winner_is_verified_on_the_full_set_before_it_is_saved(tmp_path, monkeypatch,
                                                                     capsys, winner_ok):
     _isolate(monkeypatch, tmp_path / "cfg")
-    monkeypatch.setattr(session, "measure_ceilings", lambda rt, s: CeilingsResult())
+    monkeypatch.setattr(session, "measure_ceilings", lambda rt, s, *cap: CeilingsResult())
     monkeypatch.setattr(session, "Tuner", _FakeTuner)
     monkeypatch.setattr(session, "PrefillTuner", _FakePrefillTuner)
     seen = []
@@ -441,7 +441,7 @@ def test_correctness_runs_the_profile_it_is_given(monkeypatch):
 @needs_pocl
 def test_ctrl_c_during_tuning_saves_nothing(tmp_path, monkeypatch, capsys):
     _isolate(monkeypatch, tmp_path / "cfg")
-    monkeypatch.setattr(session, "measure_ceilings", lambda rt, s: CeilingsResult())
+    monkeypatch.setattr(session, "measure_ceilings", lambda rt, s, *cap: CeilingsResult())
     monkeypatch.setattr(session, "correctness", lambda device, profile=None: [])
     calls = []
 
@@ -482,10 +482,11 @@ def _tiny_tuner(monkeypatch):
     return tuner
 
 
-def _sized_tuner(monkeypatch, cold: int, host_available: int):
+def _sized_tuner(monkeypatch, cold: int, host_available: int, **budget):
     """The quick tuner's shapes on PoCL with a cold-pool wish and a host that has
     ``host_available`` bytes free (what a machine with a large L3 and little free memory
-    gives: PoCL reports its L3 as the global cache, 4x that is the cold wish)."""
+    gives: PoCL reports its L3 as the global cache, 4x that is the cold wish);
+    ``budget``: the Tuner's ``budget_s`` and ``fill_rate``."""
     from clattn.tune.workloads import QUICK_POINTS
 
     monkeypatch.setattr(search, "sizing", lambda dev: Sizing(cold))
@@ -495,7 +496,7 @@ def _sized_tuner(monkeypatch, cold: int, host_available: int):
     info = dict(device_info(POCL), global_mem_size_bytes=64 << 30,
                 max_mem_alloc_size_bytes=16 << 30)
     base = match(info, user=False).profile
-    return Tuner(rt, info, base, settings, search.Progress(60, enabled=False))
+    return Tuner(rt, info, base, settings, search.Progress(60, enabled=False), **budget)
 
 
 @needs_pocl

@@ -4,6 +4,7 @@ The tool around the core, never imported by it. Modules, in import order:
 
 * :mod:`~clattn.tune.timing`: the one timing helper (event times, warm-up kept out) and
   the one table printer, shared with ``tools/bench.py``;
+* :mod:`~clattn.tune.budget`: the run's time budget and each step's share of it;
 * :mod:`~clattn.tune.ceilings`: read/copy bandwidth past every cache, launch latency,
   transfers, the f32 multiply-add peak;
 * :mod:`~clattn.tune.roofline`: the roofline bound of a decode call from the ceilings;
@@ -18,6 +19,7 @@ The tool around the core, never imported by it. Modules, in import order:
 * :mod:`~clattn.tune.command`: the ``clattn tune`` command line (alias ``clattn profile``).
 """
 from . import (
+    budget,
     ceilings,
     checks,
     command,
@@ -34,6 +36,6 @@ from .report import Report, format_report, plot_report
 from .search import Settings, Tuner
 from .session import tune_device
 
-__all__ = ["Check", "Report", "Settings", "Tuner", "ceilings", "checks", "command",
+__all__ = ["Check", "Report", "Settings", "Tuner", "budget", "ceilings", "checks", "command",
            "correctness", "format_report", "plot_report", "prefill_search", "report", "roofline",
            "search", "session", "timing", "tune_device", "workloads"]

@@ -498,6 +498,38 @@ def fill_random(rt_or_device: Any, buf: Any, *, dtype: Any = np.float32, seed: i
     return evt
 
 
+def fill_rate(runtime_or_device: Any = None, size_bytes: int = 32 * MiB,
+              clock: Callable[[], float] = time.perf_counter) -> float:
+    """Bytes per second the device allocates and fills a new f16 buffer at
+    (:func:`fill_random`, first touch included): what setting up a page pool or a
+    ceiling's working set costs.
+
+    Parameters
+    ----------
+    runtime_or_device : Runtime, device, name, context or queue
+    size_bytes : int
+        The buffer timed (after a small one that builds the kernel; at least 1 MiB).
+    clock : callable
+        Seconds from an arbitrary origin.
+
+    Returns
+    -------
+    float
+    """
+    rt = as_runtime(runtime_or_device)
+    cl = runtime.cl()
+    # the same launch size as the timed fill (a driver may compile per launch size)
+    warm = cl.array.empty(rt.queue, (max(1, min(size_bytes, MiB) // 2),), np.float16)
+    fill_random(rt, warm)
+    t0 = clock()
+    buf = cl.array.empty(rt.queue, (max(1, size_bytes // 2),), np.float16)
+    fill_random(rt, buf)
+    seconds = clock() - t0
+    for a in (warm, buf):
+        a.base_data.release()
+    return buf.nbytes / max(seconds, 1e-9)
+
+
 def _timed(launch: Callable[[], Any], target_s: float, max_reps: int = 1000) -> tuple[float, ...]:
     """Seconds of each timed launch (one warm-up first, not counted), about target_s long."""
     res = sample({"x": lambda: {"s": event_seconds([launch()])}}, warmup=1, min_runs=3,
@@ -566,10 +598,13 @@ def read_launcher(runtime_or_device: Any, measurement: Measurement
 
 
 def _stream(kind: str, rt: runtime.Runtime, size_bytes: int | None, target_s: float,
-            widths: tuple, patterns: tuple) -> Measurement:
+            widths: tuple, patterns: tuple, cap: tuple[int, str] | None) -> Measurement:
     plan = sizing(rt.device)
     if size_bytes is not None:
         plan = replace(plan, working_set_bytes=int(size_bytes), cap="size given by the caller")
+    elif cap is not None and 0 < cap[0] < plan.working_set_bytes:
+        plan = replace(plan, working_set_bytes=int(cap[0]),
+                       cap=f"capped by {cap[1]} ({cap[0] / MiB:.0f} MiB)")
     bufs = _StreamBuffers(kind, rt, plan.working_set_bytes)
     results, launches = [], {}
     try:
@@ -597,7 +632,8 @@ def _stream(kind: str, rt: runtime.Runtime, size_bytes: int | None, target_s: fl
 # -- public measurements -------------------------------------------------------------------
 def read_bandwidth(runtime_or_device: Any = None, size_bytes: int | None = None,
                    target_s: float = 0.25, *, widths: tuple = WIDTHS,
-                   patterns: tuple = PATTERNS) -> Measurement:
+                   patterns: tuple = PATTERNS,
+                   cap: tuple[int, str] | None = None) -> Measurement:
     """Streaming global-memory read bandwidth (GB/s of bytes read), best variant.
 
     Parameters
@@ -609,6 +645,9 @@ def read_bandwidth(runtime_or_device: Any = None, size_bytes: int | None = None,
         Time spent per variant (10 variants by default).
     widths, patterns : tuple
         Vector widths (1..16) and access patterns tried.
+    cap : (int, str), optional
+        With ``size_bytes`` None: at most this many bytes, and why (said in the
+        measurement's sizing, e.g. ``"the time budget"``).
 
     Returns
     -------
@@ -617,19 +656,20 @@ def read_bandwidth(runtime_or_device: Any = None, size_bytes: int | None = None,
         one float (1/``FETCH`` extra traffic at float, less at wider types; not counted).
     """
     return _stream("read", as_runtime(runtime_or_device), size_bytes, target_s,
-                   tuple(widths), tuple(patterns))
+                   tuple(widths), tuple(patterns), cap)
 
 
 def copy_bandwidth(runtime_or_device: Any = None, size_bytes: int | None = None,
                    target_s: float = 0.25, *, widths: tuple = WIDTHS,
-                   patterns: tuple = PATTERNS) -> Measurement:
+                   patterns: tuple = PATTERNS,
+                   cap: tuple[int, str] | None = None) -> Measurement:
     """Device-to-device copy bandwidth: GB/s of bytes read + written (STREAM's count).
 
-    ``size_bytes``: the working set (source + destination; default :func:`sizing`);
-    other parameters as for :func:`read_bandwidth`.
+    ``size_bytes``: the working set (source + destination; default :func:`sizing`, at
+    most ``cap``); other parameters as for :func:`read_bandwidth`.
     """
     return _stream("copy", as_runtime(runtime_or_device), size_bytes, target_s,
-                   tuple(widths), tuple(patterns))
+                   tuple(widths), tuple(patterns), cap)
 
 
 def launch_latency(runtime_or_device: Any = None, target_s: float = 0.25, *,
@@ -785,7 +825,7 @@ def measure_all(runtime_or_device: Any = None, *, target_s: float = 0.25,
 __all__ = ["COLD_FACTOR", "STREAM_ROUNDS", "Cache", "Ceilings", "FMA_CHAINS", "FMA_ITERS",
            "FMA_LANES", "FMA_UNROLL", "FMA_WIDTHS", "FmaPeak",
            "Latency", "Measurement", "Sizing", "Transfer", "as_runtime", "copy_bandwidth",
-           "fill_random", "fma_launcher", "fma_peak", "fma_source", "host_caches",
+           "fill_random", "fill_rate", "fma_launcher", "fma_peak", "fma_source", "host_caches",
            "launch_latency", "measure_all", "parse_size", "read_bandwidth", "read_launcher",
            "size_text", "sizing",
            "source", "transfer_bandwidth"]

@@ -17,10 +17,9 @@ again round-robin with the default and kept only if still faster
 """
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from .. import runtime
 from ..device_fit import fit_device
@@ -112,27 +111,31 @@ class PrefillTuner(CoordinateSearch):
         ``prune`` and ``quick`` apply.
     progress : Progress
     budget_s : float
-        This stage's wall time (NO_BUDGET: none); the default is timed past it on its
-        first shape, the shapes it has no time for are dropped.
+        This stage's wall time (NO_BUDGET: none; the rules:
+        :class:`~clattn.tune.search.CoordinateSearch`).
     extra_seeds : iterable of (Profile, origin)
         Further starting candidates (the user's current prefill fields).
     space : tuple of Parameter
+    clock : callable
+        Seconds from an arbitrary origin (default ``time.perf_counter``).
     """
+
+    #: a few shapes, each on its own small pool: the default is timed on all of them
+    default_every_shape = True
 
     def __init__(self, rt: Any, info: dict, base: Profile, settings: Settings,
                  progress: Progress, budget_s: float,
                  extra_seeds: tuple[tuple[Profile, str], ...] = (),
-                 space: tuple[Parameter, ...] = PREFILL_SPACE) -> None:
+                 space: tuple[Parameter, ...] = PREFILL_SPACE, *,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
         super().__init__(settings, progress, Limits.from_info(info), space,
-                         [(base, "default")] + list(extra_seeds), budget_s)
+                         [(base, "default")] + list(extra_seeds), budget_s, clock=clock)
         self.rt, self.info, self.base = rt, info, base
         self.models = list(MODELS)
         self.specs = {m.name: spec_for(m) for m in self.models}
         self.shapes = prefill_shapes_for(settings.prefill_points, self.models)
-        self.skipped_shapes: dict[str, str] = {}
         self._keys: dict[Any, Candidate] = {}  # kernel key (fitted geometries) -> candidate
         self._built: dict[int, dict[str, BatchPrefill]] = {}  # ok candidates' prefills
-        self._best: dict[str, float] = {}
         self._workloads: dict[str, PrefillWorkload] = {}
         self._ref: dict[str, tuple] = {}
         self._kernels_tried = 0
@@ -183,16 +186,13 @@ class PrefillTuner(CoordinateSearch):
 
     def _build(self, cand: Candidate, label: str) -> dict[str, BatchPrefill] | None:
         """A verified prefill per model of the shapes left; None (the candidate skipped,
-        with the reason) if the fit refuses it, a build fails or a result is wrong. The
-        default stops building once the budget is spent (its other shapes are dropped)."""
+        with the reason) if the fit refuses it, a build fails or a result is wrong."""
         if cand.kernel_key[0] == "invalid":
             cand.status, cand.reason = "skipped", f"not valid on this device: {cand.kernel_key[1]}"
             return None
         models = list(dict.fromkeys(s.model for s in self.shapes))
         pres: dict[str, BatchPrefill] = {}
         for name in models:
-            if cand.id == 0 and pres and self.over_budget():
-                break
             self.progress.update(f"{label}: build + verify {name}")
             try:
                 pre = decoder(self.specs[name], self.rt.device, cand.profile, kind=BatchPrefill)
@@ -218,67 +218,53 @@ class PrefillTuner(CoordinateSearch):
             pre.run(*w.args(), out=w.out, lse=w.lse, plan=plan).events),
             self._best.get(shape.key) if prune else None, self.settings, shape.key)
 
-    def _time_shapes(self, cand: Candidate, pres: dict[str, BatchPrefill], label: str) -> None:
-        """Time ``cand`` on every shape, or stop at the first that prunes, fails or runs
-        past the budget; the default runs past it until it has one shape timed, then the
-        shapes it has no time for are dropped (said in ``skipped_shapes``)."""
-        for i, shape in enumerate(list(self.shapes)):
-            if (self.over_budget() or shape.model not in pres) and \
-                    (cand.id != 0 or cand.times):
-                if cand.id == 0:
-                    why = f"{self._budget_text()} used up before the default was timed on it"
-                    for s in self.shapes[i:]:
-                        self.skipped_shapes[s.key] = why
-                    self.shapes = self.shapes[:i]
-                    self.stop_reason = self.stop_reason or f"{self._budget_text()} used up"
-                    break
-                cand.status, cand.reason = "stopped", f"{self._budget_text()} used up"
-                self.stop_reason = self.stop_reason or cand.reason
-                return
-            self.progress.update(f"{label}: {shape.key}")
-            t_shape = time.perf_counter()
-            try:
-                t = self._time(pres[shape.model], self._workload(shape), shape)
-            except KeyboardInterrupt:
-                raise
-            except Exception as exc:  # noqa: BLE001
-                t = "failed: " + first_line(exc)
-            if cand.id == 0:  # confirm() times the default and the winner round-robin
-                self._reserve += 4 * (time.perf_counter() - t_shape)
-            if isinstance(t, str):
-                pruned = t.startswith("pruned: ")
-                cand.status = "pruned" if pruned else "skipped"
-                cand.reason = t[len("pruned: "):] if pruned else t
-                return
-            cand.times[shape.key] = t
-            self._best[shape.key] = min(self._best.get(shape.key, math.inf), t)
-        cand.status = "ok"
+    def _setup_bytes(self, shape: PrefillShape) -> int:
+        """The bytes of ``shape``'s own pool if its workload is not set up yet."""
+        if shape.key in self._workloads:
+            return 0
+        spec = self.specs[shape.model]
+        per_seq = max(1, -(-(shape.new + shape.cached) // spec.page_size))
+        return shape.batch * per_seq * spec.layout.page_bytes
+
+    def _setup(self, shape: PrefillShape) -> None:
+        self._workload(shape)
+
+    def _measure(self, cand: Candidate, runner: BatchPrefill, shape: PrefillShape,
+                 label: str) -> float | str:
+        self.progress.update(f"{label}: {shape.key}")
+        return self._time(runner, self._workload(shape), shape)
 
     def evaluate(self, prof: Profile, origin: str, *, force: bool = False) -> Candidate | None:
         """Fit, verify and time ``prof`` on every shape; None for a geometry already tried
-        or past a cap (``force``: past the caps, the seeds)."""
+        or past a cap or the budget (then listed in ``not_tried``; ``force``: past the
+        caps, the seeds)."""
         prof = fit_device(prof, self.info).profile
         kkey = self._kernel_key(prof)
         if kkey in self._keys:
             return None
-        if not force and (self._kernels_tried >= self.settings.prefill_max_kernels
-                          or not self._budget_admits(True)):
+        why = ""
+        if not force:
+            why = (f"the cap of {self.settings.prefill_max_kernels} kernels reached"
+                   if self._kernels_tried >= self.settings.prefill_max_kernels
+                   else self._budget_refusal(True))
+        if why:
+            self._not_tried(origin, why)
             return None
-        t_cand = time.perf_counter()
+        t_cand = self._cost_start()
         cand = Candidate(len(self.candidates), prof, origin, kkey)
         self.candidates.append(cand)
         self._keys[kkey] = cand
         self._kernels_tried += 1
         label = f"#{cand.id} {prefill_params_text(prof)}"
         if force and cand.id and self.over_budget():  # a seed after the default: not built
-            cand.status, cand.reason = "stopped", f"{self._budget_text()} used up"
+            cand.status, cand.reason = "stopped", self._used_up()
         else:
             pres = self._build(cand, label)
             if pres is not None:
                 self._time_shapes(cand, pres, label)
             if cand.status == "ok":
                 self._built[cand.id] = pres
-            self._kernel_costs.append(time.perf_counter() - t_cand)
+            self._cost_end(t_cand)
         self._rescore()
         tail = (f"score {cand.score:.2f}" if cand.score is not None
                 else f"{cand.status} ({cand.reason})")
@@ -326,7 +312,8 @@ class PrefillTuner(CoordinateSearch):
         return TuningResult(self.settings, list(self.shapes), dict(self.skipped_shapes),
                             list(self.candidates), self.elapsed(),
                             self.stop_reason or self.kernel_stop, self.confirmation, chosen,
-                            default, per_shape, [], self.budget_s)
+                            default, per_shape, [], self.budget_s,
+                            {k: list(v) for k, v in self.not_tried.items()})
 
 
 __all__ = ["GEOMETRY_OF", "PREFILL_FIELDS", "PREFILL_SPACE", "PrefillShapeResult",

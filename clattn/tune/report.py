@@ -98,6 +98,8 @@ class Report:
     elapsed_s: float = 0.0
     kv_bytes: KvBytes | None = None
     prefill: TuningResult | None = None
+    #: the whole run's time budget (``--budget``; None: none stated)
+    budget_s: float | None = None
 
     @property
     def correctness_passed(self) -> bool:
@@ -235,6 +237,8 @@ def _candidate_lines(t: TuningResult, title: str = "Tuning",
              + (f"; stopped: {t.stopped}" if t.stopped else "")]
     for k, why in t.skipped_shapes.items():
         lines.append(f"  shape {k} not measured: {why}")
+    for why, origins in t.not_tried.items():
+        lines.append(f"  not tried ({why}): {', '.join(origins)}")
     for note in t.memory_notes:
         lines.append(f"  memory: {note}")
     best_id = t.chosen.id if t.chosen else None
@@ -339,7 +343,9 @@ def format_report(rep: Report) -> str:
     elif rep.chosen is not None:
         lines += ["", "The tuned profile is the profile checked above."]
     steps = ", ".join(f"{k} {v:.0f} s" for k, v in rep.step_seconds.items())
-    lines.append(f"\nTotal {rep.elapsed_s:.0f} s ({steps}).")
+    budget = f" of a {rep.budget_s:.0f} s budget" \
+        if rep.budget_s is not None and math.isfinite(rep.budget_s) else ""
+    lines.append(f"\nTotal {rep.elapsed_s:.0f} s{budget} ({steps}).")
     return "\n".join(lines)
 
 

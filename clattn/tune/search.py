@@ -118,9 +118,10 @@ class Settings:
     """How hard one run tries (``quick`` or full)."""
 
     quick: bool
-    # tuning wall time, the final side-by-side re-timing included; NO_BUDGET (math.inf)
-    # switches the clock off: the search stops at its caps alone (max_kernels, max_plans,
-    # passes), so what it tries does not depend on the machine's speed (the tests)
+    # the whole run's wall time (clattn.tune.budget: ceilings, correctness checks, both
+    # tuning stages with their re-timing); NO_BUDGET (math.inf) switches the clock off:
+    # the search stops at its caps alone (max_kernels, max_plans, passes), so what it
+    # tries does not depend on the machine's speed (the tests)
     budget_s: float
     points: tuple = FULL_POINTS
     # (batch, context) points of the MLA models (workloads.MLA_MODELS); the full settings
@@ -135,11 +136,17 @@ class Settings:
     ceiling_target_s: float = 0.25
     ceiling_widths: tuple = (1, 2, 4, 8, 16)  # vector widths of the bandwidth kernels
     # the prefill stage (clattn.tune.prefill_search): its (batch, new, cached) points, its
-    # cap on distinct kernels and its share of budget_s (the decode stage stops at the
-    # rest; the prefill stage gets whatever the decode stage left)
+    # cap on distinct kernels and its floor, a share of the tuning time (the decode
+    # stage stops at the rest; the prefill stage gets the larger of its floor and what
+    # the decode stage left)
     prefill_points: tuple = PREFILL_FULL_POINTS
     prefill_max_kernels: int = 12
     prefill_share: float = 0.3
+    # the ceilings' share of budget_s (their working sets are capped to fit it)
+    ceiling_share: float = 0.1
+    # the share of a stage's budget its workloads' setup (allocating and filling the
+    # page pools) may take: pools are shrunk to fit it, never below two page sets
+    setup_share: float = 0.25
 
     @classmethod
     def make(cls, quick: bool, budget: float | None) -> "Settings":
@@ -148,7 +155,8 @@ class Settings:
             return cls(True, 20.0 if budget is None else budget, QUICK_POINTS, max_kernels=6,
                        max_plans=3, passes=1, target_s=0.03, reps=3, prune=2.5,
                        ceiling_target_s=0.03, ceiling_widths=(4, 8, 16),
-                       prefill_points=PREFILL_QUICK_POINTS, prefill_max_kernels=3)
+                       prefill_points=PREFILL_QUICK_POINTS, prefill_max_kernels=3,
+                       ceiling_share=0.15)
         return cls(False, 300.0 if budget is None else budget, mla_points=MLA_POINTS)
 
     @property
@@ -158,7 +166,8 @@ class Settings:
 
     @property
     def decode_budget_s(self) -> float:
-        """The decode stage's share of :attr:`budget_s` (NO_BUDGET stays NO_BUDGET)."""
+        """The decode stage's share of :attr:`budget_s` were all of it tuning time (a
+        :class:`Tuner` built without its own budget gets it; NO_BUDGET stays NO_BUDGET)."""
         return self.budget_s * (1.0 - self.prefill_share)
 
 
@@ -308,6 +317,9 @@ class TuningResult:
     memory_notes: list[str] = field(default_factory=list)
     #: this stage's share of the budget (None: ``settings.budget_s``)
     budget_s: float | None = None
+    #: candidates the search did not try: why -> their origins (``vec=4``), e.g. the time
+    #: budget used up or a cap on kernels reached
+    not_tried: dict[str, list[str]] = field(default_factory=dict)
 
 
 class _Pruned(Exception):
@@ -363,9 +375,22 @@ def confirm_verdict(best: Candidate, default: Candidate,
 
 class CoordinateSearch:
     """What the decode and the prefill stages share: candidates and their scores, the
-    budget and its reserve, and the coordinate-search loop over a :class:`Parameter`
-    space (a subclass gives :meth:`evaluate`, and :meth:`_resolved` where a field's
-    current value is derived).
+    budget and its reserve, the loop that times a candidate shape by shape, and the
+    coordinate-search loop over a :class:`Parameter` space.
+
+    A subclass gives :meth:`evaluate` (fit, build, verify, then :meth:`_time_shapes`),
+    :meth:`_measure` (one shape's median seconds), :meth:`_setup_bytes` and
+    :meth:`_setup` (a shape's workload), and :meth:`_resolved` where a field's current
+    value is derived.
+
+    Budget rules (``budget_s``, measured on ``clock``): no new candidate starts past
+    :meth:`deadline` (the budget less a reserve for the final re-timing); a candidate
+    stops between two shapes once past it; a shape whose workload setup (its bytes at the
+    measured fill rate) would run past it is not set up. The default (the first seed) is
+    always timed on its first shape (or on every shape: :attr:`default_every_shape`); the
+    shapes it has no time for leave the run. What
+    is left out is said: ``skipped_shapes`` (shape -> why), ``not_tried`` (why -> the
+    candidates' origins) and each stopped candidate's reason.
 
     Parameters
     ----------
@@ -377,23 +402,39 @@ class CoordinateSearch:
         Evaluated first, past the caps (the first: the default).
     budget_s : float
         This stage's wall time (NO_BUDGET: none).
+    fill_rate : float, optional
+        Bytes per second a workload's setup runs at before one is measured (None: a
+        first setup is not predicted).
+    clock : callable
+        Seconds from an arbitrary origin (default ``time.perf_counter``).
     """
+
+    #: the default is timed on every shape whatever the time (a stage whose shapes are few
+    #: and cheap to set up: its speedups then cover every shape); else on its first only
+    default_every_shape = False
 
     def __init__(self, settings: Settings, progress: Progress, limits: Limits,
                  space: tuple[Parameter, ...], seeds: list[tuple[Profile, str]],
-                 budget_s: float) -> None:
+                 budget_s: float, *, fill_rate: float | None = None,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
         self.settings, self.progress, self.limits, self.space = settings, progress, limits, space
         self.seeds = seeds
         self.budget_s = budget_s
+        self.fill_rate = fill_rate
+        self.clock = clock
         self.shapes: list = []
+        self.skipped_shapes: dict[str, str] = {}
+        self.not_tried: dict[str, list[str]] = {}
         self.candidates: list[Candidate] = []
-        self._kernel_costs: list[float] = []  # seconds each new kernel took, start to end
+        self._best: dict[str, float] = {}  # shape key -> best seconds so far
+        self._kernel_costs: list[float] = []  # seconds each new kernel took, setups left out
         self._reserve = 0.0  # seconds kept for confirm(): 4x the default's timing time
+        self._setups = [0, 0.0]  # bytes set up, seconds it took
         self.stop_reason = ""
         self.kernel_stop = ""
         self.chosen: Candidate | None = None
         self.confirmation: Confirmation | None = None
-        self.t0 = time.perf_counter()
+        self.t0 = clock()
 
     def evaluate(self, prof: Profile, origin: str, *, force: bool = False) -> Candidate | None:
         """Verify and time ``prof``; None for a duplicate or past a cap."""
@@ -403,10 +444,22 @@ class CoordinateSearch:
         """``prof`` with the current values the search moves from (derived ones filled in)."""
         return prof
 
+    def _setup_bytes(self, shape: Any) -> int:
+        """Bytes :meth:`_setup` would allocate and fill for ``shape`` now (0: ready)."""
+        return 0
+
+    def _setup(self, shape: Any) -> None:
+        """Allocate and fill ``shape``'s workload."""
+
+    def _measure(self, cand: Candidate, runner: Any, shape: Any, label: str) -> float | str:
+        """Median seconds of ``runner`` (``cand``'s kernel for ``shape``'s model) on
+        ``shape``, or a string saying why the candidate was dropped (``"pruned: ..."``)."""
+        raise NotImplementedError
+
     # ---- bookkeeping
     def elapsed(self) -> float:
         """Seconds since the stage began."""
-        return time.perf_counter() - self.t0
+        return self.clock() - self.t0
 
     def deadline(self) -> float:
         """Seconds into tuning when the search stops: the budget less the re-timing reserve."""
@@ -419,12 +472,24 @@ class CoordinateSearch:
     def _budget_text(self) -> str:
         return f"time budget of {self.budget_s:.0f} s"
 
-    def _budget_admits(self, new_kernel: bool) -> bool:
-        """Whether the time budget leaves room for a non-forced candidate (a new kernel:
-        room for about as long as the kernels so far took on average)."""
+    def _used_up(self) -> str:
+        """The stop reason once the budget is spent (also recorded as ``stop_reason``)."""
+        self.stop_reason = self.stop_reason or f"{self._budget_text()} used up"
+        return self.stop_reason
+
+    def setup_seconds(self, nbytes: int) -> float:
+        """Seconds a setup of ``nbytes`` should take: at the rate the setups so far ran at,
+        else ``fill_rate``; 0 when neither is known."""
+        done, secs = self._setups
+        rate = done / secs if done and secs > 0 else self.fill_rate
+        return nbytes / rate if nbytes and rate else 0.0
+
+    def _budget_refusal(self, new_kernel: bool) -> str:
+        """Why the time budget has no room for a non-forced candidate ("" if it has): past
+        the deadline, or (a new kernel) not room for about as long as the kernels so far
+        took on average."""
         if self.over_budget():
-            self.stop_reason = self.stop_reason or f"{self._budget_text()} used up"
-            return False
+            return self._used_up()
         if new_kernel and self._kernel_costs:
             cost = sum(self._kernel_costs) / len(self._kernel_costs)
             if self.elapsed() + 0.75 * cost > self.deadline():
@@ -432,8 +497,22 @@ class CoordinateSearch:
                 self.kernel_stop = self.kernel_stop or (
                     f"{self._budget_text()}: not enough left for another kernel (about "
                     f"{cost:.0f} s each to build, verify and time)")
-                return False
-        return True
+                return self.kernel_stop
+        return ""
+
+    def _not_tried(self, origin: str, why: str) -> None:
+        origins = self.not_tried.setdefault(why, [])
+        if origin not in origins:
+            origins.append(origin)
+
+    def _cost_start(self) -> tuple[float, float]:
+        """The clock and the setup seconds so far, when a candidate starts."""
+        return self.clock(), self._setups[1]
+
+    def _cost_end(self, start: tuple[float, float]) -> None:
+        """Record what a new kernel took from ``start`` (:meth:`_cost_start`), the
+        workloads' setup left out (done once, not per kernel)."""
+        self._kernel_costs.append(self.clock() - start[0] - (self._setups[1] - start[1]))
 
     def _rescore(self) -> None:
         done = [c for c in self.candidates if c.status == "ok"]
@@ -447,13 +526,72 @@ class CoordinateSearch:
         ok = [c for c in self.candidates if c.status == "ok" and c.score is not None]
         return min(ok, key=lambda c: (c.score, c.id)) if ok else None
 
+    # ---- one candidate, shape by shape
+    def _no_time_for(self, shape: Any, runners: Mapping[str, Any]) -> str:
+        """Why ``shape`` cannot be timed now ("" if it can): no kernel for its model (the
+        default stopped building), the budget spent, or its setup would run past it."""
+        if shape.model not in runners or self.over_budget():
+            return self._used_up()
+        nbytes = self._setup_bytes(shape)
+        need = self.setup_seconds(nbytes)
+        left = self.deadline() - self.elapsed()
+        if need > left:
+            return (f"{self._budget_text()}: setting up its workload ({nbytes >> 20} MiB, "
+                    f"about {need:.0f} s) does not fit the {max(left, 0.0):.0f} s left")
+        return ""
+
+    def _time_shapes(self, cand: Candidate, runners: Mapping[str, Any], label: str) -> None:
+        """Time ``cand`` (``runners``: its kernel per model) on every shape, or stop at the
+        first that prunes, fails or has no time (:meth:`_no_time_for`). The default runs
+        its first shape (every shape: :attr:`default_every_shape`) whatever the time; a
+        shape it has no time for leaves the run (said in ``skipped_shapes``), and the
+        others are still tried."""
+        for shape in list(self.shapes):
+            forced = cand.id == 0 and (self.default_every_shape or not cand.times) \
+                and shape.model in runners
+            why = "" if forced else self._no_time_for(shape, runners)
+            if why and cand.id == 0:
+                self.skipped_shapes[shape.key] = f"{why} (the default was not timed on it)"
+                self.shapes.remove(shape)
+                continue
+            if why:
+                cand.status, cand.reason = "stopped", why
+                self.stop_reason = self.stop_reason or why
+                return
+            try:
+                nbytes = self._setup_bytes(shape)
+                if nbytes:
+                    self.progress.update(f"{label}: setting up {shape.key} ({nbytes >> 20} MiB)")
+                    t_setup = self.clock()
+                    self._setup(shape)
+                    self._setups = [self._setups[0] + nbytes,
+                                    self._setups[1] + self.clock() - t_setup]
+                t_shape = self.clock()
+                t = self._measure(cand, runners[shape.model], shape, label)
+                if cand.id == 0:  # confirm() times the default and the winner twice each
+                    self._reserve += 4 * (self.clock() - t_shape)
+            except KeyboardInterrupt:
+                raise
+            except Exception as exc:  # noqa: BLE001 - any driver error drops the candidate
+                t = "failed: " + first_line(exc)
+            if isinstance(t, str):
+                pruned = t.startswith("pruned: ")
+                cand.status = "pruned" if pruned else "skipped"
+                cand.reason = t[len("pruned: "):] if pruned else t
+                return
+            cand.times[shape.key] = t
+            self._best[shape.key] = min(self._best.get(shape.key, math.inf), t)
+        cand.status = "ok"
+
+    # ---- the search
     def search(self) -> None:
-        """The seeds, then passes over the search space from the best so far."""
+        """The seeds, then passes over the search space from the best so far; once the
+        budget is spent, the values left in the pass are listed in ``not_tried``."""
         for prof, origin in self.seeds:
             self.evaluate(prof, origin, force=True)
         best = self.best()
         if best is None:
-            self.stop_reason = "the default profile could not be timed"
+            self.stop_reason = self.stop_reason or "the default profile could not be timed"
             return
         for _ in range(self.settings.passes):
             before = best.id
@@ -461,12 +599,13 @@ class CoordinateSearch:
                 current = best.profile
                 for value in values_to_try(param, self._resolved(current), self.limits,
                                            self.settings.quick):
-                    self.evaluate(current.with_(**{param.field: value, **param.resets}),
-                                  f"{param.field}={value}")
+                    origin = f"{param.field}={value}"
                     if self.stop_reason:
-                        return
+                        self._not_tried(origin, self.stop_reason)
+                        continue
+                    self.evaluate(current.with_(**{param.field: value, **param.resets}), origin)
                 best = self.best() or best
-            if best.id == before:
+            if self.stop_reason or best.id == before:
                 break
 
     def confirm(self) -> None:
@@ -505,9 +644,24 @@ class CoordinateSearch:
 
 
 # -- the search ------------------------------------------------------------------------------
+def total_bytes(need: Mapping[str, tuple[int, int]], cold: int, sets: int) -> int:
+    """Bytes of the pools ``need`` (model -> (pages of its largest set, page bytes)) with
+    ``cold`` bytes wished per pool and at least ``sets`` page sets each."""
+    return sum(max(pool_pages(n, b, cold), sets * n) * b for n, b in need.values())
+
+
+def largest_cold(need: Mapping[str, tuple[int, int]], cold: int, room: int, sets: int) -> int:
+    """The largest per-pool wish up to ``cold`` (to 1 MiB) whose pools
+    (:func:`total_bytes`) fit ``room`` bytes; 0 when none does."""
+    lo, hi = 0, cold
+    while hi - lo > (1 << 20):
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if total_bytes(need, mid, sets) <= room else (lo, mid)
+    return lo
+
+
 class Tuner(CoordinateSearch):
     """Coordinate search over :data:`SEARCH_SPACE`; every candidate verified, then timed.
-    Its budget is ``settings.decode_budget_s``.
 
     Parameters
     ----------
@@ -522,20 +676,31 @@ class Tuner(CoordinateSearch):
         Further starting candidates (the user's current profile).
     space : tuple of Parameter
         The search space.
+    budget_s : float, optional
+        This stage's wall time (default ``settings.decode_budget_s``).
+    fill_rate : float, optional
+        Bytes per second the device fills a new buffer at
+        (:func:`~clattn.tune.ceilings.fill_rate`): with a budget, the pools are shrunk so
+        that filling them takes at most ``settings.setup_share`` of it.
+    clock : callable
+        Seconds from an arbitrary origin (default ``time.perf_counter``).
     """
 
     def __init__(self, rt: Any, info: dict, base: Profile, settings: Settings,
                  progress: Progress, extra_seeds: Iterable[tuple[Profile, str]] = (),
-                 space: tuple[Parameter, ...] = SEARCH_SPACE) -> None:
+                 space: tuple[Parameter, ...] = SEARCH_SPACE, *,
+                 budget_s: float | None = None, fill_rate: float | None = None,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
         super().__init__(settings, progress, Limits.from_info(info), space,
-                         [(base, "default")] + list(extra_seeds), settings.decode_budget_s)
+                         [(base, "default")] + list(extra_seeds),
+                         settings.decode_budget_s if budget_s is None else budget_s,
+                         fill_rate=fill_rate, clock=clock)
         self.rt, self.info = rt, info
         self.models = [DecodeModel.of(m) for m in MODELS] + \
             (list(MLA_MODELS) if settings.mla_points else [])
         self.specs = {m.name: spec_for(m) for m in self.models}
         self._sm_scale = {m.name: m.sm_scale for m in self.models}
         self.cold_bytes = sizing(rt.device).working_set_bytes
-        self.skipped_shapes: dict[str, str] = {}
         self.memory_notes: list[str] = []
         self._pool_pages: dict[str, int] = {}
         self.shapes = self._fit_shapes(shapes_for(settings.points, MODELS, settings.mla_points))
@@ -543,7 +708,6 @@ class Tuner(CoordinateSearch):
         self._keys: dict[tuple, Candidate] = {}
         self._kernel_ok: dict[Any, str | None] = {}  # kernel key -> None (verified) or reason
         self._measured: dict[tuple, float] = {}  # (kernel key, shape, plan sig) -> seconds
-        self._best: dict[str, float] = {}  # shape key -> best seconds so far
         self._pools: dict[str, PagePool] = {}
         self._workloads: dict[str, Workload] = {}
         self._ref: dict[str, tuple] = {}
@@ -566,7 +730,9 @@ class Tuner(CoordinateSearch):
         of its largest shape, grown toward :attr:`cold_bytes` (past every cache) as far as
         the room allows, every model's pool shrunk alike before any shape is dropped.
         Shapes are dropped only when their page sets alone do not fit (largest first), and
-        each drop is said in ``skipped_shapes``."""
+        each drop is said in ``skipped_shapes``. With a time budget the pools are also
+        shrunk alike until filling them fits :meth:`_time_room` (never below two page
+        sets each); each shrink is said in ``memory_notes``."""
         max_alloc = int(self.info.get("max_mem_alloc_size_bytes") or 0)
         room = self._room()
         keep = []
@@ -592,21 +758,39 @@ class Tuner(CoordinateSearch):
         need = sets(keep)
         cold = min(self.cold_bytes, max_alloc) if max_alloc else self.cold_bytes
 
-        def total(c: int) -> int:
-            return sum(pool_pages(n, b, c) * b for n, b in need.values())
-
-        if room and total(cold) > room:
-            lo, hi = 0, cold  # the largest cold size whose pools fit the room
-            while hi - lo > (1 << 20):
-                mid = (lo + hi) // 2
-                lo, hi = (mid, hi) if total(mid) <= room else (lo, mid)
+        # pools shrunk for time keep two page sets each (the calls rotate) where memory
+        # allows; for memory, one
+        two = total_bytes(need, 0, 2)
+        floor_sets = 2 if (not room or two <= room) and \
+            (not max_alloc or all(2 * n * b <= max_alloc for n, b in need.values())) else 1
+        wish = cold
+        if room and total_bytes(need, cold, 1) > room:
+            cold = largest_cold(need, cold, room, 1)
             self.memory_notes.append(
-                f"pools shrunk to {lo >> 20} MiB each (wanted {cold >> 20} MiB, past every cache) "
-                f"to fit the {room >> 20} MiB this device and host can hold: timings of small "
-                f"shapes may include cached reads")
-            cold = lo
-        self._pool_pages = {m: pool_pages(n, b, cold) for m, (n, b) in need.items()}
+                f"pools shrunk to {cold >> 20} MiB each (wanted {wish >> 20} MiB, past every "
+                f"cache) to fit the {room >> 20} MiB this device and host can hold: timings "
+                f"of small shapes may include cached reads")
+        time_room = self._time_room()
+        if time_room and total_bytes(need, cold, floor_sets) > time_room:
+            cold = largest_cold(need, cold, time_room, floor_sets)
+            self.memory_notes.append(
+                f"pools shrunk to {cold >> 20} MiB each (wanted {wish >> 20} MiB, past every "
+                f"cache) so that filling them takes at most "
+                f"{self.settings.setup_share:.0%} of the {self._budget_text()} at the "
+                f"{self.fill_rate / 1e6:.0f} MB/s this device fills memory: timings of "
+                f"small shapes may include cached reads")
+        else:
+            floor_sets = 1
+        self._pool_pages = {m: max(pool_pages(n, b, cold), floor_sets * n)
+                            for m, (n, b) in need.items()}
         return keep
+
+    def _time_room(self) -> int:
+        """Bytes the pools may take to fill in ``settings.setup_share`` of the budget at
+        ``fill_rate`` (0: no limit, without a budget or a rate)."""
+        if not self.fill_rate or not math.isfinite(self.budget_s):
+            return 0
+        return max(1, int(self.fill_rate * self.settings.setup_share * self.budget_s))
 
     def _workload(self, shape: Shape) -> Workload:
         if shape.model not in self._pools:
@@ -668,13 +852,13 @@ class Tuner(CoordinateSearch):
         return median_or_pruned(call, self._best.get(shape.key) if prune else None,
                                 self.settings, shape.key)
 
-    def _admit(self, new_kernel: bool) -> bool:
-        """Whether a non-forced candidate still fits the caps and the time budget."""
+    def _refusal(self, new_kernel: bool) -> str:
+        """Why a non-forced candidate is not tried ("" if it is): a cap or the budget."""
         if new_kernel and self._kernels_tried >= self.settings.max_kernels:
-            return False
+            return f"the cap of {self.settings.max_kernels} kernels reached"
         if not new_kernel and self._plans_tried >= self.settings.max_plans:
-            return False
-        return self._budget_admits(new_kernel)
+            return f"the cap of {self.settings.max_plans} plan variations reached"
+        return self._budget_refusal(new_kernel)
 
     def _build(self, cand: Candidate, new_kernel: bool,
                label: str) -> dict[str, BatchDecode] | None:
@@ -712,64 +896,35 @@ class Tuner(CoordinateSearch):
             return None
         return decs
 
-    def _time_shapes(self, cand: Candidate, decs: dict[str, BatchDecode], label: str,
-                     force: bool) -> None:
-        """Time ``cand`` on every shape (identical launches reused), or stop at the first
-        shape that prunes, fails or runs past the budget. ``force`` (a seed) runs past the
-        caps; the default (the first seed) past the budget too until it has one shape
-        timed, after which the shapes it has no time for are dropped from the run (said in
-        ``skipped_shapes``), so the budget holds on any machine."""
-        for i, shape in enumerate(list(self.shapes)):
-            if (self.over_budget() or shape.model not in decs) and \
-                    (not force or cand.id != 0 or cand.times):
-                if force and cand.id == 0:
-                    self._drop_shapes(self.shapes[i:])
-                    break
-                cand.status = "stopped"
-                cand.reason = f"{self._budget_text()} used up"
-                self.stop_reason = self.stop_reason or cand.reason
-                return
-            dec = decs[shape.model]
-            w = self._workload(shape)
-            plan = dec.plan(w.indptr, w.last)
-            cand.plans[shape.key] = str(plan)
-            mkey = (cand.kernel_key, shape.key,
-                    (plan.part_rows, plan.num_parts) if plan.split else (0, 1))
-            if mkey in self._measured:
-                cand.times[shape.key] = self._measured[mkey]
-                cand.reused += 1
-                continue
-            self.progress.update(f"{label}: {shape.key}")
-            t_shape = time.perf_counter()
-            try:
-                t = self._time(dec, w, plan, shape)
-            except KeyboardInterrupt:
-                raise
-            except Exception as exc:  # noqa: BLE001
-                t = "failed: " + first_line(exc)
-            if cand.id == 0:  # confirm() times the default and the winner twice each
-                self._reserve += 4 * (time.perf_counter() - t_shape)
-            if isinstance(t, str):
-                pruned = t.startswith("pruned: ")
-                cand.status = "pruned" if pruned else "skipped"
-                cand.reason = t[len("pruned: "):] if pruned else t
-                return
-            self._measured[mkey] = t
-            cand.times[shape.key] = t
-            self._best[shape.key] = min(self._best.get(shape.key, math.inf), t)
-        cand.status = "ok"
+    def _setup_bytes(self, shape: Shape) -> int:
+        """The pool's bytes if ``shape``'s model has none yet (a workload's tables are small)."""
+        if shape.model in self._pools:
+            return 0
+        return self._pool_pages[shape.model] * self.specs[shape.model].layout.page_bytes
 
-    def _drop_shapes(self, shapes: list) -> None:
-        """Leave ``shapes`` out of the run: the budget was spent before the default was
-        timed on them."""
-        why = f"{self._budget_text()} used up before the default profile was timed on it"
-        for s in shapes:
-            self.skipped_shapes[s.key] = why
-        self.shapes = [s for s in self.shapes if s not in shapes]
-        self.stop_reason = self.stop_reason or f"{self._budget_text()} used up"
+    def _setup(self, shape: Shape) -> None:
+        self._workload(shape)
+
+    def _measure(self, cand: Candidate, runner: BatchDecode, shape: Shape,
+                 label: str) -> float | str:
+        """Median seconds of ``cand`` on ``shape`` (an identical earlier launch reused)."""
+        w = self._workload(shape)
+        plan = runner.plan(w.indptr, w.last)
+        cand.plans[shape.key] = str(plan)
+        mkey = (cand.kernel_key, shape.key,
+                (plan.part_rows, plan.num_parts) if plan.split else (0, 1))
+        if mkey in self._measured:
+            cand.reused += 1
+            return self._measured[mkey]
+        self.progress.update(f"{label}: {shape.key}")
+        t = self._time(runner, w, plan, shape)
+        if not isinstance(t, str):
+            self._measured[mkey] = t
+        return t
 
     def evaluate(self, prof: Profile, origin: str, *, force: bool = False) -> Candidate | None:
-        """Fit, verify and time ``prof`` on every shape; None for a duplicate or past a cap.
+        """Fit, verify and time ``prof`` on every shape; None for a duplicate or past a cap
+        or the budget (then listed in ``not_tried``).
 
         ``force``: past the caps and the budget (the seeds).
         """
@@ -779,16 +934,16 @@ class Tuner(CoordinateSearch):
         if key in self._keys:
             return None
         new_kernel = kkey not in self._kernel_ok
-        if not force and not self._admit(new_kernel):
+        why = "" if force else self._refusal(new_kernel)
+        if why:
+            self._not_tried(origin, why)
             return None
-        t_cand = time.perf_counter()
+        t_cand = self._cost_start()
         cand = Candidate(len(self.candidates), prof, origin, kkey)
         self.candidates.append(cand)
         self._keys[key] = cand
         if force and cand.id and self.over_budget():  # a seed after the default: not built
-            cand.status = "stopped"
-            cand.reason = f"{self._budget_text()} used up"
-            self.stop_reason = self.stop_reason or cand.reason
+            cand.status, cand.reason = "stopped", self._used_up()
             return cand
         if new_kernel:
             self._kernels_tried += 1
@@ -797,9 +952,9 @@ class Tuner(CoordinateSearch):
         label = f"#{cand.id} {params_text(prof)}"
         decs = self._build(cand, new_kernel, label)
         if decs is not None:
-            self._time_shapes(cand, decs, label, force)
+            self._time_shapes(cand, decs, label)
         if new_kernel:
-            self._kernel_costs.append(time.perf_counter() - t_cand)
+            self._cost_end(t_cand)
         self._rescore()
         tail = (f"score {cand.score:.2f}" if cand.score is not None
                 else f"{cand.status} ({cand.reason})")
@@ -850,7 +1005,8 @@ class Tuner(CoordinateSearch):
                             list(self.candidates), self.elapsed(),
                             self.stop_reason or self.kernel_stop, self.confirmation,
                             chosen if default is not None and default.status == "ok" else None,
-                            default, per_shape, list(self.memory_notes), self.budget_s)
+                            default, per_shape, list(self.memory_notes), self.budget_s,
+                            {k: list(v) for k, v in self.not_tried.items()})
 
 
 __all__ = ["Candidate", "Confirmation", "CoordinateSearch", "NO_BUDGET", "Parameter", "Progress",
