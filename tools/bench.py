@@ -938,6 +938,7 @@ def torch_sdpa_calls(spec: AttentionSpec, x: PrefillInputs, B: int, n: int,
     mask = None if ctx == 0 else causal_lower_right(n, n + ctx)
     sdpa = torch.nn.functional.scaled_dot_product_attention
     calls = {}
+    scale = default_sm_scale(spec.head_dim)
     for dt in dict.fromkeys([spec.dtype, "float32"]):
         tq, tk, tv = (torch.from_numpy(np.ascontiguousarray(a)).to(getattr(torch, dt))
                       for a in (q, K, V))
@@ -945,9 +946,29 @@ def torch_sdpa_calls(spec: AttentionSpec, x: PrefillInputs, B: int, n: int,
         def run(tq: Any = tq, tk: Any = tk, tv: Any = tv) -> None:
             with torch.no_grad():
                 sdpa(tq, tk, tv, attn_mask=mask, is_causal=mask is None, enable_gqa=True,
-                     scale=default_sm_scale(spec.head_dim))
+                     scale=scale)
         calls[f"torch-{dt}"] = timed_wall(run)
+        if spec.softcap is not None:
+            calls[f"torch-eager-{dt}"] = timed_wall(
+                eager_softcap_call(torch, tq, tk, tv, spec, n, ctx, scale))
     return calls
+
+
+def eager_softcap_call(torch: Any, q: Any, k: Any, v: Any, spec: AttentionSpec, n: int,
+                       ctx: int, scale: float) -> Callable[[], None]:
+    """torch computing what a soft-capped model's attention is (transformers' eager
+    Gemma-2): ``softmax(cap * tanh(q k^T * scale / cap) + causal mask) v``, GQA by
+    repeating the KV heads, in the inputs' dtype (SDPA has no soft-cap)."""
+    G, cap = spec.group_size, float(spec.softcap)
+    kr, vr = (x.repeat_interleave(G, dim=1) for x in (k, v))
+    allowed = torch.ones(n, n + ctx, dtype=torch.bool).tril(diagonal=ctx)
+    bias = torch.zeros(n, n + ctx, dtype=q.dtype).masked_fill(~allowed, float("-inf"))
+
+    def run() -> None:
+        with torch.no_grad():
+            s = torch.tanh(torch.matmul(q, kr.transpose(-1, -2)) * (scale / cap)) * cap
+            torch.matmul(torch.softmax(s + bias, dim=-1, dtype=torch.float32).to(q.dtype), vr)
+    return run
 
 
 def _prefill_row(args: argparse.Namespace, db: DeviceBench, row: dict, pre: BatchPrefill,
@@ -974,6 +995,9 @@ def _prefill_row(args: argparse.Namespace, db: DeviceBench, row: dict, pre: Batc
     torch_s = {k: r["s"] for k, r in res.items() if k.startswith("torch")}
     row.update({f"{k}_ms": v * 1e3 for k, v in torch_s.items()})
     row["vs_torch"] = min(torch_s.values()) / s if torch_s else None
+    # of the torch calls computing the same function: eager where the model soft-caps
+    same = [v for k, v in torch_s.items() if (spec.softcap is None) != ("eager" in k)]
+    row["vs_torch_same"] = min(same) / s if same else None
     log(f"{what}: {row['kernel_ms']:.2f} ms, {row['gflops']:.1f} GFLOP/s = "
         f"{row['peak_frac']:.0%} of {row['peak']:.0f}; torch best / clattn "
         f"{cell(row['vs_torch'], '.2f')}")
@@ -1007,7 +1031,11 @@ def suite_prefill(args: argparse.Namespace, deadline: Deadline) -> dict:
             ("gflops", "GFLOP/s", ".1f"), ("peak", "peak GFLOP/s", ".0f"),
             ("peak_frac", "of peak", ".0%"), ("torch-float16_ms", "torch f16 ms", ".2f"),
             ("torch-float32_ms", "torch f32 ms", ".2f"),
-            ("vs_torch", "torch best / clattn", ".2f"), ("fallback_ms", "CPU backend ms", ".1f"),
+            ("torch-eager-float16_ms", "torch eager f16 ms", ".2f"),
+            ("torch-eager-float32_ms", "torch eager f32 ms", ".2f"),
+            ("vs_torch", "torch best / clattn", ".2f"),
+            ("vs_torch_same", "torch same function / clattn", ".2f"),
+            ("fallback_ms", "CPU backend ms", ".1f"),
             ("max_err", "max abs err", ".1e")]
     header = db.header() + [
         "- GFLOP/s: 4 * H_qo * D per attended (query, key) pair; peak: the f32 multiply-add "
@@ -1016,7 +1044,10 @@ def suite_prefill(args: argparse.Namespace, deadline: Deadline) -> dict:
            + " GFLOP/s over the rows" if peaks else ""),
         "- torch: scaled_dot_product_attention on the same inputs (dense K/V, GQA, causal), "
         "wall time; torch best / clattn > 1: clattn is faster; SDPA has no logit soft-cap, "
-        "so a soft-capped model's torch rows (Gemma-2) skip the tanh clattn computes"]
+        "so a soft-capped model's SDPA rows (Gemma-2) skip the tanh clattn computes; torch "
+        "eager: matmul, cap * tanh(s / cap), mask, softmax, matmul (transformers' eager "
+        "Gemma-2), timed for soft-capped models; torch same function / clattn: the best of "
+        "the torch calls that compute clattn's function (eager where the model soft-caps)"]
     return {"sections": [("Prefill (median kernel event times; device-resident inputs)", rows,
                           cols)],
             "ceilings": dict(db.ceilings(), fma_gflops=peaks),

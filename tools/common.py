@@ -45,11 +45,11 @@ def gib(n: float) -> str:
 
 
 def model_spec(name: str, dtype: str, fmt: str | None = None) -> AttentionSpec:
-    """The spec of a model of :data:`MODELS` on pages of :data:`PAGE` rows; ``fmt`` stores
-    both K and V pages."""
+    """The spec of a model of :data:`MODELS` on pages of :data:`PAGE` rows, with the
+    model's logit soft-cap; ``fmt`` stores both K and V pages."""
     m = MODELS[name]
     return AttentionSpec(m.num_qo_heads, m.num_kv_heads, m.head_dim, page_size=PAGE,
-                         dtype=dtype, k_format=fmt, v_format=fmt)
+                         dtype=dtype, k_format=fmt, v_format=fmt, softcap=m.softcap)
 
 
 def page_bytes(spec: AttentionSpec) -> int:
