@@ -64,12 +64,14 @@ ${d.setup()}
 ## registers; the loads are unaligned vector loads through a typedef (no vload
 ## library calls, which some CPU drivers do not inline). Quantized kinds: a block's
 ## scale multiplies its partial dot product (K) or the weight (V) once, not every value:
-## CPB chunks of V values per block of 32.
+## CPB chunks of V values per block of 32. Quantized keys are scaled chunk by chunk
+## instead (KDQ) where that takes fewer multiplies: NV per row against G x NB.
 <%
 V, HALF, CPB, NB, NBV = VEC, ROT // 2, max(32 // VEC, 1), D // 32, DV // 32
 FV, UI = kx.vtype("float", V), kx.vtype("uint", V)
 NRV = ROPE.vectors(V) if VEC_ROPE else 0   # rotated vectors
 KQ, VQ = KFMT in kx.QUANTIZED, VFMT in kx.QUANTIZED
+KDQ = KQ and NV < G * NB
 %>\
 ${c.raw_loads(V)}
 ${d.q4_helpers()}
@@ -217,9 +219,16 @@ ${d.prefetch_row("pf_pg[j]", "pf_sl[j]")}
                 const float ks${bb} = clattn_h2f_1(kp_s[${bb}]);
 %   endfor
 %   for i in range(NV):
-                const ${FV} c${i} = ${lane(0, i, "kp", scale="1.0f")};
+                const ${FV} c${i} = ${lane(0, i, "kp", scale="1.0f")}${(" * ks%d" % (i // CPB)) if KDQ else ""};
 %   endfor
 %   for g in range(G):
+%     if KDQ:
+                ${FV} t${g} = q${g}_0 * c0;
+%       for i in range(1, NV):
+                t${g} += q${g}_${i} * c${i};
+%       endfor
+                tv${g}[j] = t${g};
+%     else:
                 {
                     ${FV} t;
 %     for bb in range(NB):
@@ -233,6 +242,7 @@ ${d.prefetch_row("pf_pg[j]", "pf_sl[j]")}
 %     endfor
                     tv${g}[j] = t;
                 }
+%     endif
 %   endfor
                 continue;
             }
