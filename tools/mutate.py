@@ -409,7 +409,7 @@ MUTANTS = [
         ["tests/test_portability.py", "-k", "refused_by_name"],
         "the default device choice takes a device whose compiler fails", "python"),
     Mutant("tuner-drops-before-shrinking", "clattn/tune/search.py", [
-        ("        if room and total(cold) > room:", "        if False:")],
+        ("        if room and total_bytes(need, cold, 1) > room:", "        if False:")],
         ["tests/test_profiler.py", "-k", "shrink"],
         "the tuner's pools are not shrunk to the memory there is (shapes dropped instead)",
         "python"),
@@ -504,7 +504,8 @@ MUTANTS = [
         "a bound decode launch (the cache's, BatchDecode.run's short path) runs learned "
         "sinks on the build without the sink epilogue (the sinks are dropped)"),
     Mutant("held-append-reads-caller-kv-late", "clattn/cache_device.py", [
-        ("self._device_input(n, a, held=self.fuse)", "self._device_input(n, a, held=False)")],
+        ('dk, ek = self._device_input("k", k, held=self.fuse)',
+         'dk, ek = self._device_input("k", k, held=False)')],
         ["tests/test_cache_fused.py", "-k", "held"],
         "a held (fused) append reads the caller's device k/v at the attend, not at append",
         "python"),
@@ -596,11 +597,11 @@ MUTANTS = [
         ["tests/test_mla_latent.py", "-k", "bound and cpu"],
         "the latent form attends with 1/sqrt of the row's width, not the model's scale"),
     Mutant("mla-latent-values-from-the-row-end", "clattn/integrations/hf_mla.py", [
-        ("    return np.ascontiguousarray(rows[..., :rank])",
-         "    return np.ascontiguousarray(rows[..., -rank:])")],
+        ("        rows = torch.cat((latent, k_pe.to(latent.dtype)), dim=-1)",
+         "        rows = torch.cat((k_pe.to(latent.dtype), latent), dim=-1)")],
         ["tests/test_mla_latent.py", "-k", "bound and cpu"],
-        "the latent form's values are the rows' last kv_lora_rank values (the rope key's "
-        "part among them), not the latent"),
+        "the latent form's rows are stored [k_pe | c]: the values (a row's leading "
+        "kv_lora_rank) take in the rope key, and the absorbed query meets the wrong parts"),
 ]
 
 
