@@ -189,8 +189,14 @@ MUTANTS = [
         "the rows kernel never looks for a new max (its exponent base stays 0)", "kernel"),
     Mutant("block-second-half-unmasked", DECODE, [
         ("sv${h} = n < ${(h + 1) * W} ?", "sv${h} = n < ${W} ?")],
-        [KT, "-k", k("model_shapes", ROWS)],
+        # a block of two score vectors: 8-float ones, as the simulator's width gives
+        ["tests/test_oclgrind.py", "-k", "variant_clean_under_oclgrind and rows-f32-split"],
         "the rows kernel scores the rows past the end of a partial 16-row block", "kernel"),
+    Mutant("block-row-past-the-end-scored", DECODE, [
+        ("(${IT})(${\", \".join(str(h * W + j) for j in range(W))}) >= n)",
+         "(${IT})(${\", \".join(str(h * W + j) for j in range(W))}) > n)")],
+        [KT, "-k", k("model_shapes", ROWS)],
+        "the rows kernel scores the row just past the end of a partial block", "kernel"),
     # ---- one per kernel feature ---------------------------------------------------------
     Mutant("window-row-dropped", DECODE, [
         ("const int wo = clamp(window_offset[b], 0, stored);",
