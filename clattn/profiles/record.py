@@ -75,7 +75,7 @@ class Profile:
         Rows prefill: floats per vector (across rows in the scores, along head_dim in
         the values), cut as ``vec``. None: the wider of ``vec`` and the device's native
         float vector width (16 with AVX-512: 1.7-1.9x the speed of 8 on a Zen 5, PoCL and
-        Intel's runtime, where decode keeps 8).
+        Intel's runtime).
     prefill_tc, prefill_rm
         Tiled prefill: the row-group shape, ``prefill_tc`` threads per row group (keys in
         the score phase, head_dim in the value phase) x ``prefill_rm`` (query, head) rows
