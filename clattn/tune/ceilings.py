@@ -87,15 +87,24 @@ inline float clattn_rand(uint i, uint seed)
     return (float)(x >> 8) * (2.0f / 16777216.0f) - 1.0f;
 }
 
+/* each work-item fills one contiguous run of the buffer (a CPU driver runs a group's
+   work-items one after another: interleaved indices would have every cache line written
+   by many of them, far apart in time); the values depend on the index alone */
+#define CLATTN_FILL_RUN(n) \
+    const ulong run = (n + get_global_size(0) - 1) / get_global_size(0); \
+    const ulong lo = min((ulong)n, get_global_id(0) * run), hi = min((ulong)n, lo + run)
+
 __kernel void clattn_fill_f32(__global float* p, const ulong n, const uint seed, const float scale)
 {
-    for (ulong i = get_global_id(0); i < n; i += get_global_size(0))
+    CLATTN_FILL_RUN(n);
+    for (ulong i = lo; i < hi; ++i)
         p[i] = clattn_rand((uint)i ^ (uint)(i >> 32) * 0x632BE5ABu, seed) * scale;
 }
 
 __kernel void clattn_fill_f16(__global half* p, const ulong n, const uint seed, const float scale)
 {
-    for (ulong i = get_global_id(0); i < n; i += get_global_size(0))
+    CLATTN_FILL_RUN(n);
+    for (ulong i = lo; i < hi; ++i)
         vstore_half(clattn_rand((uint)i ^ (uint)(i >> 32) * 0x632BE5ABu, seed) * scale, i, p);
 }
 """
