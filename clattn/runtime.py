@@ -249,7 +249,11 @@ def no_device_reason() -> str:
 
 
 class Runtime:
-    """One context and queue per device, with its built programs."""
+    """One context and queue per device, with its built programs.
+
+    ``programs_built`` counts the programs this runtime has built (each source and
+    options once): the difference over a piece of work is how many programs it built.
+    """
 
     _instances: dict = {}
     _lock = threading.Lock()
@@ -261,6 +265,7 @@ class Runtime:
         self.queue = queue or pcl.CommandQueue(
             self.context, properties=pcl.command_queue_properties.PROFILING_ENABLE)
         self._programs: dict = {}
+        self.programs_built = 0
         self._launchers: dict = {}
         self._plock = threading.Lock()
         self._dummies: dict = {}
@@ -297,6 +302,7 @@ class Runtime:
             if prg is None:
                 prg = self._build(source, list(options))
                 self._programs[key] = prg
+                self.programs_built += 1
             return prg
 
     def launcher(self, key: Any, table: Any, source: Any) -> Any:

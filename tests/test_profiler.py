@@ -401,6 +401,8 @@ def test_the_winner_is_verified_on_the_full_set_before_it_is_saved(tmp_path, mon
         return [Check(f"decode f32 RoPE ({profile.vec})", ok, 0.0 if ok else 0.25, 1e-4)]
 
     monkeypatch.setattr(session, "correctness", fake_correctness)
+    monkeypatch.setattr(session, "check_groups", lambda device, profile=None: [
+        ("all", lambda: fake_correctness(device, profile=profile))])
     rc = _main("--save")
     cap = capsys.readouterr()
     assert [p.vec for p in seen][1:] == [4] and seen[0].vec != 4  # the registry's, then the winner
@@ -633,23 +635,32 @@ def test_confirmation_keeps_the_default_when_the_winner_does_not_hold_up(monkeyp
 
 @needs_pocl
 def test_the_default_stops_between_shapes_when_the_budget_is_spent(monkeypatch):
-    """A machine slower than the budget: the default is timed on its first shape, the
-    shapes left are dropped with the reason, and no other seed runs past the budget."""
+    """A machine slower than the budget, on a fake clock: building and verifying the
+    default's first kernel "takes" longer than the budget, so its other model's kernel is
+    not built; the default is timed on its first shape, the shapes left are dropped with
+    the reason, and no other seed runs past the budget."""
     monkeypatch.delenv("CLATTN_PROFILE", raising=False)
+    now = [0.0]
     settings = Settings(quick=True, budget_s=1.0, points=((1, 64), (2, 64)), max_kernels=4,
                         max_plans=1, passes=1, target_s=0.005, reps=3)
     rt = runtime.Runtime.for_device(POCL)
     info = device_info(POCL)
     base = match(info, user=False).profile
     tuner = Tuner(rt, info, base, settings, search.Progress(1.0, enabled=False),
-                  extra_seeds=[(base.with_(vec=base.vec // 2), "vec")])
+                  extra_seeds=[(base.with_(vec=base.vec // 2), "vec")], clock=lambda: now[0])
     shapes = list(tuner.shapes)
-    assert len(shapes) > 1
+    assert len(shapes) > 1 and len({s.model for s in shapes}) > 1
+    verify = Tuner._verify
 
-    def slow(self, *a, **kw):
-        time.sleep(1.5)  # one shape takes longer than the whole budget
+    def slow_verify(self, dec, name):
+        now[0] += 1.5  # longer than the whole budget
+        return verify(self, dec, name)
+
+    def slow_time(self, *a, **kw):
+        now[0] += 1.5
         return 1e-3
-    monkeypatch.setattr(Tuner, "_time", slow)
+    monkeypatch.setattr(Tuner, "_verify", slow_verify)
+    monkeypatch.setattr(Tuner, "_time", slow_time)
     try:
         tuner.search()
         res = tuner.result()
@@ -660,6 +671,40 @@ def test_the_default_stops_between_shapes_when_the_budget_is_spent(monkeypatch):
     assert [s.key for s in res.shapes] == [shapes[0].key]
     assert all("time budget" in res.skipped_shapes[s.key] for s in shapes[1:])
     assert all(c.status != "ok" for c in res.candidates[1:]) and res.stopped
+
+
+@needs_pocl
+def test_a_candidate_stops_between_two_models_kernels_once_the_budget_is_spent(monkeypatch):
+    """On a fake clock, nothing built: the default's kernels "take" 0.5 s a model, the
+    next candidate's 11 s: it passes the 10 s budget on its first model, stops there
+    (its other model's kernel not built, nothing timed) and no further candidate starts."""
+    now = [0.0]
+    tuner = _sized_tuner(monkeypatch, cold=64 << 20, host_available=64 << 30, budget_s=10.0,
+                         clock=lambda: now[0])
+    built: list[tuple[int, str]] = []
+
+    class Unbuilt:
+        def build(self):
+            return self
+
+    def verify(self, dec, name):
+        cand = self.candidates[-1]
+        built.append((cand.id, name))
+        now[0] += 11.0 if cand.id else 0.5
+        return None
+
+    monkeypatch.setattr(Tuner, "_decoder", lambda self, spec, prof: Unbuilt())
+    monkeypatch.setattr(Tuner, "_verify", verify)
+    monkeypatch.setattr(Tuner, "_setup_bytes", lambda self, shape: 0)
+    monkeypatch.setattr(Tuner, "_measure", lambda self, cand, runner, shape, label: 1e-3)
+    tuner.search()
+    res = tuner.result()
+    models = list(dict.fromkeys(s.model for s in tuner.shapes))
+    assert len(models) == 2
+    assert built == [(0, models[0]), (0, models[1]), (1, models[0])]
+    one = res.candidates[1]
+    assert one.status == "stopped" and "time budget" in one.reason and not one.times
+    assert len(res.candidates) == 2 and res.not_tried
 
 
 # -- small pieces ---------------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """``clattn tune``'s time budget: a stage stops between candidates and between shapes once
-its share is spent, a workload whose setup cannot fit is not set up, the prefill stage
-keeps its floor, and whatever is left out is said. Every clock here is a fake one: no
+its share is spent, a workload whose setup cannot fit is not set up, the tuned profile's
+checks come out of the stages' time (a winner whose checks do not fit is dropped), and
+whatever is left out is said. Every clock here is a fake one: no
 assertion depends on this machine's speed, and nothing is built.
 """
 from __future__ import annotations
@@ -15,9 +16,10 @@ from test_profiler import _fake_report
 from clattn.fit import Limits
 from clattn.profiles.record import Profile
 from clattn.tune import session
-from clattn.tune.budget import RunClock, ceiling_bytes, prefill_budget, stage_budgets
+from clattn.tune.budget import ChecksCost, RunClock, ceiling_bytes, prefill_budget, stage_budgets
 from clattn.tune.ceilings import MIN_WORKING_SET, Sizing
-from clattn.tune.report import ProfileChoice, format_report, jsonable
+from clattn.tune.checks import Check
+from clattn.tune.report import ProfileChoice, Report, format_report, jsonable
 from clattn.tune.search import (
     Candidate,
     CoordinateSearch,
@@ -63,12 +65,13 @@ class FakeStage(CoordinateSearch):
     def __init__(self, budget_s: float, shapes: list[FakeShape], *, time_s: float,
                  others_s: float | None = None,
                  build_s: float = 0.5, setup_bytes: dict[str, int] | None = None,
-                 true_rate: float = 1e9, fill_rate: float | None = None) -> None:
+                 true_rate: float = 1e9, fill_rate: float | None = None,
+                 hold_s: object = None) -> None:
         self.fake = FakeClock()
         settings = Settings(quick=False, budget_s=budget_s, passes=1, max_kernels=50)
         super().__init__(settings, Progress(budget_s, enabled=False), Limits(), SPACE,
                          [(DEFAULT, "default")], budget_s, fill_rate=fill_rate,
-                         clock=self.fake)
+                         clock=self.fake, hold_s=hold_s)
         self.shapes = list(shapes)
         self.time_s, self.build_s, self.true_rate = time_s, build_s, true_rate
         self.others_s = time_s if others_s is None else others_s
@@ -100,6 +103,8 @@ class FakeStage(CoordinateSearch):
         cand = Candidate(len(self.candidates), prof, origin)
         self.candidates.append(cand)
         self.fake.advance(self.build_s)
+        if cand.id:  # a new kernel: two programs built and verified
+            self._note_builds(2, self.build_s)
         self._time_shapes(cand, {s.model: None for s in self.shapes}, origin)
         self._cost_end(start)
         self._rescore()
@@ -215,15 +220,42 @@ def format_report_lines(res: TuningResult) -> list[str]:
     return format_report(rep).splitlines()
 
 
-# -- the run: ceilings, the stages' shares, the prefill floor -----------------------------------
+# -- the run: ceilings, the stages' shares, the tuned profile's checks ------------------------
 
-def test_stage_budgets_and_the_prefill_floor():
+def test_stage_budgets_and_the_prefill_budget():
     assert stage_budgets(100.0, 20.0, 0.25) == (80.0, 60.0, 20.0)
     assert stage_budgets(5.0, 20.0, 0.3) == (0.0, 0.0, 0.0)  # the reserve ate it all
     assert stage_budgets(math.inf, 20.0, 0.3) == (math.inf,) * 3
-    assert prefill_budget(80.0, 20.0, 200.0) == 20.0  # the decode stage overran: the floor
-    assert prefill_budget(80.0, 20.0, 10.0) == 70.0  # it finished early: what it left
-    assert math.isinf(prefill_budget(math.inf, math.inf, 5.0))
+    assert prefill_budget(30.0, 2.0) == 28.0  # what the run has left, less the final checks
+    assert prefill_budget(1.0, 2.0) == 0.0  # the run is spent: the default alone
+    assert math.isinf(prefill_budget(math.inf, 2.0))
+
+
+def test_the_checks_estimate_scales_the_set_by_what_new_programs_cost():
+    cost = ChecksCost(1.2, 12)
+    assert cost.estimate() == cost.estimate(None) == 1.2  # nothing built yet: what it took
+    assert cost.estimate(0.05) == 1.2  # cached kernels: never below what it took
+    assert cost.estimate(0.8) == pytest.approx(9.6)  # 12 new programs at 0.8 s each
+
+
+def test_the_hold_moves_the_deadline_and_grows_with_what_new_kernels_cost():
+    """A 20 s stage holding 12 programs x the measured seconds per program (beyond a 1 s
+    reserve): the first new kernel "takes" 1.5 s for two programs, so the hold becomes
+    12 x 0.75 - 1 = 8 s and the search stops early, with the rest in not_tried."""
+    holder: list[FakeStage] = []
+    cost = ChecksCost(1.0, 12)
+    st = FakeStage(20.0, _shapes("m", per_model=1), time_s=0.2, build_s=1.5,
+                   hold_s=lambda: cost.estimate(holder[0].seconds_per_program()) - cost.seconds)
+    holder.append(st)
+    assert st.end() == 20.0 and st.seconds_per_program() is None
+    st.search()
+    assert st.seconds_per_program() == pytest.approx(0.75)
+    assert st.end() == pytest.approx(12.0)
+    assert st.elapsed() <= st.end() + 0.2
+    assert st.result().not_tried
+    free = FakeStage(20.0, _shapes("m", per_model=1), time_s=0.2, build_s=1.5)
+    free.search()
+    assert len(free.candidates) > len(st.candidates)
 
 
 def test_run_clock_counts_from_its_start():
@@ -269,32 +301,34 @@ def test_ceilings_working_sets_are_capped_by_their_share(monkeypatch):
     assert seen["read_bandwidth"] == (None, None) and seen["transfer"] == 512 * MiB
 
 
-@pytest.mark.parametrize("decode_takes, prefill_gets", [(30.0, 3.6), (2.0, 10.0)])
-def test_prefill_gets_its_floor_however_long_the_decode_stage_took(monkeypatch, decode_takes,
-                                                                  prefill_gets):
-    """20 s run, 6 s already spent, 2 s kept for the winner's checks: 12 s of tuning, the
-    decode stage 8.4 s of it and the prefill stage at least 3.6 s (its 30% floor) even
-    when the decode stage overran; what the decode stage left when it finished early."""
-    clock = FakeClock()
-    run = RunClock(20.0, clock)
-    clock.advance(6.0)
-    seen = {}
+def _fake_stages(monkeypatch, clock: FakeClock, decode_takes: float, winner: Profile,
+                 seen: dict) -> None:
+    """Stand-ins for both stages: the decode stage "takes" ``decode_takes`` and crowns
+    ``winner`` (a second candidate when it is not the default); the prefill stage keeps
+    its default."""
 
     class FakeTuner:
         def __init__(self, rt, info, base, settings, progress, seeds=(), *, budget_s,
-                     fill_rate):
+                     fill_rate, hold_s):
             seen["decode"] = budget_s
+            seen["hold"] = hold_s
             self.base = base
+
+        def seconds_per_program(self):
+            return None
 
         def run(self):
             clock.advance(decode_takes)
-            win = Candidate(0, self.base, "default", status="ok", score=1.0)
-            return TuningResult(Settings.make(True, None), [], {}, [win], decode_takes,
-                                chosen=win, default=win)
+            cands = [Candidate(0, self.base, "default", status="ok", score=1.0)]
+            if winner != self.base:
+                cands.append(Candidate(1, winner, "vec=4", status="ok", score=0.5))
+            return TuningResult(Settings.make(True, None), [], {}, cands, decode_takes,
+                                chosen=cands[-1], default=cands[0])
 
     class FakePrefill:
         def __init__(self, rt, info, base, settings, progress, budget_s, seeds=()):
             seen["prefill"] = budget_s
+            seen["prefill base"] = base
             self.base = base
 
         def run(self):
@@ -304,14 +338,101 @@ def test_prefill_gets_its_floor_however_long_the_decode_stage_took(monkeypatch, 
 
     monkeypatch.setattr(session, "Tuner", FakeTuner)
     monkeypatch.setattr(session, "PrefillTuner", FakePrefill)
+
+
+class FakeRuntime:
+    device = None
+
+
+def _fake_groups(monkeypatch, clock: FakeClock, seconds: list[float], ran: list) -> None:
+    """The correctness set as one group per entry of ``seconds``, each "taking" it."""
+
+    def groups(device, profile):
+        def group(i: int) -> list[Check]:
+            clock.advance(seconds[i])
+            ran.append((profile, i))
+            return [Check(f"group {i}", True, 0.0, 1e-3)]
+        return [(f"group {i}", lambda i=i: group(i)) for i in range(len(seconds))]
+
+    monkeypatch.setattr(session, "check_groups", groups)
+
+
+def _run_tune(monkeypatch, decode_takes: float, winner: Profile, group_s: list[float],
+              cost: ChecksCost) -> tuple[Report, dict, list]:
+    """``session._tune`` in a 20 s run 6 s in, on the fake stages and check groups:
+    (the report, what the stages were given, the check groups run)."""
+    clock = FakeClock()
+    run = RunClock(20.0, clock)
+    clock.advance(6.0)
+    seen: dict = {}
+    _fake_stages(monkeypatch, clock, decode_takes, winner, seen)
+    ran: list = []
+    _fake_groups(monkeypatch, clock, group_s, ran)
     rep = _fake_report()
     rep.tuning = None
     choice = ProfileChoice("p", "vendor", "r", (), DEFAULT)
-    session._tune(rep, None, {}, choice, choice, Settings.make(True, 20.0), run, 2.0, None,
-                  False, lambda text: None)
+    session._tune(rep, FakeRuntime(), {}, choice, choice, Settings.make(True, 20.0), run,
+                  cost, None, False, lambda text: None)
+    return rep, seen, ran
+
+
+@pytest.mark.parametrize("decode_takes, prefill_gets", [(30.0, 0.0), (2.0, 10.0)])
+def test_prefill_gets_what_the_run_has_left(monkeypatch, decode_takes, prefill_gets):
+    """20 s run, 6 s already spent, 2 s kept for the winner's checks: 12 s of tuning, the
+    decode stage 8.4 s of it; the prefill stage what the run has left less the 2 s (none
+    when the decode stage overran: its default alone is timed). The decode stage kept
+    its default: nothing is checked between the stages."""
+    rep, seen, ran = _run_tune(monkeypatch, decode_takes, DEFAULT, [1.0] * 12,
+                               ChecksCost(2.0, 12))
     assert math.isclose(seen["decode"], 12.0 * 0.7)
+    assert seen["hold"]() == 0.0  # no new kernel measured: nothing held past the reserve
     assert math.isclose(seen["prefill"], prefill_gets)
     assert rep.prefill is not None and rep.step_seconds["tuning"] == decode_takes
+    assert rep.winner_checks is None and not ran
+
+
+def test_the_decode_winners_checks_run_before_the_prefill_stage_out_of_its_time(monkeypatch):
+    """The decode stage crowns vec=4 after 8 s: its checks (12 groups of 0.1 s) run next,
+    and the prefill stage, from the checked winner, gets what the run has left less the
+    final checks' reserve (20 - 6 - 8 - 1.2 - 2)."""
+    winner = DEFAULT.with_(vec=4)
+    rep, seen, ran = _run_tune(monkeypatch, 8.0, winner, [0.1] * 12, ChecksCost(2.0, 12))
+    assert [i for _, i in ran] == list(range(12)) and all(p == winner for p, _ in ran)
+    assert len(rep.winner_checks) == 12 and rep.winner_passed
+    assert rep.tuning.chosen.profile == winner
+    assert seen["prefill base"] == winner
+    assert math.isclose(seen["prefill"], 20.0 - 6.0 - 8.0 - 1.2 - 2.0)
+    assert rep.step_seconds["tuned correctness"] == pytest.approx(1.2)
+
+
+def test_a_winner_whose_checks_do_not_fit_is_dropped(monkeypatch):
+    """The winner's kernels are new: each group "takes" 3 s and the run has 4 s left
+    after the decode stage; one group runs, the next has no room, and the winner is
+    dropped: the checked default is kept (said as the re-timing's verdict, which the
+    report prints under the tuned parameters), the prefill stage starts from it with no
+    time, and no tuned checks are reported."""
+    rep, seen, ran = _run_tune(monkeypatch, 10.0, DEFAULT.with_(vec=4), [3.0] * 12,
+                               ChecksCost(1.2, 12))
+    assert len(ran) == 1
+    assert rep.tuning.chosen.profile == DEFAULT and rep.winner_checks is None
+    verdict = rep.tuning.confirmation.kept_default
+    assert "did not fit the time budget (11 kernel(s) of the set not checked" in verdict
+    assert seen["prefill base"] == DEFAULT and seen["prefill"] == 0.0
+    assert rep.chosen == DEFAULT
+
+
+def test_checks_in_time_stop_before_a_group_the_run_has_no_room_for(monkeypatch):
+    """Groups of 1 s in a run with 2.5 s left: two run (the estimate before the first is
+    0.1 s, then the longest so far), the third would pass the end."""
+    clock = FakeClock()
+    run = RunClock(2.5, clock)
+    ran: list = []
+    _fake_groups(monkeypatch, clock, [1.0] * 5, ran)
+    done, left = session.checks_in_time(None, DEFAULT, run, 0.1)
+    assert len(done) == 2 and left == 3
+    ran.clear()
+    done, left = session.checks_in_time(None, DEFAULT, RunClock(math.inf, clock), 0.1)
+    assert len(done) == 5 and left == 0
 
 
 def test_pools_shrink_to_the_time_their_fill_may_take(monkeypatch):

@@ -7,20 +7,33 @@ start; the steps take their shares in order:
    what the device fills in that time (:func:`ceiling_bytes`; the fill of a buffer past
    every cache is most of a bandwidth ceiling's cost on a CPU device);
 2. the **correctness checks** of the registry's profile run in full (never cut short:
-   nothing is tuned or saved on a device that computes wrong answers); their time is
-   measured, and the same again is kept for the winner's checks;
-3. the **tuning** gets what is left (:func:`stage_budgets`): ``prefill_share`` of it is
-   the prefill stage's floor, the decode stage stops at the rest, and the prefill stage
-   gets the larger of its floor and what the decode stage left (:func:`prefill_budget`).
+   nothing is tuned or saved on a device that computes wrong answers); their seconds and
+   the programs they built (:class:`ChecksCost`) are kept, and their seconds reserved for
+   the tuned profile's checks;
+3. the **decode stage** stops at ``1 - prefill_share`` of what is left
+   (:func:`stage_budgets`), less what the tuned profile's checks should take beyond the
+   reserve once the tuner has built new kernels (:meth:`ChecksCost.estimate`: the set's
+   programs x what a new program cost the tuner to build and verify);
+4. the **tuned profile's checks** (the decode stage's winner with the registry's prefill
+   fields) run next, one kernel's group at a time while the run has time for it; a winner
+   whose checks do not fit is dropped (the profile checked in step 2 is kept);
+5. the **prefill stage** gets what the run has left less the final checks' reserve
+   (:func:`prefill_budget`);
+6. the **final checks**: the whole set again when the prefill stage's winner differs
+   from the profile checked last (its kernels are built by then: the registry's checks'
+   seconds bound them).
 
 A budget that cannot be met (a compiler slower than the budget, say) is overrun only by
-work no answer can do without: the correctness checks, and the default profile timed on
-one shape of each stage. The report says where the time went.
+work no answer can do without: the registry profile's correctness checks, each stage's
+default timed on its first shape (the prefill stage's: on each of its few shapes), and
+one kernel's build, checks or re-timing that started in time. The report says where the
+time went.
 """
 from __future__ import annotations
 
 import math
 import time
+from dataclasses import dataclass
 from typing import Callable
 
 #: a clock: seconds from an arbitrary origin (``time.perf_counter``; tests pass a fake)
@@ -88,15 +101,16 @@ def stage_budgets(left_s: float, reserve_s: float, prefill_share: float
     left_s : float
         Seconds of the run's budget left when tuning starts (``inf``: no budget).
     reserve_s : float
-        Seconds kept for what runs after tuning (the winner's correctness checks).
+        Seconds kept for the tuned profile's correctness checks.
     prefill_share : float
-        The prefill stage's floor, as a fraction of the tuning time.
+        The share of the tuning time kept for the prefill stage (the decode stage stops
+        at the rest).
 
     Returns
     -------
-    (tuning_s, decode_s, prefill_floor_s)
+    (tuning_s, decode_s, prefill_s)
         The tuning time (never negative), the decode stage's budget and the prefill
-        stage's floor; all ``inf`` without a budget.
+        stage's share; all ``inf`` without a budget.
 
     Examples
     --------
@@ -110,19 +124,49 @@ def stage_budgets(left_s: float, reserve_s: float, prefill_share: float
     return tuning, tuning - floor, floor
 
 
-def prefill_budget(tuning_s: float, floor_s: float, decode_elapsed_s: float) -> float:
-    """The prefill stage's budget: what the decode stage left of ``tuning_s``, never
-    less than ``floor_s``.
+def prefill_budget(run_left_s: float, final_s: float) -> float:
+    """The prefill stage's budget: what the run has left less ``final_s`` (kept for the
+    final checks), never negative (``inf`` without a budget).
 
     Examples
     --------
-    >>> prefill_budget(80.0, 20.0, 75.0), prefill_budget(80.0, 20.0, 30.0)
-    (20.0, 50.0)
+    >>> prefill_budget(12.0, 2.0), prefill_budget(1.0, 2.0)
+    (10.0, 0.0)
     """
-    if not math.isfinite(tuning_s):
+    if not math.isfinite(run_left_s):
         return math.inf
-    return max(floor_s, tuning_s - decode_elapsed_s)
+    return max(0.0, run_left_s - final_s)
 
 
-__all__ = ["CEILING_FILL_PARTS", "CEILING_PARTS", "Clock", "RunClock", "ceiling_bytes",
-           "prefill_budget", "stage_budgets"]
+@dataclass(frozen=True)
+class ChecksCost:
+    """What the correctness set cost on the registry's profile: its seconds and the
+    programs it built (the difference of ``clattn.runtime.Runtime.programs_built``).
+
+    Parameters
+    ----------
+    seconds : float
+    programs : int
+    """
+
+    seconds: float
+    programs: int
+
+    def estimate(self, per_program_s: float | None = None) -> float:
+        """Seconds the set should take on a profile whose kernels are all new: its
+        programs x ``per_program_s`` (what a new program cost the tuner to build and
+        verify; None: not measured), never less than :attr:`seconds`.
+
+        Examples
+        --------
+        >>> cost = ChecksCost(1.0, 12)
+        >>> cost.estimate(), cost.estimate(0.05), cost.estimate(0.5)
+        (1.0, 1.0, 6.0)
+        """
+        if not per_program_s:
+            return self.seconds
+        return max(self.seconds, self.programs * per_program_s)
+
+
+__all__ = ["CEILING_FILL_PARTS", "CEILING_PARTS", "ChecksCost", "Clock", "RunClock",
+           "ceiling_bytes", "prefill_budget", "stage_budgets"]

@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any, Callable
 
 import numpy as np
@@ -33,6 +34,8 @@ VERIFY_LENGTHS = [0, 1, 45, 200, 333]
 #: new tokens (queries) of each :data:`VERIFY_LENGTHS` sequence in the prefill checks:
 #: none, the one row, and tiles that end inside a page
 PREFILL_NEW = [0, 1, 17, 40, 64]
+#: one group of the correctness set (:func:`check_groups`): its label and what runs it
+CheckGroup = tuple[str, Callable[[], list["Check"]]]
 #: the soft-cap of the soft-cap case, and how much q is scaled so that it bites
 SOFTCAP, SOFTCAP_Q_SCALE = 5.0, 4.0
 
@@ -266,24 +269,28 @@ def _decode_pair(label: str, spec: Any, device: Any, profile: Profile | None, se
             check_decode(label + ", split", dec, args, kw, split=2 * spec.page_size)]
 
 
-def _decode_checks(device: Any, profile: Profile | None) -> list[Check]:
-    checks: list[Check] = []
-    for i, (m, spec_kw, case_kw, what) in enumerate(DECODE_CASES):
+def _pair_groups(cases: Any, seed: int, device: Any,
+                 profile: Profile | None) -> list[CheckGroup]:
+    """One group per decode case ((model index, spec fields, case options, label)), each
+    checked unsplit and split (:func:`_decode_pair`) on its own seed from ``seed``."""
+    groups: list[CheckGroup] = []
+    for i, (m, spec_kw, case_kw, what) in enumerate(cases):
         spec = spec_for(MODELS[m], **spec_kw)
-        checks += _decode_pair(f"decode {_shape_text(spec)} {what}", spec, device, profile,
-                               100 + i, case_kw)
-    return checks
+        label = f"decode {_shape_text(spec)} {what}"
+        groups.append((label, partial(_decode_pair, label, spec, device, profile, seed + i,
+                                      case_kw)))
+    return groups
+
+
+def _quantized_groups(device: Any, profile: Profile | None) -> list[CheckGroup]:
+    return _pair_groups([(m, {"k_format": kf, "v_format": vf}, {}, f"K {kf} V {vf}")
+                         for m, kf, vf in QUANT_CASES], 200, device, profile)
 
 
 def quantized_checks(device: Any, profile: Profile | None = None) -> list[Check]:
     """Decode over quantized pages (:data:`QUANT_CASES`), unsplit and split, against the
     CPU backend on the same byte pool."""
-    checks: list[Check] = []
-    for i, (m, kf, vf) in enumerate(QUANT_CASES):
-        spec = spec_for(MODELS[m], k_format=kf, v_format=vf)
-        checks += _decode_pair(f"decode {_shape_text(spec)} K {kf} V {vf}", spec, device,
-                               profile, 200 + i, {})
-    return checks
+    return [c for _, group in _quantized_groups(device, profile) for c in group()]
 
 
 def prefill_checks(device: Any, profile: Profile | None = None) -> list[Check]:
@@ -359,6 +366,28 @@ def _merge_checks(device: Any, profile: Profile | None) -> list[Check]:
     return checks
 
 
+def check_groups(device: Any, profile: Profile | None = None) -> list[CheckGroup]:
+    """The correctness set of :func:`correctness` as groups, in its order: each group
+    builds what it checks (one decode kernel, the prefill kernel, the merges) and returns
+    its checks when called, so that a caller may stop between two groups.
+
+    Parameters
+    ----------
+    device : pyopencl.Device or anything :func:`clattn.runtime.select_device` accepts
+    profile : Profile, optional
+        As for :func:`correctness`.
+
+    Returns
+    -------
+    list of (label, callable)
+        The callables take no argument and return a list of :class:`Check`.
+    """
+    return (_pair_groups(DECODE_CASES, 100, device, profile)
+            + _quantized_groups(device, profile)
+            + [("prefill", partial(prefill_checks, device, profile)),
+               ("merges", partial(_merge_checks, device, profile))])
+
+
 def correctness(device: Any, *, profile: Profile | None = None) -> list[Check]:
     """Decode, prefill and merge on ``device`` with ``profile`` against the CPU backend.
 
@@ -376,11 +405,10 @@ def correctness(device: Any, *, profile: Profile | None = None) -> list[Check]:
         (:func:`quantized_checks`), the prefill ones (:func:`prefill_checks`), then
         ``merge_state_`` and ``merge_states`` in f16 and f32 (empty states included).
     """
-    return (_decode_checks(device, profile) + quantized_checks(device, profile)
-            + prefill_checks(device, profile) + _merge_checks(device, profile))
+    return [c for _, group in check_groups(device, profile) for c in group()]
 
 
-__all__ = ["Check", "DECODE_CASES", "KvBytes", "PREFILL_CASES", "PREFILL_NEW", "QUANT_CASES",
-           "TOL", "VERIFY_LENGTHS", "check_call", "check_decode", "check_prefill", "compare",
-           "correctness", "decoder", "kv_bytes", "make_case", "make_prefill_case",
-           "prefill_checks", "quantized_checks"]
+__all__ = ["Check", "CheckGroup", "DECODE_CASES", "KvBytes", "PREFILL_CASES", "PREFILL_NEW",
+           "QUANT_CASES", "TOL", "VERIFY_LENGTHS", "check_call", "check_decode", "check_groups",
+           "check_prefill", "compare", "correctness", "decoder", "kv_bytes", "make_case",
+           "make_prefill_case", "prefill_checks", "quantized_checks"]

@@ -44,11 +44,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a handful of candidates and fewer shapes, in a 20 s budget")
     p.add_argument("--budget", type=float, default=None, metavar="SECONDS",
                    help="wall time of the whole run: ceilings, correctness checks and "
-                        "tuning (default 20 with --quick, else 300). The correctness checks "
-                        "always run in full (the tuning gets what they leave), and each "
-                        "stage times its default on one shape, so a device whose compiler "
-                        "is slower than the budget overruns it by those; the report says "
-                        "where the time went and what was left out")
+                        "tuning (default 20 with --quick, else 300). The current profile's "
+                        "correctness checks always run in full (the tuning gets what they "
+                        "leave), and each stage times its default on its first shape, so a "
+                        "device whose compiler is slower than the budget overruns it by "
+                        "those; a tuned profile whose checks do not fit is dropped; the "
+                        "report says where the time went and what was left out")
     p.add_argument("--save", action="store_true",
                    help="save the tuned parameters as a user profile for this device")
     p.add_argument("--name", default=None,

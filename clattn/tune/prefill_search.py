@@ -273,8 +273,9 @@ class PrefillTuner(CoordinateSearch):
 
     # ---- the end
     def confirm(self) -> None:
-        """Time the default and the winner again, round-robin, on every shape; the winner
-        is kept only if still faster (:func:`~clattn.tune.search.confirm_verdict`)."""
+        """Time the default and the winner again, round-robin, on every shape (after the
+        first, only before :meth:`end`); the winner is kept only if still faster
+        (:func:`~clattn.tune.search.confirm_verdict`)."""
         best, default = self.best(), self.candidates[0] if self.candidates else None
         self.chosen = best
         if best is None or default is None or default.status != "ok" or best is default:
@@ -282,6 +283,8 @@ class PrefillTuner(CoordinateSearch):
         pair = (default, best)
         times: dict[int, dict[str, float]] = {c.id: {} for c in pair}
         for shape in self.shapes:
+            if times[default.id] and self.elapsed() > self.end():
+                break
             w = self._workload(shape)
             calls = {}
             for c in pair:
@@ -307,8 +310,8 @@ class PrefillTuner(CoordinateSearch):
             order = {m.name: i for i, m in enumerate(self.models)}
             for s in sorted(self.shapes, key=lambda s: (order[s.model], s.cached, s.new)):
                 per_shape.append(PrefillShapeResult(
-                    s, conf.get(default.id, default.times).get(s.key),
-                    conf.get(chosen.id, chosen.times).get(s.key)))
+                    s, conf.get(default.id, {}).get(s.key, default.times.get(s.key)),
+                    conf.get(chosen.id, {}).get(s.key, chosen.times.get(s.key))))
         return TuningResult(self.settings, list(self.shapes), dict(self.skipped_shapes),
                             list(self.candidates), self.elapsed(),
                             self.stop_reason or self.kernel_stop, self.confirmation, chosen,

@@ -136,9 +136,8 @@ class Settings:
     ceiling_target_s: float = 0.25
     ceiling_widths: tuple = (1, 2, 4, 8, 16)  # vector widths of the bandwidth kernels
     # the prefill stage (clattn.tune.prefill_search): its (batch, new, cached) points, its
-    # cap on distinct kernels and its floor, a share of the tuning time (the decode
-    # stage stops at the rest; the prefill stage gets the larger of its floor and what
-    # the decode stage left)
+    # cap on distinct kernels and its share of the tuning time (the decode stage stops at
+    # the rest; the prefill stage gets what the run has left, clattn.tune.budget)
     prefill_points: tuple = PREFILL_FULL_POINTS
     prefill_max_kernels: int = 12
     prefill_share: float = 0.3
@@ -383,14 +382,15 @@ class CoordinateSearch:
     :meth:`_setup` (a shape's workload), and :meth:`_resolved` where a field's current
     value is derived.
 
-    Budget rules (``budget_s``, measured on ``clock``): no new candidate starts past
-    :meth:`deadline` (the budget less a reserve for the final re-timing); a candidate
-    stops between two shapes once past it; a shape whose workload setup (its bytes at the
-    measured fill rate) would run past it is not set up. The default (the first seed) is
-    always timed on its first shape (or on every shape: :attr:`default_every_shape`); the
-    shapes it has no time for leave the run. What
-    is left out is said: ``skipped_shapes`` (shape -> why), ``not_tried`` (why -> the
-    candidates' origins) and each stopped candidate's reason.
+    Budget rules (``budget_s``, measured on ``clock``): the stage ends at :meth:`end`
+    (the budget less what ``hold_s`` keeps for the work after it); no new candidate
+    starts past :meth:`deadline` (the end less a reserve for the final re-timing); a
+    candidate stops between two shapes once past it; a shape whose workload setup (its
+    bytes at the measured fill rate) would run past it is not set up; the re-timing stops
+    between two shapes once past the end. The default (the first seed) is always timed on
+    its first shape (or on every shape: :attr:`default_every_shape`); the shapes it has no
+    time for leave the run. What is left out is said: ``skipped_shapes`` (shape -> why),
+    ``not_tried`` (why -> the candidates' origins) and each stopped candidate's reason.
 
     Parameters
     ----------
@@ -407,6 +407,9 @@ class CoordinateSearch:
         first setup is not predicted).
     clock : callable
         Seconds from an arbitrary origin (default ``time.perf_counter``).
+    hold_s : callable, optional
+        Seconds to keep free at the end of the budget for the work after the stage,
+        asked at each decision (it may grow as the stage measures; default: none).
     """
 
     #: the default is timed on every shape whatever the time (a stage whose shapes are few
@@ -416,8 +419,10 @@ class CoordinateSearch:
     def __init__(self, settings: Settings, progress: Progress, limits: Limits,
                  space: tuple[Parameter, ...], seeds: list[tuple[Profile, str]],
                  budget_s: float, *, fill_rate: float | None = None,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
+                 clock: Callable[[], float] = time.perf_counter,
+                 hold_s: Callable[[], float] | None = None) -> None:
         self.settings, self.progress, self.limits, self.space = settings, progress, limits, space
+        self.hold_s = hold_s or (lambda: 0.0)
         self.seeds = seeds
         self.budget_s = budget_s
         self.fill_rate = fill_rate
@@ -430,6 +435,7 @@ class CoordinateSearch:
         self._kernel_costs: list[float] = []  # seconds each new kernel took, setups left out
         self._reserve = 0.0  # seconds kept for confirm(): 4x the default's timing time
         self._setups = [0, 0.0]  # bytes set up, seconds it took
+        self._builds = [0, 0.0]  # programs new kernels built, seconds their build + verify took
         self.stop_reason = ""
         self.kernel_stop = ""
         self.chosen: Candidate | None = None
@@ -461,9 +467,25 @@ class CoordinateSearch:
         """Seconds since the stage began."""
         return self.clock() - self.t0
 
+    def end(self) -> float:
+        """Seconds into the stage when it ends: the budget less what ``hold_s`` keeps."""
+        return self.budget_s - max(0.0, self.hold_s())
+
     def deadline(self) -> float:
-        """Seconds into tuning when the search stops: the budget less the re-timing reserve."""
-        return self.budget_s - min(self._reserve, 0.5 * self.budget_s)
+        """Seconds into the stage when the search stops: :meth:`end` less the re-timing
+        reserve."""
+        return self.end() - min(self._reserve, 0.5 * self.budget_s)
+
+    def seconds_per_program(self) -> float | None:
+        """Seconds a program of a new kernel took to build and verify, on average (None:
+        no new program built yet)."""
+        programs, seconds = self._builds
+        return seconds / programs if programs else None
+
+    def _note_builds(self, programs: int, seconds: float) -> None:
+        """Record ``programs`` built (and verified) by a new kernel in ``seconds``."""
+        if programs > 0:
+            self._builds = [self._builds[0] + programs, self._builds[1] + seconds]
 
     def over_budget(self) -> bool:
         """Whether the search is past :meth:`deadline`."""
@@ -684,17 +706,20 @@ class Tuner(CoordinateSearch):
         that filling them takes at most ``settings.setup_share`` of it.
     clock : callable
         Seconds from an arbitrary origin (default ``time.perf_counter``).
+    hold_s : callable, optional
+        Seconds to keep free at the end of the budget (:class:`CoordinateSearch`).
     """
 
     def __init__(self, rt: Any, info: dict, base: Profile, settings: Settings,
                  progress: Progress, extra_seeds: Iterable[tuple[Profile, str]] = (),
                  space: tuple[Parameter, ...] = SEARCH_SPACE, *,
                  budget_s: float | None = None, fill_rate: float | None = None,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
+                 clock: Callable[[], float] = time.perf_counter,
+                 hold_s: Callable[[], float] | None = None) -> None:
         super().__init__(settings, progress, Limits.from_info(info), space,
                          [(base, "default")] + list(extra_seeds),
                          settings.decode_budget_s if budget_s is None else budget_s,
-                         fill_rate=fill_rate, clock=clock)
+                         fill_rate=fill_rate, clock=clock, hold_s=hold_s)
         self.rt, self.info = rt, info
         self.models = [DecodeModel.of(m) for m in MODELS] + \
             (list(MLA_MODELS) if settings.mla_points else [])
@@ -869,21 +894,24 @@ class Tuner(CoordinateSearch):
         decs: dict[str, BatchDecode] = {}
         if new_kernel and kkey[0] != "invalid":
             self._kernel_ok[kkey] = None
-        # the models of the shapes left, the first shape's first: the default stops
-        # building once the budget is spent (the shapes of models it did not build are
-        # dropped by _time_shapes), so a slow compiler does not hold the budget
+        # the models of the shapes left, the first shape's first: a candidate stops
+        # building between two models once the budget is spent (the default's shapes of
+        # models it did not build are dropped by _time_shapes; another candidate stops
+        # there), so a slow compiler holds the budget by one model's kernel at most
         first = {}
         for shape in self.shapes:
             first.setdefault(shape.model, len(first))
         models = sorted((m for m in self.models if m.name in first), key=lambda m: first[m.name])
         for m in models:
-            if self._kernel_ok[kkey] or (cand.id == 0 and decs and self.over_budget()):
+            if self._kernel_ok[kkey] or (decs and self.over_budget()):
                 break
             self.progress.update(f"{label}: build + verify {m.name}")
+            t_build, built = self.clock(), self.rt.programs_built
             try:
                 dec = self._decoder(self.specs[m.name], cand.profile)
                 if new_kernel:
                     self._kernel_ok[kkey] = self._verify(dec.build(), m.name)
+                    self._note_builds(self.rt.programs_built - built, self.clock() - t_build)
                 decs[m.name] = dec
             except KeyboardInterrupt:
                 raise
@@ -893,6 +921,10 @@ class Tuner(CoordinateSearch):
                 self._kernel_ok[kkey] = "failed: " + first_line(exc)
         if self._kernel_ok[kkey]:
             cand.status, cand.reason = "skipped", self._kernel_ok[kkey]
+            return None
+        if cand.id and len(decs) < len(models):  # stopped between two models: not verified
+            del self._kernel_ok[kkey]
+            cand.status, cand.reason = "stopped", self._used_up()
             return None
         return decs
 
@@ -966,19 +998,22 @@ class Tuner(CoordinateSearch):
 
         The search compares candidates measured minutes apart; on a busy machine that
         noise can crown a loser. The winner is kept only if it is still faster here
-        (lower summed relative time over the two); else the default stays.
+        (lower summed relative time over the shapes timed again); else the default
+        stays. Shapes after the first are timed again only before :meth:`end`.
         """
         best, default = self.best(), self.candidates[0] if self.candidates else None
         self.chosen = best
         if best is None or default is None or default.status != "ok":
             return
-        if best is default and self.elapsed() > self.budget_s:
+        if best is default and self.elapsed() > self.end():
             return  # nothing to compare, and no time left to time the default again
         pair = [default] if best is default else [default, best]
         times: dict[int, dict[str, float]] = {c.id: {} for c in pair}
         decs = {c.id: {m.name: self._decoder(self.specs[m.name], c.profile)
                        for m in self.models} for c in pair}
         for shape in self.shapes:
+            if times[default.id] and self.elapsed() > self.end():
+                break
             w = self._workload(shape)
             for _ in range(2):
                 for c in pair:
@@ -998,8 +1033,9 @@ class Tuner(CoordinateSearch):
             order = {m.name: i for i, m in enumerate(self.models)}
             for s in sorted(self.shapes, key=lambda s: (order[s.model], s.context, s.batch)):
                 per_shape.append(ShapeResult(
-                    s, conf.get(default.id, default.times).get(s.key),
-                    conf.get(chosen.id, chosen.times).get(s.key), chosen.plans.get(s.key, ""),
+                    s, conf.get(default.id, {}).get(s.key, default.times.get(s.key)),
+                    conf.get(chosen.id, {}).get(s.key, chosen.times.get(s.key)),
+                    chosen.plans.get(s.key, ""),
                     self._workloads[s.key].n_sets if s.key in self._workloads else 1))
         return TuningResult(self.settings, list(self.shapes), dict(self.skipped_shapes),
                             list(self.candidates), self.elapsed(),

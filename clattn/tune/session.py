@@ -9,26 +9,30 @@ checks, in the run's time budget (:mod:`clattn.tune.budget`).
 3. **Correctness** (:mod:`clattn.tune.checks`) of the device's current profile: decode (f16,
    f32, quantized pages), prefill, merges; and the pool bytes per token of each page format.
 4. **Tuning**, only when every check passed, in what is left less the time the checks
-   took (kept for the winner's): decode (:mod:`clattn.tune.search`), then prefill
-   (:mod:`clattn.tune.prefill_search`) from the decode winner, in the larger of its floor
-   and what the decode stage left (:func:`~clattn.tune.budget.stage_budgets`).
+   took (kept for the winner's): decode (:mod:`clattn.tune.search`) in its share, less
+   what the winner's checks should take beyond that at the cost of the new kernels it
+   built (:class:`~clattn.tune.budget.ChecksCost`); the decode winner's checks, one kernel
+   at a time while the run has time (a winner whose checks do not fit is dropped); then
+   prefill (:mod:`clattn.tune.prefill_search`) from the decode winner, in what the run
+   has left (:func:`~clattn.tune.budget.prefill_budget`).
 5. **The winner's correctness**: the full set again with the tuned profile, unless it is
-   the profile already checked.
+   a profile already checked.
 """
 from __future__ import annotations
 
 import datetime as _dt
+from dataclasses import replace
 from typing import Any, Callable
 
 from .. import runtime
 from ..device_fit import report_fit
 from ..profiles import device_info, match
 from . import ceilings
-from .budget import RunClock, ceiling_bytes, prefill_budget, stage_budgets
-from .checks import correctness, kv_bytes
+from .budget import ChecksCost, RunClock, ceiling_bytes, prefill_budget, stage_budgets
+from .checks import Check, check_groups, correctness, kv_bytes
 from .prefill_search import PrefillTuner, prefill_default
 from .report import CeilingsResult, ProfileChoice, Report
-from .search import Progress, Settings, Tuner
+from .search import Confirmation, Progress, Settings, Tuner
 from .timing import first_line
 
 
@@ -91,28 +95,88 @@ def _fill_rate(rt: Any) -> float | None:
         return None
 
 
+def checks_in_time(device: Any, profile: Any, run: RunClock,
+                   per_group_s: float) -> tuple[list[Check], int]:
+    """The correctness set of ``profile`` (:func:`~clattn.tune.checks.check_groups`), a
+    group started only while ``run`` has time left for it: ``per_group_s`` before the
+    first, then the longest group so far.
+
+    Returns
+    -------
+    (checks, groups_left)
+        The checks run and the number of groups left out (0: the whole set ran).
+    """
+    groups = check_groups(device, profile)
+    done: list[Check] = []
+    longest = per_group_s
+    for i, (_, group) in enumerate(groups):
+        if run.left() < longest:
+            return done, len(groups) - i
+        t = run.elapsed()
+        done += group()
+        longest = max(longest if i else 0.0, run.elapsed() - t)
+    return done, 0
+
+
+def _drop_winner(rep: Report, current: ProfileChoice, why: str) -> Any:
+    """Keep the candidate of the decode stage that is ``current``'s profile (the one
+    checked), saying ``why`` as the re-timing's verdict; that profile, or None if no
+    candidate is it."""
+    t = rep.tuning
+    keep = next((c for c in t.candidates if c.status == "ok" and c.profile == current.profile),
+                None)
+    rep.tuning = replace(t, chosen=keep, confirmation=replace(
+        t.confirmation or Confirmation(), kept_default=why))
+    return keep.profile if keep else None
+
+
 def _tune(rep: Report, rt: Any, info: dict, current: ProfileChoice, builtin: ProfileChoice,
-          settings: Settings, run: RunClock, reserve_s: float, fill: float | None,
+          settings: Settings, run: RunClock, cost: ChecksCost, fill: float | None,
           progress: bool, say: Callable[[str], None]) -> None:
-    """Both tuning stages in what ``run`` has left less ``reserve_s``; into ``rep``."""
-    tuning_s, decode_s, floor_s = stage_budgets(run.left(), reserve_s, settings.prefill_share)
-    say(f"tuning ({settings.mode}, decode budget {decode_s:.0f} s, prefill at least "
-        f"{floor_s:.0f} s)...")
+    """Both tuning stages and the decode winner's checks in what ``run`` has left, the
+    registry checks' seconds (``cost``) kept for the tuned profile's; into ``rep``."""
+    tuning_s, decode_s, prefill_s = stage_budgets(run.left(), cost.seconds,
+                                                  settings.prefill_share)
+    say(f"tuning ({settings.mode}, decode budget {decode_s:.0f} s, prefill about "
+        f"{prefill_s:.0f} s)...")
     prog = Progress(decode_s, enabled=progress)
     seeds = [(current.profile, f"current ({current.level})")] \
         if current.profile != builtin.profile else []
+
+    def hold() -> float:
+        # the winner's checks beyond the reserve, at what the tuner's new kernels cost
+        return cost.estimate(tuner.seconds_per_program()) - cost.seconds
+
+    tuner = Tuner(rt, info, builtin.profile, settings, prog, seeds, budget_s=decode_s,
+                  fill_rate=fill, hold_s=hold)
     try:
-        rep.tuning = Tuner(rt, info, builtin.profile, settings, prog, seeds, budget_s=decode_s,
-                           fill_rate=fill).run()
+        rep.tuning = tuner.run()
     finally:
         prog.done()
     rep.step_seconds["tuning"] = rep.tuning.elapsed_s
-    if rep.tuning.chosen is not None:
-        rep.prefill = _tune_prefill(rt, info, rep.tuning.chosen.profile, builtin.profile,
-                                    settings, prefill_budget(tuning_s, floor_s,
-                                                             rep.tuning.elapsed_s),
-                                    progress, say)
-        rep.step_seconds["prefill tuning"] = rep.prefill.elapsed_s
+    if rep.tuning.chosen is None:
+        return
+    decoded = rep.tuning.chosen.profile
+    base = prefill_default(decoded, builtin.profile)
+    if base != current.profile:
+        say("checking the decode winner's correctness...")
+        t = run.elapsed()
+        checks, left = checks_in_time(rt.device, base, run, cost.seconds / max(cost.programs, 1))
+        rep.step_seconds["tuned correctness"] = run.elapsed() - t
+        if left:
+            decoded = _drop_winner(rep, current, (
+                f"#{rep.tuning.chosen.id} won, but its correctness checks did not fit the "
+                f"time budget ({left} kernel(s) of the set not checked; those built are "
+                f"cached by drivers that keep a kernel cache, so a rerun goes further)"))
+            if decoded is None:
+                return
+        else:
+            rep.winner_checks = checks
+            if not rep.winner_passed:
+                return
+    rep.prefill = _tune_prefill(rt, info, decoded, builtin.profile, settings,
+                                prefill_budget(run.left(), cost.seconds), progress, say)
+    rep.step_seconds["prefill tuning"] = rep.prefill.elapsed_s
 
 
 def tune_device(device: Any, settings: Settings, *, progress: bool = True,
@@ -153,24 +217,28 @@ def tune_device(device: Any, settings: Settings, *, progress: bool = True,
     steps["ceilings"] = run.elapsed() - t
 
     say("checking correctness against the CPU backend...")
-    t = run.elapsed()
+    t, built = run.elapsed(), rt.programs_built
     checks = correctness(device, profile=current.profile)
     steps["correctness"] = run.elapsed() - t
+    cost = ChecksCost(steps["correctness"], rt.programs_built - built)
     rep = Report(_dt.datetime.now().astimezone().isoformat(timespec="seconds"), settings.mode,
                  info, current, builtin, ceil, checks, step_seconds=steps, kv_bytes=kv_bytes(),
                  budget_s=settings.budget_s)
     if not rep.correctness_passed:
         rep.tuning_note = "skipped: correctness failed"
     else:
-        _tune(rep, rt, info, current, builtin, settings, run, steps["correctness"], fill,
-              progress, say)
-        if rep.chosen is not None and rep.chosen != current.profile:
+        _tune(rep, rt, info, current, builtin, settings, run, cost, fill, progress, say)
+        checked = [current.profile] + ([prefill_default(rep.tuning.chosen.profile,
+                                                        builtin.profile)]
+                                       if rep.winner_checks is not None else [])
+        if rep.chosen is not None and rep.chosen not in checked:
             say("checking the tuned profile's correctness...")
             t = run.elapsed()
             rep.winner_checks = correctness(device, profile=rep.chosen)
-            steps["tuned correctness"] = run.elapsed() - t
+            steps["tuned correctness"] = steps.get("tuned correctness", 0.0) \
+                + run.elapsed() - t
     rep.elapsed_s = run.elapsed()
     return rep
 
 
-__all__ = ["measure_ceilings", "tune_device"]
+__all__ = ["checks_in_time", "measure_ceilings", "tune_device"]
