@@ -707,6 +707,45 @@ def test_a_candidate_stops_between_two_models_kernels_once_the_budget_is_spent(m
     assert len(res.candidates) == 2 and res.not_tried
 
 
+@needs_pocl
+def test_the_re_timing_stops_between_shapes_once_the_stage_is_over(monkeypatch):
+    """On a fake clock, nothing built or allocated: the search ends at 9.5 s of a 10 s
+    stage; re-timing the default and the winner (1 s a call, four calls a shape) does
+    the first shape, passes the end and stops there: the verdict stands on that shape
+    (equal times: the default stays), the other shapes keep their search times."""
+    now = [0.0]
+    tuner = _sized_tuner(monkeypatch, cold=64 << 20, host_available=64 << 30, budget_s=10.0,
+                         clock=lambda: now[0])
+
+    class Stub:
+        indptr = last = None
+
+        def plan(self, indptr, last):
+            return None
+
+    def timed(self, dec, w, plan, shape, prune=True):
+        now[0] += 1.0
+        return 1e-3
+
+    monkeypatch.setattr(Tuner, "_decoder", lambda self, spec, prof: Stub())
+    monkeypatch.setattr(Tuner, "_workload", lambda self, shape: Stub())
+    monkeypatch.setattr(Tuner, "_time", timed)
+    keys = [s.key for s in tuner.shapes]
+    default = Candidate(0, tuner.base, "default", status="ok", times=dict.fromkeys(keys, 1e-3))
+    other = Candidate(1, tuner.base.with_(vec=8), "vec=8", status="ok",
+                      times=dict.fromkeys(keys, 5e-4))
+    tuner.candidates = [default, other]
+    tuner._rescore()
+    now[0] = 9.5
+    tuner.confirm()
+    assert now[0] == 13.5 and len(keys) > 1
+    assert {i: list(t) for i, t in tuner.confirmation.times.items()} == {0: keys[:1],
+                                                                         1: keys[:1]}
+    assert tuner.chosen is default and tuner.confirmation.kept_default
+    res = tuner.result()
+    assert [r.default_s for r in res.per_shape] == [1e-3] * len(keys)
+
+
 # -- small pieces ---------------------------------------------------------------------------------
 
 def test_search_space_is_declarative():

@@ -416,7 +416,7 @@ def test_a_winner_whose_checks_do_not_fit_is_dropped(monkeypatch):
     assert len(ran) == 1
     assert rep.tuning.chosen.profile == DEFAULT and rep.winner_checks is None
     verdict = rep.tuning.confirmation.kept_default
-    assert "did not fit the time budget (11 kernel(s) of the set not checked" in verdict
+    assert "did not fit the time budget (11 kernel group(s) of the set not checked" in verdict
     assert seen["prefill base"] == DEFAULT and seen["prefill"] == 0.0
     assert rep.chosen == DEFAULT
 

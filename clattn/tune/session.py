@@ -135,8 +135,7 @@ def _tune(rep: Report, rt: Any, info: dict, current: ProfileChoice, builtin: Pro
           progress: bool, say: Callable[[str], None]) -> None:
     """Both tuning stages and the decode winner's checks in what ``run`` has left, the
     registry checks' seconds (``cost``) kept for the tuned profile's; into ``rep``."""
-    tuning_s, decode_s, prefill_s = stage_budgets(run.left(), cost.seconds,
-                                                  settings.prefill_share)
+    _, decode_s, prefill_s = stage_budgets(run.left(), cost.seconds, settings.prefill_share)
     say(f"tuning ({settings.mode}, decode budget {decode_s:.0f} s, prefill about "
         f"{prefill_s:.0f} s)...")
     prog = Progress(decode_s, enabled=progress)
@@ -166,7 +165,7 @@ def _tune(rep: Report, rt: Any, info: dict, current: ProfileChoice, builtin: Pro
         if left:
             decoded = _drop_winner(rep, current, (
                 f"#{rep.tuning.chosen.id} won, but its correctness checks did not fit the "
-                f"time budget ({left} kernel(s) of the set not checked; those built are "
+                f"time budget ({left} kernel group(s) of the set not checked; those built are "
                 f"cached by drivers that keep a kernel cache, so a rerun goes further)"))
             if decoded is None:
                 return
