@@ -8,6 +8,12 @@ Shapes are the models' absorbed forms: DeepSeek-V2-Lite (16 query heads over one
 the 512-value latent and the 64 RoPE'd key dims, ``sm_scale = 1/sqrt(128 + 64)``) and
 MiniCPM3 (40 heads, latent 256 + rope 32, ``sm_scale = 1/sqrt(64 + 32)``), plus tiny ones
 of two KV heads. Page formats f32, f16, q8_0 and q4_0. Bounds are ``cases.compare``'s.
+
+The split (partitions merged on the device) runs by default on small shapes of every page
+format (f32, q8_0, q4_0 with a window) on every device target and on the models' shapes
+on the tiled targets; the models' shapes on the rows targets split under ``-m slow``:
+Intel's profile folds the merge into a rows decode build of its own, 20-30 s of its
+compiler each at these shapes (every head and head_dim chunk unrolled).
 """
 from __future__ import annotations
 
@@ -15,7 +21,7 @@ import math
 
 import numpy as np
 import pytest
-from cases import compare, decode_args, oracle, spec_scenario
+from cases import Scenario, compare, decode_args, oracle, spec_scenario
 from prefill_cases import naive_prefill, prefill_case, run
 from test_cache import make_cache, pool_host, simulate
 from test_prefill import get_prefill
@@ -33,10 +39,21 @@ SHAPES = {
     "minicpm3-q4-win": (40, 1, 288, 256, 16, F32, "q4_0", True, 1 / math.sqrt(96 + 32)),
     "tiny-f32-win": (4, 2, 40, 24, 4, F32, None, True, 0.3),   # two KV heads, vectors of 8
 }
+#: the split's small shapes: one per quantized page format of SHAPES besides f32 (q8_0
+#: keys the spec of test_cache_simulation's q8-f16, whose decode build it shares; q4_0 with
+#: a window), their decode builds about a second each
+SPLIT_SHAPES = {
+    "tiny-f32-win": SHAPES["tiny-f32-win"],
+    "tiny-q8-f16": (4, 2, 64, 32, 4, F16, "q8_0", False, 0.3),
+    "tiny-q4-win": (4, 2, 64, 32, 4, F32, "q4_0", True, 0.3),
+}
+#: the models' shapes, whose split is a ``slow`` test (SPLIT_SHAPES cover their formats)
+MODEL_SHAPES = [k for k in SHAPES if k not in SPLIT_SHAPES]
+ALL_SHAPES = {**SHAPES, **SPLIT_SHAPES}
 
 
-def scenario(key):
-    h, kv, d, dv, ps, dt, fmt, win, _ = SHAPES[key]
+def scenario(key: str) -> Scenario:
+    h, kv, d, dv, ps, dt, fmt, win, _ = ALL_SHAPES[key]
     return spec_scenario(key, h, kv, d, head_dim_v=dv, page_size=ps, dtype=dt, k_format=fmt,
                          sliding_window=win, value_in_key=True)
 
@@ -125,12 +142,27 @@ def test_decode(target, get_decoder, key):
     res = dec.run(*args, **kw, rotary_mode=1, sm_scale=sm)
     compare(res.out, res.lse, *oracle(sc, case, rotary_mode=1, sm_scale=sm), sc.spec.dtype,
             what=f"{sc} rope: ")
-    if not target.is_cpu:   # split-KV: partitions of one page, merged on the device
-        case = case_for(sc, [5 * ps + 3, ps, 1], seed=7, poison=True)
-        args, kw = decode_args(case)
-        res = dec.run(*args, **kw, split=ps, sm_scale=sm)
-        compare(res.out, res.lse, *oracle(sc, case, sm_scale=sm), sc.spec.dtype,
-                what=f"{sc} split: ")
+    if target.profile is not None and key in MODEL_SHAPES:
+        check_split(sc, dec, sm)   # the tiled kernels' split builds in a second or two
+
+
+def check_split(sc: Scenario, dec: clattn.BatchDecode, sm: float) -> None:
+    """Split-KV: partitions of one page, merged on the device, against the oracle."""
+    ps = sc.spec.page_size
+    case = case_for(sc, [5 * ps + 3, ps, 1], seed=7, poison=True)
+    args, kw = decode_args(case)
+    res = dec.run(*args, **kw, split=ps, sm_scale=sm)
+    compare(res.out, res.lse, *oracle(sc, case, sm_scale=sm), sc.spec.dtype,
+            what=f"{sc} split: ")
+
+
+@pytest.mark.parametrize("key", [*SPLIT_SHAPES, *(pytest.param(k, marks=pytest.mark.slow)
+                                                  for k in MODEL_SHAPES)])
+def test_decode_split(device_target, get_decoder, key):
+    """The split on every device target; the models' shapes under ``-m slow`` (by default
+    test_decode splits them on the tiled targets)."""
+    sc = scenario(key)
+    check_split(sc, get_decoder(sc.spec, device_target), ALL_SHAPES[key][-1])
 
 
 # ---------------------------------------------------------------------------- prefill
