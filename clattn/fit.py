@@ -219,7 +219,7 @@ def _widths(spec: AttentionSpec) -> tuple[int, str]:
 #: the rows decode's vector width is cut to the device's native float width, but never
 #: below this: 8 keeps its measured default on AVX2 (two NEON registers elsewhere), 16 is
 #: taken where the compiler targets AVX-512 (measured on a Sapphire Rapids Xeon, 16k
-#: tokens, f16/q8_0/q4_0 pages: 0.79-1.00x the time of 8 on PoCL and Intel's runtime)
+#: tokens, f16 pages: 0.86-0.93x the time of 8 on both PoCL builds and Intel's runtime)
 ROWS_MIN_NATIVE_VEC = 8
 
 

@@ -278,9 +278,11 @@ def block_sums(arr: str, name: str, r0: int, vec: int, w_out: int) -> tuple[list
     summed together by pairing, each level halving the lanes per row (lanes i < w/2 of
     pair(a, b) are a's lanes 2i + 2i+1, the rest b's; for w = 8 the pairing keeps to each
     half of four lanes, as x86's hadd does, and the halves are added last: 10-20% faster
-    decode on both CPU drivers), and the groups' results joined. Component swizzles only
-    (no .even/.odd, nor a vector built from two halves: Oclgrind's uninitialised-value
-    check crashes on both).
+    decode on both CPU drivers), and the groups' results joined; for w = 16, whole-vector
+    adds of shuffled halves (:func:`_halving_sums`: per-lane scalar sums of 16 lanes were
+    not vectorised, 1.4x slower decode than 8 lanes). Component swizzles only (no
+    .even/.odd, nor a vector built from two halves: Oclgrind's uninitialised-value check
+    crashes on both).
 
     Parameters
     ----------
@@ -369,11 +371,11 @@ def _halving_sums(arr: str, name: str, r0: int, w: int, lines: list) -> tuple[li
         nxt = []
         for k, (a, b) in enumerate(zip(level[0::2], level[1::2])):
             nxt.append("%s_%d_%d" % (name, depth, k))
-            halves = [", ".join("%s.s%x" % (v, t * s + off + i) for t in range(w // s)
-                                for v in (a, b) for i in range(s // 2))
-                      for off in (0, s // 2)]
+            parts = [", ".join("%s.s%x" % (v, t * s + off + i) for t in range(w // s)
+                               for v in (a, b) for i in range(s // 2))
+                     for off in (0, s // 2)]
             lines.append("const %s %s = (%s)(%s) + (%s)(%s);" % (
-                fw, nxt[-1], fw, halves[0], fw, halves[1]))
+                fw, nxt[-1], fw, parts[0], fw, parts[1]))
         level, s = nxt, s // 2
     return lines, level[0]
 
