@@ -226,10 +226,17 @@ ROWS_MIN_NATIVE_VEC = 8
 def _rows_decode_vec(spec: AttentionSpec, profile: Profile, limits: Limits,
                      notes: list) -> int:
     """The rows decode's vector width: the profile's ``vec``, at most the device's native
-    float width where that is ROWS_MIN_NATIVE_VEC or more (a size the device derives, as
-    documented for ``vec``: not noted), then :func:`_rows_vec`'s cuts."""
+    float width where that is ROWS_MIN_NATIVE_VEC or more, then :func:`_rows_vec`'s cuts
+    (the compiler's widest vector, a power of two dividing the rows). A width the device
+    and the shape derive is documented for ``vec``, not noted: a cut is noted only below
+    what the profile asked up to ROWS_MIN_NATIVE_VEC (so that the CPU profiles' 16 warns of
+    nothing where AVX2, PyPI's PoCL on a Zen 4 or a head_dim of 40 takes 8)."""
     want = min(profile.vec, max(limits.native_float, ROWS_MIN_NATIVE_VEC))
-    return _rows_vec(spec, want, limits, notes)
+    cuts: list = []
+    vec = _rows_vec(spec, want, limits, cuts)
+    if vec < min(profile.vec, ROWS_MIN_NATIVE_VEC):
+        notes.extend(cuts)
+    return vec
 
 
 def _rows_vec(spec: AttentionSpec, want: int, limits: Limits, notes: list,

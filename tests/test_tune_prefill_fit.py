@@ -165,6 +165,10 @@ def test_rows_vectors_follow_the_native_width_decode_from_8():
         g = decode_geometry(spec, cpu, Limits(native_float=native))
         assert g.vec == want and not g.notes
     assert decode_geometry(spec, cpu.with_(vec=8), wide).vec == 8   # a wish below it stands
+    # head_dim 40 (an MLA latent row of tiny models): 8, derived, no note; below 8: noted
+    assert decode_geometry(clattn.AttentionSpec(8, 1, 40), cpu, wide).notes == ()
+    cut = decode_geometry(clattn.AttentionSpec(8, 1, 36), cpu, wide)
+    assert cut.vec == 4 and cut.notes == ("vec 16 -> 4: head_dim 36",)
     # a compiler capped at 8 (PoCL's PyPI build), a narrower native width, head_dim 72
     assert prefill_geometry(spec, cpu, Limits(native_float=16, rows_max_vec=8)).vec == 8
     assert prefill_geometry(spec, cpu, Limits(native_float=4)).vec == 8
