@@ -308,10 +308,10 @@ def block_sums(arr: str, name: str, r0: int, vec: int, w_out: int) -> tuple[list
         w //= 2
     if w == 1:
         return [], (terms[0] if w_out == 1 else "(%s)(%s)" % (ft, ", ".join(terms)))
+    if w == 16:
+        return _halving_sums(terms, name)
     fw = "float%d" % w
     lines, groups = [], []
-    if w == 16:
-        return _halving_sums(arr, name, r0, w_out, lines)
     for g0 in range(0, w_out, w):
         level = []
         for k, t in enumerate(terms[g0:g0 + w]):
@@ -351,20 +351,22 @@ def _halving_order(w: int) -> list[int]:
     return level[0]
 
 
-def _halving_sums(arr: str, name: str, r0: int, w: int, lines: list) -> tuple[list[str], str]:
-    """:func:`block_sums` of ``w`` rows of ``w`` lanes (``w`` a power of two): each level
+def _halving_sums(rows: list[str], name: str) -> tuple[list[str], str]:
+    """:func:`block_sums` of ``w = len(rows)`` rows (expressions) of ``w`` lanes (``w`` a
+    power of two): each level
     pairs vectors (a, b) holding groups of ``s`` lanes, one row's partials per group, and
     adds the first halves of every group (a's group then b's) to the second halves: whole
     vector adds of two shuffles, log2(w) levels (no per-lane scalar sums, which a compiler
     may not vectorise). Rows enter in the order that leaves lane j holding row j."""
+    w = len(rows)
     fw = "float%d" % w
     slots = [0] * w
     for lane, slot in enumerate(_halving_order(w)):
         slots[slot] = lane
-    level = []
+    lines, level = [], []
     for k, row in enumerate(slots):
         level.append("%s_%d" % (name, k))
-        lines.append("const %s %s = %s[%d];" % (fw, level[-1], arr, r0 + row))
+        lines.append("const %s %s = %s;" % (fw, level[-1], rows[row]))
     s, depth = w, 0
     while len(level) > 1:
         depth += 1
