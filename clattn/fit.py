@@ -333,6 +333,20 @@ def tiled_local_bytes(d: int, bdx: int, bdz: int, tile: int, heads: int,
     return tiled_local(d, bdx, bdz, tile, heads, reduction).bytes
 
 
+def rows_vector_registers(vec: int) -> int:
+    """Vector registers the rows decode's value pass may fill at ``vec`` floats per vector.
+
+    16-float vectors are AVX-512's, which has 32 registers; every narrower CPU vector
+    is taken as 16 registers (AVX2's count, fewer than NEON's 32). Measured: 16 registers
+    at 8k tokens, one core: group 2 4% faster with 4 chunks than with 2, group 1 2-5%
+    with 6; 8 at group 2 spills, 20% slower. 32 registers at 16k tokens, 2 cores (Sapphire
+    Rapids, PyPI's PoCL and Intel's runtime): group 7 head_dim 64 (Qwen2.5-0.5B) 1.08x
+    faster with 4 chunks than with 1, group 4 head_dim 64 1.04-1.07x with 4 than with 2;
+    head_dim 128 and 256 the same.
+    """
+    return 32 if vec >= 16 else 16
+
+
 def _prefetch_blocks(spec: AttentionSpec, tile: int) -> int:
     """Blocks ahead the rows decode prefetches (see PREFETCH_MACS)."""
     per_block = spec.group_size * spec.head_dim * tile
@@ -365,9 +379,9 @@ def _rows_geometry(spec: AttentionSpec, profile: Profile, limits: Limits,
         (interleaved and vec % 2 == 0 and spec.rotary_dim % vec == 0)
     nv = spec.head_dim_v // vec   # chunks of a V row
     # as many chunks per pass (up to 8, dividing nv) as keep their G accumulators each, a
-    # value and a weight in 16 vector registers (measured, 8k tokens, one core: group 2
-    # 4% faster with 4 than with 2, group 1 2-5% with 6; 8 at group 2 spills, 20% slower)
-    v_chunks = max((c for c in range(1, 9) if nv % c == 0 and c * spec.group_size + 3 <= 16),
+    # value and a weight in the vector registers (rows_vector_registers)
+    regs = rows_vector_registers(vec)
+    v_chunks = max((c for c in range(1, 9) if nv % c == 0 and c * spec.group_size + 3 <= regs),
                    default=1)
     return DecodeGeometry("rows", vec, tile, native_fp16=native, denorms=limits.denorms,
                           storage_half=limits.storage_half,

@@ -10,7 +10,7 @@ from model_configs import load_models, model
 import clattn
 from clattn.codegen import render_decode
 from clattn.device_fit import fit_device
-from clattn.fit import ROWS_MIN_NATIVE_VEC, Limits, decode_geometry
+from clattn.fit import ROWS_MIN_NATIVE_VEC, Limits, decode_geometry, rows_vector_registers
 from clattn.profiles import builtin_profiles, match
 
 RECORDS = json.loads((Path(__file__).parent / "data" / "devices.json").read_text())["records"]
@@ -111,6 +111,28 @@ def test_rows_blocks_above_8_rows_fit_the_block_budget(d, dtype, fmt, tile):
     assert geom.tile == tile
     assert geom.notes == ()   # a size the shape derives, not a wish cut: no warning
     assert decode_geometry(spec, prof.with_(tile_rows=4), Limits()).tile == 4
+
+
+@pytest.mark.parametrize("hq, hkv, d, cap, native, chunks", [
+    (14, 2, 64, 16, 16, 4),    # Qwen2.5-0.5B, AVX-512: 4 x 7 + 3 = 31 of 32 registers
+    (14, 2, 64, 8, 8, 1),      # the same at 8 floats: 8 chunks, 2 x 7 + 3 > 16
+    (32, 8, 64, 16, 16, 4),    # Llama-3.2-1B: group 4, all 4 chunks
+    (32, 8, 64, 8, 8, 2),      # 8 chunks of 8 floats: 2 x 4 + 3 = 11, 4 x 4 + 3 > 16
+    (32, 8, 128, 16, 16, 4),   # Llama-3-8B: 8 x 4 + 3 > 32
+    (8, 4, 256, 16, 16, 8),    # Gemma-2: group 2, 8 x 2 + 3 = 19
+    (8, 4, 256, 8, 8, 4),
+    (32, 2, 64, 16, 16, 1),    # group 16: one chunk's accumulators fill 16 registers
+])
+def test_rows_value_chunks_fill_the_vector_registers(hq, hkv, d, cap, native, chunks):
+    """Chunks of V per pass: the most (dividing the row's chunks) whose G accumulators, a
+    value and a weight fit the registers a vector width implies (32 at AVX-512's 16
+    floats, else 16)."""
+    prof = clattn.Profile(name="t", strategy="rows", vec=16, tile_rows=16)
+    spec = clattn.AttentionSpec(hq, hkv, d, page_size=16, dtype="float16")
+    geom = decode_geometry(spec, prof, Limits(rows_max_vec=cap, native_float=native))
+    assert geom.vec == cap
+    assert geom.v_chunks == chunks
+    assert chunks * spec.group_size + 3 <= rows_vector_registers(geom.vec)
 
 
 @pytest.mark.parametrize("name", [m["name"] for m in load_models()])

@@ -177,12 +177,14 @@ def test_decode_over_quantized_pages(where, prof, kf, vf):
 @pytest.mark.parametrize("where", ["pocl", "intel"])
 @pytest.mark.parametrize("vf", ["q8_0", "q4_0"])
 def test_quantized_values_in_passes_that_do_not_divide_a_block(where, vf):
-    """Group 4, head_dim 96: the rows kernel adds 3 head_dim chunks of V per pass, and a
-    quantized block holds 4 of them: each block's pass count must still fit its codes."""
+    """Group 4, head_dim 96 at 8 floats per vector: the rows kernel adds 3 head_dim chunks
+    of V per pass (16 vector registers), and a quantized block holds 4 of them: each
+    block's pass count must still fit its codes."""
     spec = clattn.AttentionSpec(16, 4, 96, page_size=16, dtype="float16", k_format="q8_0",
                                 v_format=vf)
     args, kw, ref_args = _quant_case(spec, [70, 33], seed=5, rope=False)
-    dec = clattn.BatchDecode(spec, where)
+    prof = clattn.Profile(name="rows-vec8", strategy="rows", vec=8, tile_rows=16)
+    dec = clattn.BatchDecode(spec, where, profile=prof)
     assert dec.geometry.v_chunks == 3
     out, lse, _ = dec.run(*args, **kw)
     compare(out, lse, *naive_decode(*ref_args, **kw), spec.dtype, what=f"{vf}: ")
