@@ -355,9 +355,10 @@ def _halving_sums(rows: list[str], name: str) -> tuple[list[str], str]:
     """:func:`block_sums` of ``w = len(rows)`` rows (expressions) of ``w`` lanes (``w`` a
     power of two): each level
     pairs vectors (a, b) holding groups of ``s`` lanes, one row's partials per group, and
-    adds the first halves of every group (a's group then b's) to the second halves: whole
-    vector adds of two shuffles, log2(w) levels (no per-lane scalar sums, which a compiler
-    may not vectorise). Rows enter in the order that leaves lane j holding row j."""
+    adds the halves of every group, a's in the group's first half and b's in its second:
+    whole vector adds of a blend and a shuffle, log2(w) levels (no per-lane scalar sums,
+    which a compiler may not vectorise). Rows enter in the order that leaves lane j
+    holding row j."""
     w = len(rows)
     fw = "float%d" % w
     slots = [0] * w
@@ -373,9 +374,11 @@ def _halving_sums(rows: list[str], name: str) -> tuple[list[str], str]:
         nxt = []
         for k, (a, b) in enumerate(zip(level[0::2], level[1::2])):
             nxt.append("%s_%d_%d" % (name, depth, k))
+            # a's first and b's second halves stay in their lanes (a blend, which runs
+            # on more ports than a shuffle); a's second and b's first halves swap
             parts = [", ".join("%s.s%x" % (v, t * s + off + i) for t in range(w // s)
-                               for v in (a, b) for i in range(s // 2))
-                     for off in (0, s // 2)]
+                               for v, off in pairs for i in range(s // 2))
+                     for pairs in (((a, 0), (b, s // 2)), ((a, s // 2), (b, 0)))]
             lines.append("const %s %s = (%s)(%s) + (%s)(%s);" % (
                 fw, nxt[-1], fw, parts[0], fw, parts[1]))
         level, s = nxt, s // 2
