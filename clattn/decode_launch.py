@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from .plan import Plan
+from .plan import Plan, row_weight
 from .plan import make_plan as plan_split
 
 #: the decode kernel's split arguments of an unsplit launch
@@ -37,10 +37,12 @@ def make_plan(opencl: Any, chunk: np.ndarray, split: bool | int | None) -> Plan:
     (``split`` as :meth:`clattn.BatchDecode.plan`'s; an empty batch is never split)."""
     if not len(chunk):
         split = False
-    setup = opencl.setup
-    wg = len(chunk) * opencl.spec.num_kv_heads * opencl.decode_geometry.gdz
+    setup, spec = opencl.setup, opencl.spec
+    wg = len(chunk) * spec.num_kv_heads * opencl.decode_geometry.gdz
     cus = int(setup.info.get("max_compute_units") or 1)
-    return plan_split(chunk, wg, cus, setup.profile, opencl.spec.page_size, split=split)
+    weight = row_weight(spec.group_size, spec.head_dim, spec.head_dim_v)
+    return plan_split(chunk, wg, cus, setup.profile, spec.page_size, split=split,
+                      weight=weight)
 
 
 @dataclass(frozen=True)

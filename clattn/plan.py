@@ -2,9 +2,10 @@
 
 Rule (FlashInfer's): no split when the unsplit launch already fills the device
 (``work-groups >= compute_units * wgs_per_cu``) or when the batch has too little work
-to pay for the merge pass (``max(work-groups, compute_units) * longest chunk <
-split_min_rows``: with fewer work-groups than units, the split also puts the idle units to
-work);
+to pay for the merge pass (``max(work-groups, compute_units) * longest chunk * row weight
+< split_min_rows``: with fewer work-groups than units, the split also puts the idle units
+to work; :func:`row_weight` counts a row that does more work than the reference row as
+that many reference rows);
 otherwise the smallest partition that fills it, rounded up to whole pages and at least
 ``min_partition_rows`` rows, with at most ``max_partitions`` partitions per sequence.
 CPU profiles ask for very many work-groups per unit, so long sequences are always cut
@@ -18,6 +19,22 @@ from dataclasses import dataclass
 import numpy as np
 
 from .profiles.record import Profile
+
+#: multiply-adds of the row ``split_min_rows`` counts: one KV head's key and value rows at
+#: Llama-3-8B's shape (4 query heads, head_dim 128: 4 x (128 + 128)), the shape the CPU
+#: profiles' threshold was measured at (the models it serves do 512-1024 per row)
+REFERENCE_ROW_MACS = 1024
+
+
+def row_weight(group_size: int, head_dim: int, head_dim_v: int) -> float:
+    """Reference rows (:data:`REFERENCE_ROW_MACS`) that one KV row of a shape counts as in
+    the ``split_min_rows`` test: its multiply-adds, ``group_size x (head_dim +
+    head_dim_v)``, over the reference's, and never below 1 (the threshold was measured no
+    lower). A latent-form MLA row (one KV head for every query head: MiniCPM3's 40 x
+    (288 + 256), DeepSeek-V2-Lite's 16 x (576 + 512)) weighs 17-22: unsplit, one sequence
+    is one work-group, and a second core sat idle below 16k rows (measured on 2 cores at
+    1k-4k rows: split 1.7-1.9x faster)."""
+    return max(1.0, group_size * (head_dim + head_dim_v) / REFERENCE_ROW_MACS)
 
 
 @dataclass(frozen=True)
@@ -49,11 +66,13 @@ def _no_split(chunk: np.ndarray, reason: str) -> Plan:
 
 
 def make_plan(chunk: np.ndarray, work_groups: int, compute_units: int, profile: Profile,
-              page_size: int, *, split: bool | int | None = None) -> Plan:
+              page_size: int, *, split: bool | int | None = None,
+              weight: float = 1.0) -> Plan:
     """Plan a batch whose sequences attend to ``chunk[b]`` rows.
 
     ``work_groups``: work-groups of the unsplit launch. ``split``: None = decide,
-    False = never, an int = force that many rows per partition.
+    False = never, an int = force that many rows per partition. ``weight``: the
+    :func:`row_weight` of the shape's rows.
     """
     chunk = np.asarray(chunk, dtype=np.int64)
     longest = int(chunk.max()) if len(chunk) else 0
@@ -63,9 +82,10 @@ def make_plan(chunk: np.ndarray, work_groups: int, compute_units: int, profile: 
         # the rows the device could take in the unsplit launch's time: its work-groups'
         # rows, or every compute unit's share when some would sit idle
         busy = max(work_groups, compute_units)
-        if split is None and busy * longest < profile.split_min_rows:
+        if split is None and busy * longest * weight < profile.split_min_rows:
+            rows = f"{longest} rows" if weight == 1 else f"{longest} rows x {weight:.3g}"
             return _no_split(chunk, f"max({work_groups} work-groups, {compute_units} compute "
-                                    f"units) x {longest} rows < {profile.split_min_rows}: a "
+                                    f"units) x {rows} < {profile.split_min_rows}: a "
                                     f"merge pass would cost more")
         target = max(1, compute_units) * profile.wgs_per_cu
         if work_groups >= target:

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from clattn.plan import make_plan
+from clattn.plan import REFERENCE_ROW_MACS, make_plan, row_weight
 from clattn.profiles.record import Profile
 
 GPU = Profile(name="t-gpu", strategy="tiled", wgs_per_cu=4, min_partition_rows=256,
@@ -31,6 +31,25 @@ def test_disabled_empty_and_full_devices_do_not_split():
     _no_split(make_plan([5000] * 4, 32, 8, GPU, 16), 4, "fill")
     # a merge pass would cost more than it saves: 2 x 1000 rows < 32768
     _no_split(make_plan([1000], 2, 2, CPU, 16), 1, "merge pass would cost more")
+
+
+def test_heavy_rows_count_as_that_many_reference_rows():
+    """The merge test weighs a row by its multiply-adds: one sequence of 4096 latent MLA
+    rows (MiniCPM3: 40 heads x (288 + 256)) on 2 compute units is worth a split that 4096
+    rows of a light shape are not, and the partitions are sized as before."""
+    w = row_weight(40, 288, 256)
+    assert w == 40 * (288 + 256) / REFERENCE_ROW_MACS
+    _no_split(make_plan([4096], 1, 2, CPU, 16), 1, "merge pass would cost more")
+    _no_split(make_plan([4096], 1, 2, CPU, 16, weight=3.9), 1, "x 3.9 < 32768")
+    plan = make_plan([4096], 1, 2, CPU, 16, weight=w)
+    # 2 x 4096 x 21.25 >= 32768; target 2 x 1024 work-groups: min_partition_rows (512) rules
+    assert plan.split and plan.part_rows == 512 and plan.num_parts == 8
+    forced = make_plan([4096], 1, 2, CPU, 16, split=True)
+    assert (plan.part_rows, plan.part_indptr.tolist()) == \
+        (forced.part_rows, forced.part_indptr.tolist())
+    # a weight is never below 1: a lighter row keeps the measured threshold in rows
+    assert row_weight(7, 64, 64) == 1.0 and row_weight(1, 64, 64) == 1.0
+    assert row_weight(4, 128, 128) == 1.0 and row_weight(8, 128, 128) == 2.0
 
 
 def test_auto_split_sizes():

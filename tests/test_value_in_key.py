@@ -303,3 +303,15 @@ def test_mla_shape_sizes():
     assert m.spec("decompressed").bytes_per_token == 10240
     with pytest.raises(KeyError, match="DeepSeek-V2-Lite"):
         models.mla_shape("nope")
+
+
+@pytest.mark.parametrize("m", models.MLA_SHAPES, ids=lambda m: m.name)
+def test_one_latent_sequence_is_split_over_the_device(device, m):
+    """A latent-form layer is one work-group per sequence unsplit. At 4096 rows its rows'
+    work (17-22 reference rows each, clattn.plan.row_weight) pays for the merge under
+    every profile, so one sequence is split over the device's compute units (on 2 cores
+    the CPU profiles' row threshold alone left one idle: tests/test_plan.py). The plan
+    alone: no kernel is built."""
+    dec = clattn.BatchDecode(m.spec("latent"), device)
+    plan = dec.plan(np.array([0, 256], np.int32), np.array([16], np.int32))
+    assert plan.split and plan.num_parts >= 2, plan
