@@ -7,7 +7,7 @@ from pathlib import Path
 from mako.lookup import TemplateLookup
 
 from . import signatures
-from .fit import DecodeGeometry, MergeGeometry, PrefillGeometry, tiled_heads, tiled_local
+from .fit import DecodeGeometry, MergeGeometry, PrefillGeometry, slice_heads, tiled_local
 from .kernel_exprs import RopePairs
 from .quant import row_bytes
 from .rope import parse_rope_scaling
@@ -77,7 +77,7 @@ def render_decode(spec: AttentionSpec, geom: DecodeGeometry, fused: bool = False
     if fused and spec.byte_pool:
         raise ValueError("render_decode: the fused append takes float pools only (a byte "
                          "pool's append checks every block first, in its own launch)")
-    if fused and geom.strategy == "tiled" and geom.gdz > 1:
+    if fused and geom.gdz > 1:
         raise ValueError(f"render_decode: the fused append needs one work-group per KV head "
                          f"(gdz={geom.gdz}: the head's other groups would read the new row "
                          f"unordered); use separate launches")
@@ -89,7 +89,7 @@ def render_decode(spec: AttentionSpec, geom: DecodeGeometry, fused: bool = False
         REDUCE=geom.reduction, SGS=geom.subgroup_size, SG_ATTR=geom.subgroup_attr,
         FUSED=fused, SINKS=sinks, FOLD=fold, SIGNATURE=table.signature(), FIXUP=table.fixup(),
         LOCAL=tiled_local(spec.head_dim_v, geom.bdx, geom.bdz, geom.tile,
-                          tiled_heads(spec.group_size, geom.gdz), geom.reduction)
+                          slice_heads(spec.group_size, geom.gdz), geom.reduction)
         if geom.strategy == "tiled" else None)
 
 

@@ -189,12 +189,12 @@ class OpenCLBackend:
         at the decode geometry, for calls with learned sinks or without and with the split
         merge folded in or not (builds as :meth:`decode_kernels`), built once after
         :meth:`decode_kernels`; None where it does not apply: a byte pool (its append is
-        checked first, in a launch of its own), a tiled geometry of several work-groups
-        per KV head, or a build the driver allows fewer work-items per group than the
+        checked first, in a launch of its own), a geometry of several head slices per KV
+        head (gdz > 1), or a build the driver allows fewer work-items per group than the
         geometry needs."""
         self.decode_kernels()  # fits the geometry the fused kernel shares
         geom, spec = self.decode_geometry, self.spec
-        if spec.byte_pool or (geom.strategy == "tiled" and geom.gdz > 1):
+        if spec.byte_pool or geom.gdz > 1:
             return None
         epilogue = sink_epilogue(geom, sinks)
         with self._lock:
@@ -336,8 +336,7 @@ class OpenCLBackend:
         partition of a sequence resets its own), made zero and grown with the largest
         batch. Ordered with the workspace by :meth:`decode_then_merge`."""
         geom = self.decode_geometry
-        slices = geom.gdz if geom.strategy == "tiled" else 1
-        n = max(batch, 1) * self.spec.num_kv_heads * slices
+        n = max(batch, 1) * self.spec.num_kv_heads * geom.gdz
         with self._lock:
             if self._counters is None or self._counters[0] < n:
                 cl = runtime.cl()

@@ -1,9 +1,11 @@
 <%doc>
 clattn paged-KV decode attention, "rows" strategy (CPU drivers): one work-item per
-(sequence b, KV head, partition p); global (B, HKV, NP), local (1, 1, 1). Blocks of TILE
-rows; private accumulators for all G query heads of the KV head, every loop over
-head_dim chunks (NV = D / VEC of q and K, NVV = DV / VEC of V and out) and heads unrolled, so a CPU compiler keeps them in
-registers. The semantics are docs/contract.md's.
+(sequence b, KV head x GDZ head slices, partition p); global (B, HKV x GDZ, NP), local
+(1, 1, 1). Blocks of TILE rows; private accumulators for the GH = ceil(G / GDZ) query
+heads of the work-item's head slice, every loop over head_dim chunks (NV = D / VEC of q
+and K, NVV = DV / VEC of V and out) and heads unrolled, so a CPU compiler keeps them in
+registers. The last slice's heads past G compute a copy of head G - 1 and store nothing.
+The semantics are docs/contract.md's.
 
 Template parameters (clattn.codegen.render_decode, from clattn.fit.DecodeGeometry):
   D, DV, HQO, HKV, G, PS  head_dim (q, K), head_dim_v (V, out), query heads, KV heads,
@@ -12,6 +14,7 @@ Template parameters (clattn.codegen.render_decode, from clattn.fit.DecodeGeometr
   SLIDING, SOFTCAP     window + sinks compiled in; soft-cap value or None
   DTYPE, NATIVE_HALF   storage type; convert half vectors natively (cl_khr_fp16)
   DENORMS              the device keeps f32 subnormals (cheaper exact f16 conversion)
+  GDZ                  head slices per KV head (clattn.fit.rows_head_slices)
   VEC, TILE            floats per vector load; rows scored per block, as TILE / W
                        vectors of W = min(TILE, VEC) lanes (so no vector is wider than
                        the loads, which the compiler builds)
@@ -21,16 +24,16 @@ Template parameters (clattn.codegen.render_decode, from clattn.fit.DecodeGeometr
                        __builtin_prefetch, where clattn.compiler_probe found it works)
   STORAGE_HALF         f16 converted through clang's __fp16 (common.clh.mako)
   FUSED                the append of a one-token step fused in (decode_common's
-                       fused_append; clattn.signatures.DECODE_APPEND)
+                       fused_append; clattn.signatures.DECODE_APPEND; GDZ == 1)
   SINKS                the learned-sink epilogue compiled in (built only for calls that
                        pass sink_logits: without it a CPU compiler keeps its best code)
   FOLD                 the split merge folded in: of a split sequence's partitions, the
                        last to finish merges its states (merge_state.clh.mako's rows
-                       merge, clattn_merge_varlen's arithmetic) into out/lse, counting
-                       on counters[b * HKV + kvh]
+                       merge, clattn_merge_varlen's arithmetic) of the slice's heads
+                       into out/lse, counting on counters[b * HKV * GDZ + global id 1]
   SIGNATURE, FIXUP     parameter list and pointer fix-up from clattn.signatures.DECODE
 Every index read from the page table is clamped: no input makes the kernel read or
-write out of bounds (counters: the host sizes it for the launch's batch, B x HKV).
+write out of bounds (counters: the host sizes it for the launch's batch, B x HKV x GDZ).
 </%doc>
 <%namespace name="c" file="common.clh.mako"/>
 <%namespace name="d" file="decode_common.clh.mako"/>
@@ -39,6 +42,11 @@ write out of bounds (counters: the host sizes it for the launch's batch, B x HKV
 ${c.prelude(poly=True)}
 ${d.setup()}
 <% NV, NVV = D // VEC, DV // VEC %>\
+<% GH = -(-G // GDZ) %>\
+## the query head of slot g of the slice (a padded slot of the last slice: head G - 1)
+<%def name="head(g)">kvh * ${G} + ${("min(g0 + %d, %d)" % (g, G - 1)) if GDZ > 1 else g}</%def>\
+## slot g holds one of the slice's heads (a padded slot stores nothing)
+<%def name="real(g)">${"g0 + %d < %d" % (g, G) if G % GDZ else "1"}</%def>\
 ## rotate the private float array f[D] (a row of q or k) at position pos
 <%def name="rotate_row(f, pos=None)">
         {
@@ -65,13 +73,13 @@ ${d.setup()}
 ## library calls, which some CPU drivers do not inline). Quantized kinds: a block's
 ## scale multiplies its partial dot product (K) or the weight (V) once, not every value:
 ## CPB chunks of V values per block of 32. Quantized keys are scaled chunk by chunk
-## instead (KDQ) where that takes fewer multiplies: NV per row against G x NB.
+## instead (KDQ) where that takes fewer multiplies: NV per row against GH x NB.
 <%
 V, HALF, CPB, NB, NBV = VEC, ROT // 2, max(32 // VEC, 1), D // 32, DV // 32
 FV, UI = kx.vtype("float", V), kx.vtype("uint", V)
 NRV = ROPE.vectors(V) if VEC_ROPE else 0   # rotated vectors
 KQ, VQ = KFMT in kx.QUANTIZED, VFMT in kx.QUANTIZED
-KDQ = KQ and NV < G * NB
+KDQ = KQ and NV < GH * NB
 %>\
 ${c.raw_loads(V)}
 ${d.q4_helpers()}
@@ -98,7 +106,12 @@ ${c.exp2_poly(W)}
 __kernel void clattn_decode(${SIGNATURE})
 {
     const int b = get_global_id(0);
+% if GDZ > 1:
+    const int kvh = get_global_id(1) / ${GDZ};
+    const int g0 = (get_global_id(1) % ${GDZ}) * ${GH};   /* first head of the slice */
+% else:
     const int kvh = get_global_id(1);
+% endif
     const int part = get_global_id(2);
     SEQ_SETUP
     if (!valid_part) return;
@@ -106,8 +119,8 @@ __kernel void clattn_decode(${SIGNATURE})
 ${d.fused_append("part == nparts_b - 1", [i * VEC for i in range(D // VEC)], VEC)}
 % endif
 
-    /* q of the G heads of this KV head: rotated, scaled, in registers */
-% for g in range(G):
+    /* q of the slice's heads: rotated, scaled, in registers */
+% for g in range(GH):
 %   for i in range(NV):
     ${FV} q${g}_${i};
 %   endfor
@@ -115,9 +128,9 @@ ${d.fused_append("part == nparts_b - 1", [i * VEC for i in range(D // VEC)], VEC
     {
         const float qscale = sm_scale${" * CLATTN_LOG2E" if SOFTCAP is None else ""};
         float f[${D}];
-% for g in range(G):
+% for g in range(GH):
         {
-            const __global st_t* qp = q + ((ulong)b * ${HQO} + kvh * ${G} + ${g}) * ${D};
+            const __global st_t* qp = q + ((ulong)b * ${HQO} + ${head(g)}) * ${D};
 ## f16: vector loads (PoCL calls vload_half per element); f32: the plain loop (vector
 ## loads measured 6% slower at Gemma-2's shape on Intel's runtime)
 %   if DTYPE == "half":
@@ -136,7 +149,7 @@ ${rotate_row("f", "q_pos[b]")}
         }
 % endfor
     }
-% for g in range(G):
+% for g in range(GH):
     /* running max, the exponent base it gives, and the sums of the weights lane by lane
        (one sum per row of a block, added up after the loop) */
     float m${g} = -INFINITY, base${g} = 0.0f;
@@ -183,13 +196,13 @@ ${d.block_pages("(r0 + %d)" % (PREFETCH * TILE), "pf_n", "pf_pg", "pf_sl")}
 ${d.block_pages("r0", "n", "pg", "sl")}
         /* per head: each row's partial dot products (summed across rows below, one
            tree for the whole block) and then the block's weights */
-% for g in range(G):
+% for g in range(GH):
         float s${g}[${TILE}] __attribute__((aligned(64)));
         ${FV} tv${g}[${TILE}];
 % endfor
         if (n < ${TILE}) {
             for (int j = n; j < ${TILE}; ++j) {
-% for g in range(G):
+% for g in range(GH):
                 tv${g}[j] = 0.0f;
 % endfor
             }
@@ -221,7 +234,7 @@ ${d.prefetch_row("pf_pg[j]", "pf_sl[j]")}
 %   for i in range(NV):
                 const ${FV} c${i} = ${lane(0, i, "kp", scale="1.0f")}${(" * ks%d" % (i // CPB)) if KDQ else ""};
 %   endfor
-%   for g in range(G):
+%   for g in range(GH):
 %     if KDQ:
                 ${FV} t${g} = q${g}_0 * c0;
 %       for i in range(1, NV):
@@ -250,11 +263,11 @@ ${d.prefetch_row("pf_pg[j]", "pf_sl[j]")}
             if (!rotary_mode) {   /* chunk by chunk: each chunk of k dies after its G uses */
 %   for i in range(NV):
                 const ${FV} kc${i} = ${lane(0, i, "kp")};
-%     for g in range(G):
+%     for g in range(GH):
                 ${("%s t%d = q%d_0 * kc0;" % (FV, g, g)) if i == 0 else ("t%d += q%d_%d * kc%d;" % (g, g, i, i))}
 %     endfor
 %   endfor
-%   for g in range(G):
+%   for g in range(GH):
                 tv${g}[j] = t${g};
 %   endfor
                 continue;
@@ -284,7 +297,7 @@ ${rotate_row("f")}
 %   endfor
 % endif
             }
-% for g in range(G):
+% for g in range(GH):
             {
                 ${FV} t = q${g}_0 * k0;
 %   for i in range(1, NV):
@@ -294,7 +307,7 @@ ${rotate_row("f")}
             }
 % endfor
         }
-% for g in range(G):
+% for g in range(GH):
         {
 %   for h in range(NH):
 <% bs_lines, bs = kx.block_sums("tv%d" % g, "bs%d_%d" % (g, h), h * W, V, W) %>\
@@ -362,7 +375,7 @@ ${rotate_row("f")}
             float vsc[${TILE}] __attribute__((aligned(64)));
             for (int j = 0; j < ${TILE}; ++j)
                 vsc[j] = j < n ? clattn_h2f_1(vrow_s[j][${bb}]) : 0.0f;
-%     for g in range(G):
+%     for g in range(GH):
             float w${g}[${TILE}] __attribute__((aligned(64)));
 %       for h in range(NH):
             ${kx.private_store("%s * %s" % (kx.private_load("s%d + %d" % (g, h * W), FT), kx.private_load("vsc + %d" % (h * W), FT)), "w%d + %d" % (g, h * W), FT)}
@@ -373,7 +386,7 @@ ${rotate_row("f")}
 %       for i in range(i0, i0 + VCH):
                 const ${FV} v${i - i0} = ${lane(1, i, "vrow[j]", scale="1.0f")};
 %       endfor
-%       for g in range(G):
+%       for g in range(GH):
                 {
                     const float p = w${g}[j];
 %         for i in range(i0, i0 + VCH):
@@ -391,7 +404,7 @@ ${rotate_row("f")}
 %   for i in range(i0, i0 + V_CHUNKS):
             const ${FV} v${i - i0} = ${lane(1, i, "vrow[j]", "vrow_s[j]")};
 %   endfor
-%   for g in range(G):
+%   for g in range(GH):
             {
                 const float p = s${g}[j];
 %     for i in range(i0, i0 + V_CHUNKS):
@@ -404,9 +417,9 @@ ${rotate_row("f")}
 % endif
     }
 
-% for g in range(G):
-    {
-        const int h = kvh * ${G} + ${g};
+% for g in range(GH):
+    if (${real(g)}) {
+        const int h = ${head(g)};
         /* a split-KV partition whose rows all scored -inf is empty to the merge (lse
            -inf, weight 0) and marks its output NaN: the merge breaks the sequence when
            every partition is empty and one is so marked */
@@ -435,21 +448,21 @@ ${rotate_row("f")}
 % if FOLD:
     if (!direct) {
         /* the fold: this partition's states are stored; fenced, it counts in on the
-           sequence's counter, and the last partition to count in (it reads count - 1)
-           resets the counter for the next launch and merges the states of every
-           partition, read after a second fence (an atomic orders them after the
+           counter of its sequence's head slice, and the last partition to count in (it
+           reads count - 1) resets the counter for the next launch and merges the slice's
+           states of every partition, read after a second fence (an atomic orders them after the
            others' stores) */
         mem_fence(CLK_GLOBAL_MEM_FENCE);
-        volatile __global int* ctr = counters + (ulong)b * ${HKV} + kvh;
+        volatile __global int* ctr = counters + (ulong)b * ${HKV * GDZ} + get_global_id(1);
         if (atomic_inc(ctr) == clattn_fold_parts(part_indptr[b], nparts_b, (int)get_global_size(2), n_ws) - 1) {
             atomic_xchg(ctr, 0);
             mem_fence(CLK_GLOBAL_MEM_FENCE);
             const int lo = clamp(part_indptr[b], 0, n_ws);
             const int hi = clamp(part_indptr[b + 1], lo, n_ws);
             if (hi - lo >= 2) {   /* clattn_merge_varlen's skip_single */
-%   for g in range(G):
-                {
-                    const int h = kvh * ${G} + ${g};
+%   for g in range(GH):
+                if (${real(g)}) {
+                    const int h = ${head(g)};
 ${m.varlen_rows("ws_o", "ws_s", "out", "lse", "b", "h", HQO, "lo", "hi", "1", VEC, "float", SINKS)}
                 }
 %   endfor

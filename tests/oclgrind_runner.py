@@ -77,7 +77,7 @@ def learned_sinks(H):
 # ------------------------------------------------------------------------------ decode variants
 def decode_variant(profile, spec_kw, lengths, *, window=None, sinks=None, rope=False,
                    splits=(False,), theta=10000.0, seed=0, sink_logits=False,
-                   expect_vec=None):
+                   expect_vec=None, expect_gdz=None):
     from cases import make_case, spec_scenario
     spec_kw = dict(spec_kw)
     sc = spec_scenario("variant", spec_kw.pop("num_qo_heads"), spec_kw.pop("num_kv_heads"),
@@ -86,6 +86,7 @@ def decode_variant(profile, spec_kw, lengths, *, window=None, sinks=None, rope=F
     dec = _decoder(spec, profile)
     print(f"geometry: {dec.geometry}", flush=True)
     assert expect_vec in (None, dec.geometry.vec), dec.geometry
+    assert expect_gdz in (None, dec.geometry.gdz), dec.geometry
     case = make_case(spec, lengths, seed=seed, window=window, sinks=sinks, rope=rope,
                      poison=False)
     if spec.sliding_window and window is None:
@@ -263,6 +264,18 @@ VARIANTS = {
         {"strategy": "rows", "vec": 16, "tile_rows": 16}, dict(
             num_qo_heads=4, num_kv_heads=2, head_dim=32, page_size=4, dtype="float16"),
         [0, 1, 37], splits=(False, 8), expect_vec=16)),
+    # head slices (clattn.fit.rows_head_slices): 17 heads per KV head at 8-float vectors
+    # are cut 9 + 8 (the second slice's padded head stores nothing), each slice folding
+    # on its own counter; 16 heads of a latent row in two even slices, merged apart
+    "rows-fold-head-slices-f16-split-learned-sinks": lambda: decode_variant(
+        ROWS_FOLD, dict(num_qo_heads=34, num_kv_heads=2, head_dim=16, page_size=4,
+                        dtype="float16"), [0, 1, 13, 9], splits=(False, 4),
+        sink_logits=True, expect_gdz=2),
+    "rows-head-slices-latent-q4-split": lambda: decode_variant(
+        {"strategy": "rows", "vec": 8, "tile_rows": 8}, dict(
+            num_qo_heads=16, num_kv_heads=1, head_dim=64, head_dim_v=32, page_size=4,
+            dtype="float32", k_format="q4_0", value_in_key=True), [13, 0, 6],
+        splits=(False, 4), expect_gdz=2),
     "rows-vec1-f16": lambda: decode_variant(
         {"strategy": "rows", "vec": 1}, dict(num_qo_heads=2, num_kv_heads=1, head_dim=16,
                                              page_size=4, dtype="float16"),
@@ -338,6 +351,7 @@ VARIANTS = {
 NO_ROPE = ("rows-f32-split", "rows-f32-split-learned-sinks", "tiled-f16-split-learned-sinks",
            "rows-fold-f32-split-learned-sinks", "tiled-separate-f16-split-learned-sinks",
            "adversarial-rows-fold-norope", "rows-vec16-f16-split",
+           "rows-fold-head-slices-f16-split-learned-sinks", "rows-head-slices-latent-q4-split",
            "rows-vec1-f16", "tiled-local-f32-g1-tile2", "rows-fold-widths-f32-split",
            "tiled-widths-f16-split", "rows-fold-latent-q8-window-split", "tiled-latent-f16-split",
            "tiled-subgroup-fallback-f16", "merge-rows-f32", "merge-rows-f16", "merge-tiled-f32",

@@ -311,7 +311,7 @@ def variant(profile: str, shape: str) -> Variant:
     can run (local-memory reduction, vload_half, at most 32 KiB of local memory)."""
     from clattn import profiles as reg
     from clattn.device_fit import fit_device
-    from clattn.fit import tiled_heads, tiled_local_bytes
+    from clattn.fit import slice_heads, tiled_local_bytes
     rec = representative(profile)
     info = rec or {}
     spec = spec_for(shape)
@@ -330,7 +330,7 @@ def variant(profile: str, shape: str) -> Variant:
 
     def need(x):
         return tiled_local_bytes(spec.head_dim_v, x.bdx, x.bdz, x.tile,
-                                  tiled_heads(spec.group_size, x.gdz), x.reduction)
+                                  slice_heads(spec.group_size, x.gdz), x.reduction)
     fitted = g
     while need(fitted) > OCLGRIND_LOCAL and (fitted.bdz > 1 or fitted.tile > 1):
         fitted = replace(fitted, bdz=fitted.bdz // 2) if fitted.bdz > 1 else \

@@ -144,7 +144,7 @@ MUTANTS = [
         [KT, "-k", k("model_shapes", "not cpu")],
         "the last page holds one row less", "kernel"),
     Mutant("gqa-heads-swapped-rows", DECODE, [
-        ("const __global st_t* qp = q + ((ulong)b * ${HQO} + kvh * ${G} + ${g}) * ${D};",
+        ("const __global st_t* qp = q + ((ulong)b * ${HQO} + ${head(g)}) * ${D};",
          "const __global st_t* qp = q + ((ulong)b * ${HQO} + ${g} * ${HKV} + kvh) * ${D};")],
         [KT, "-k", k("model_shapes", ROWS)],
         "query head g of KV head kvh read as head g * H_kv + kvh (rows)", "kernel"),
@@ -197,6 +197,16 @@ MUTANTS = [
          "(${IT})(${\", \".join(str(h * W + j) for j in range(W))}) > n)")],
         [KT, "-k", k("model_shapes", ROWS)],
         "the rows kernel scores the row just past the end of a partial block", "kernel"),
+    Mutant("rows-slices-share-one-counter", DECODE, [
+        ("counters + (ulong)b * ${HKV * GDZ} + get_global_id(1);",
+         "counters + (ulong)b * ${HKV} + kvh;")],
+        ["tests/test_head_slices.py", "-k", "fold and g17"],
+        "the head slices of a KV head fold on one counter: a slice's states never merge",
+        "kernel"),
+    Mutant("rows-slice-heads-from-the-first", DECODE, [
+        ("const int g0 = (get_global_id(1) % ${GDZ}) * ${GH};", "const int g0 = 0;")],
+        ["tests/test_head_slices.py", "-k", "merge-launch and g17"],
+        "every head slice computes the first slice's heads", "kernel"),
     # ---- one per kernel feature ---------------------------------------------------------
     Mutant("window-row-dropped", DECODE, [
         ("const int wo = clamp(window_offset[b], 0, stored);",
