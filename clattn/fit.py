@@ -269,6 +269,14 @@ TILED_MAX_SCORES = 32
 #: (Llama-3-8B and Phi-3 f32, Gemma-2 f16: 0.82-0.90x)
 ROWS_SMALL_BLOCK = 8
 ROWS_BLOCK_BYTES = 8192
+#: rows decode: a work-item that does at least this many multiply-adds per byte of its KV
+#: rows keeps blocks of 16 rows whatever their bytes (each block's softmax step, paid per
+#: head, spread over more rows outweighs the block's cache footprint). The rows
+#: ROWS_BLOCK_BYTES was measured on do 0.25-1 per byte; the latent MLA rows do 15
+#: (DeepSeek-V2-Lite: 16 heads x (576 + 512) per 1152 bytes) and 19 (MiniCPM3 in 2 head
+#: slices: 20 x (288 + 256) per 576), and measured 1.07-1.16x faster with 16 rows than 8
+#: (2-core Sapphire Rapids, PyPI's PoCL and Intel's runtime, 4k and 16k rows)
+ROWS_DENSE_MACS_PER_BYTE = 8
 
 #: rows decode: the prefetch runs this many multiply-adds (G x head_dim per row) ahead of
 #: the block being computed, in whole blocks, at least one and at most PREFETCH_MAX_BLOCKS:
@@ -367,17 +375,20 @@ def _prefetch_blocks(spec: AttentionSpec, tile: int, heads: int) -> int:
     return max(1, min(PREFETCH_MAX_BLOCKS, round(PREFETCH_MACS / per_block)))
 
 
-def _rows_tile(spec: AttentionSpec, want: int, notes: list) -> int:
-    """Rows per block of the rows decode: the profile's, a power of two up to 16 (a cut
-    noted), and more than ROWS_SMALL_BLOCK only while their K and V rows fit in
-    ROWS_BLOCK_BYTES (a size the shape derives, as documented for ``tile_rows``: not
-    noted, so that the default profile warns of nothing)."""
+def _rows_tile(spec: AttentionSpec, want: int, heads: int, notes: list) -> int:
+    """Rows per block of the rows decode for a work-item of ``heads`` query heads: the
+    profile's, a power of two up to 16 (a cut noted), and more than ROWS_SMALL_BLOCK only
+    while their K and V rows fit in ROWS_BLOCK_BYTES or the work-item does at least
+    ROWS_DENSE_MACS_PER_BYTE multiply-adds per byte of them (sizes the shape derives, as
+    documented for ``tile_rows``: not noted, so that the default profile warns of
+    nothing)."""
     tile = 1 << (min(max(1, want), 16).bit_length() - 1)
     if tile != want:
         notes.append(f"tile_rows {want} -> {tile}: the rows kernel takes a power of two up "
                      f"to 16")
     per_row = spec.bytes_per_token / spec.num_kv_heads
-    while tile > ROWS_SMALL_BLOCK and tile * per_row > ROWS_BLOCK_BYTES:
+    dense = heads * (spec.head_dim + spec.head_dim_v) >= ROWS_DENSE_MACS_PER_BYTE * per_row
+    while tile > ROWS_SMALL_BLOCK and tile * per_row > ROWS_BLOCK_BYTES and not dense:
         tile //= 2
     return tile
 
@@ -385,15 +396,17 @@ def _rows_tile(spec: AttentionSpec, want: int, notes: list) -> int:
 def _rows_geometry(spec: AttentionSpec, profile: Profile, limits: Limits,
                    native: bool) -> DecodeGeometry:
     notes: list = []
-    tile = _rows_tile(spec, profile.tile_rows, notes)
-    vec = _rows_decode_vec(spec, profile, limits, notes)
+    vec_notes: list = []
+    vec = _rows_decode_vec(spec, profile, limits, vec_notes)
+    gdz = rows_head_slices(spec.group_size, vec)
+    heads = slice_heads(spec.group_size, gdz)   # a slice's query heads
+    tile = _rows_tile(spec, profile.tile_rows, heads, notes)
+    notes += vec_notes
     interleaved = parse_rope_scaling(spec.rope_scaling, spec.max_position_embeddings).interleaved
     half = spec.rotary_dim // 2
     vec_rope = (not interleaved and half % vec == 0) or \
         (interleaved and vec % 2 == 0 and spec.rotary_dim % vec == 0)
     nv = spec.head_dim_v // vec   # chunks of a V row
-    gdz = rows_head_slices(spec.group_size, vec)
-    heads = slice_heads(spec.group_size, gdz)   # a slice's query heads
     # as many chunks per pass (up to 8, dividing nv) as keep their accumulators (one per
     # head of the slice), a value and a weight in the vector registers
     regs = rows_vector_registers(vec)

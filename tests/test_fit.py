@@ -8,9 +8,18 @@ from cases import config_scenario
 from model_configs import load_models, model
 
 import clattn
+from clattn import models
 from clattn.codegen import render_decode
 from clattn.device_fit import fit_device
-from clattn.fit import ROWS_MIN_NATIVE_VEC, Limits, decode_geometry, rows_vector_registers
+from clattn.fit import (
+    ROWS_BLOCK_BYTES,
+    ROWS_DENSE_MACS_PER_BYTE,
+    ROWS_MIN_NATIVE_VEC,
+    Limits,
+    decode_geometry,
+    rows_vector_registers,
+    slice_heads,
+)
 from clattn.profiles import builtin_profiles, match
 
 RECORDS = json.loads((Path(__file__).parent / "data" / "devices.json").read_text())["records"]
@@ -111,6 +120,28 @@ def test_rows_blocks_above_8_rows_fit_the_block_budget(d, dtype, fmt, tile):
     assert geom.tile == tile
     assert geom.notes == ()   # a size the shape derives, not a wish cut: no warning
     assert decode_geometry(spec, prof.with_(tile_rows=4), Limits()).tile == 4
+
+
+@pytest.mark.parametrize("name, cap, tile, gdz", [
+    ("DeepSeek-V2-Lite", 16, 16, 1),   # 16 x (576 + 512) per 1152 bytes: 15 per byte
+    ("DeepSeek-V2-Lite", 8, 8, 2),     # 2 slices of 8 heads: 7.6 per byte, 18 KiB: 8 rows
+    ("MiniCPM3-4B", 16, 16, 2),        # 20 x (288 + 256) per 576 bytes: 19 per byte
+    ("MiniCPM3-4B", 8, 16, 3),         # 14 heads per slice: 13 per byte
+])
+def test_rows_blocks_of_dense_latent_rows_keep_16_rows(name, cap, tile, gdz):
+    """A work-item that does at least ROWS_DENSE_MACS_PER_BYTE multiply-adds per byte of
+    its rows keeps 16-row blocks past the block budget (a latent MLA row of 576-1152
+    bytes); the rows the budget was measured on (0.25-1 per byte) keep it."""
+    prof = clattn.Profile(name="t", strategy="rows", vec=16, tile_rows=16)
+    spec = models.mla_shape(name).spec("latent")
+    geom = decode_geometry(spec, prof, Limits(rows_max_vec=cap, native_float=cap))
+    assert (geom.tile, geom.gdz, geom.notes) == (tile, gdz, ())
+    per_row = spec.bytes_per_token / spec.num_kv_heads
+    heads = slice_heads(spec.group_size, gdz)
+    dense = heads * (spec.head_dim + spec.head_dim_v) >= ROWS_DENSE_MACS_PER_BYTE * per_row
+    assert dense == (tile == 16) and 16 * per_row > ROWS_BLOCK_BYTES
+    f32 = clattn.AttentionSpec(32, 8, 128, page_size=16, dtype="float32")   # 1 per byte
+    assert decode_geometry(f32, prof, Limits(rows_max_vec=16, native_float=16)).tile == 8
 
 
 @pytest.mark.parametrize("hq, hkv, d, cap, native, chunks", [
