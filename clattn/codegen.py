@@ -85,7 +85,8 @@ def render_decode(spec: AttentionSpec, geom: DecodeGeometry, fused: bool = False
     return _lookup().get_template(f"decode_{geom.strategy}.cl.mako").render(
         **_attention_params(spec, geom), PRAGMAS=geom.pragmas, VEC=geom.vec, TILE=geom.tile,
         PREFETCH=geom.prefetch, VEC_ROPE=geom.vec_rope, V_CHUNKS=geom.v_chunks,
-        BDX=geom.bdx, BDY=geom.bdy, BDZ=geom.bdz, GDZ=geom.gdz, USE_LOCAL=geom.use_local,
+        BDX=geom.bdx, BDY=geom.bdy, BDZ=geom.bdz, GDZ=geom.gdz,
+        GH=slice_heads(spec.group_size, geom.gdz), USE_LOCAL=geom.use_local,
         REDUCE=geom.reduction, SGS=geom.subgroup_size, SG_ATTR=geom.subgroup_attr,
         FUSED=fused, SINKS=sinks, FOLD=fold, SIGNATURE=table.signature(), FIXUP=table.fixup(),
         LOCAL=tiled_local(spec.head_dim_v, geom.bdx, geom.bdz, geom.tile,

@@ -14,7 +14,8 @@ Template parameters (clattn.codegen.render_decode, from clattn.fit.DecodeGeometr
   SLIDING, SOFTCAP     window + sinks compiled in; soft-cap value or None
   DTYPE, NATIVE_HALF   storage type; convert half vectors natively (cl_khr_fp16)
   DENORMS              the device keeps f32 subnormals (cheaper exact f16 conversion)
-  GDZ                  head slices per KV head (clattn.fit.rows_head_slices)
+  GDZ, GH              head slices per KV head (clattn.fit.rows_head_slices); query heads
+                       per slice (clattn.fit.slice_heads)
   VEC, TILE            floats per vector load; rows scored per block, as TILE / W
                        vectors of W = min(TILE, VEC) lanes (so no vector is wider than
                        the loads, which the compiler builds)
@@ -42,7 +43,6 @@ write out of bounds (counters: the host sizes it for the launch's batch, B x HKV
 ${c.prelude(poly=True)}
 ${d.setup()}
 <% NV, NVV = D // VEC, DV // VEC %>\
-<% GH = -(-G // GDZ) %>\
 ## the query head of slot g of the slice (a padded slot of the last slice: head G - 1)
 <%def name="head(g)">kvh * ${G} + ${("min(g0 + %d, %d)" % (g, G - 1)) if GDZ > 1 else g}</%def>\
 ## slot g holds one of the slice's heads (a padded slot stores nothing)

@@ -71,7 +71,7 @@ if (rotary_mode) {
 </%def>
 
 <%
-GI = -(-G // GDZ)            # query heads per work-item
+GI = GH                      # query heads per work-item (clattn.fit.slice_heads)
 ROWS = BDZ * TILE            # rows per step
 PAIRS = TILE * GI            # (row, head) scores per slice per step
 LOCAL_RED = REDUCE != "subgroup"

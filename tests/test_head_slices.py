@@ -48,8 +48,8 @@ def test_slices_keep_a_slices_scores_and_a_key_chunk_in_the_registers(group, vec
     assert (slices - 1) * heads < group   # no slice is empty
 
 
-def _decoder(spec, device, fold, split):
-    prof = VEC8.with_(fold_merge=fold, **(SPLIT if split else {}))
+def _decoder(spec, device, fold):
+    prof = VEC8.with_(fold_merge=fold, **SPLIT)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # profile fitting notes
         return clattn.BatchDecode(spec, device, profile=prof)
@@ -60,7 +60,7 @@ def _decoder(spec, device, fold, split):
 def test_decode_in_head_slices(device, key, fold):
     sc, slices, sm = SHAPES[key]
     spec = sc.spec
-    dec = _decoder(spec, device, fold, split=True)
+    dec = _decoder(spec, device, fold)
     assert (dec.geometry.strategy, dec.geometry.vec, dec.geometry.gdz) == ("rows", 8, slices)
     ps = spec.page_size
     for seed, lengths in enumerate(([0, 1, ps + 1, 5 * ps + 3], [3 * ps, 2])):
