@@ -37,11 +37,12 @@ from .validate import (
 @dataclass(frozen=True)
 class PrefillPlan:
     """The work units of one prefill batch: tiles of up to ``queries_per_unit`` queries
-    of one sequence, longest work first (the causal tiles near a chunk's end read the
-    most keys). ``units`` is a read-only int32 ``[n_units, 4]`` table of (sequence, its
-    first query in the tile, the sequence's queries, the tile's first row of q): the
-    kernels take the split of q from it, so tiles never write the same row;
-    ``n_q`` the queries of each sequence."""
+    of one sequence, a sequence's tiles together and longest work first (the causal tiles
+    near a chunk's end read the most keys), the sequences by their longest tile.
+    ``units`` is a read-only int32 ``[n_units, 4]`` table of (sequence, its first query
+    in the tile, the sequence's queries, the tile's first row of q): the kernels take the
+    split of q from it, so tiles never write the same row; ``n_q`` the queries of each
+    sequence."""
 
     units: np.ndarray
     queries_per_unit: int
@@ -59,11 +60,26 @@ class PrefillPlan:
                 f"{self.batch} sequences, {self.total_q} queries{read}")
 
 
+def _unit_order(seq: np.ndarray, work: np.ndarray, batch: int) -> np.ndarray:
+    """The launch order of units of sequences ``seq`` reading ``work`` key rows each.
+
+    A sequence's units stay together, most work first: they read the same keys, so a
+    core (or a GPU's L2) keeps them between units; interleaving the sequences of a batch
+    of four cost 1.03-1.09x on CPU drivers (tools/RESULTS.md, "Prefill unit order").
+    The sequences go in the order of their longest unit, most first, so the launch still
+    ends on short units (longest processing time first, taken a sequence at a time).
+    """
+    longest = np.zeros(batch, np.int64)
+    np.maximum.at(longest, seq, work)
+    return np.lexsort((-work, seq, -longest[seq]))
+
+
 def make_prefill_plan(n_q: np.ndarray, chunk: np.ndarray | None, qb: int,
                       q_start: np.ndarray | None = None) -> PrefillPlan:
     """Cut each sequence's ``n_q[b]`` queries into tiles of ``qb``; with the chunk lengths
-    known, order the tiles by the key rows they read, most first. Sequence ``b``'s
-    queries are rows ``q_start[b] ..`` of q (default: sequence after sequence)."""
+    known, order the tiles as :func:`_unit_order` (a sequence's tiles together, most key
+    rows first; the sequences by their longest tile). Sequence ``b``'s queries are rows
+    ``q_start[b] ..`` of q (default: sequence after sequence)."""
     n_q = np.asarray(n_q, dtype=np.int64)
     b = np.repeat(np.arange(len(n_q)), -(-n_q // qb))
     first = np.concatenate([np.arange(0, n, qb) for n in n_q]) if len(b) else np.zeros(0, np.int64)
@@ -74,7 +90,7 @@ def make_prefill_plan(n_q: np.ndarray, chunk: np.ndarray | None, qb: int,
     if chunk is not None and len(b):
         nb = n_q[b]
         work = np.asarray(chunk, np.int64)[b] - nb + first + np.minimum(qb, nb - first)
-        order = np.argsort(-work, kind="stable")
+        order = _unit_order(b, work, len(n_q))
         b, first, row, work = b[order], first[order], row[order], work[order]
     units = np.stack([b, first, n_q[b] if len(b) else b, row], axis=1).astype(np.int32)
     units = np.ascontiguousarray(units.reshape(-1, 4))
@@ -163,7 +179,8 @@ class BatchPrefill:
             ``q[qo_indptr[b]:qo_indptr[b + 1]]``.
         page_indptr, last_page_len, length_info, window_offset, sink_size : optional
             The page tables as for :meth:`clattn.BatchDecode.plan`: with them the units
-            are ordered by the key rows they read, most first (better balance).
+            are ordered by the key rows they read, most first, a sequence's units
+            together (better balance, and its keys stay in cache between its units).
 
         Returns
         -------

@@ -288,6 +288,29 @@ def test_plan_units_and_checks():
         pre.plan(qo, np.array([0, 1, 1, 2], np.int32))
 
 
+def test_plan_order_keeps_a_sequence_together_longest_first():
+    # 2 queries per unit; sequence 1's tiles read 7, 9 and 10 key rows, sequence 0's 2 and 3
+    plan = make_prefill_plan(np.array([3, 5]), np.array([3, 10]), 2)
+    assert plan.units.tolist() == [[1, 4, 5, 7], [1, 2, 5, 5], [1, 0, 5, 3], [0, 2, 3, 2],
+                                   [0, 0, 3, 0]]
+    assert plan.rows_read == 2 + 3 + 7 + 9 + 10
+    rng = np.random.default_rng(5)
+    for _ in range(50):
+        B, qb = int(rng.integers(1, 7)), int(rng.integers(1, 9))
+        n_q = rng.integers(0, 40, B)
+        chunk = n_q + rng.integers(0, 300, B)
+        u = make_prefill_plan(n_q, chunk, qb).units.astype(np.int64)
+        work = chunk[u[:, 0]] - n_q[u[:, 0]] + u[:, 1] + np.minimum(qb, u[:, 2] - u[:, 1])
+        seqs = [int(b) for i, b in enumerate(u[:, 0]) if i == 0 or b != u[i - 1, 0]]
+        assert len(seqs) == len(set(seqs)) == int((n_q > 0).sum()), "a sequence was split"
+        longest = [int(work[u[:, 0] == b].max()) for b in seqs]
+        assert longest == sorted(longest, reverse=True)
+        for b in seqs:
+            mine = u[u[:, 0] == b]
+            assert sorted(mine[:, 1].tolist()) == list(range(0, int(n_q[b]), qb))
+            assert (np.diff(work[u[:, 0] == b]) <= 0).all()
+
+
 def test_validation_names_the_problem():
     sc = SCENARIOS["Llama-3.1-8B"]
     pre = clattn.BatchPrefill(sc.spec, backend="cpu")
