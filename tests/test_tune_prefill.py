@@ -87,7 +87,7 @@ def test_space_fields_and_values():
     by = {(p.field, p.strategies): p for p in PREFILL_SPACE}
     assert by["prefill_vec", ("rows",)].values == (4, 8, 16)
     assert by["prefill_kb", ("rows",)].values == (4, 8, 16)
-    assert by["prefill_qb", ("rows",)].values == (2, 4, 8, 16)
+    assert by["prefill_qb", ("rows",)].values == (2, 4, 8, 16, 32)
     assert {p.field for p in PREFILL_SPACE if p.strategies == ("tiled",)} == \
         {"prefill_tc", "prefill_rm", "prefill_kb", "prefill_qb"}
     # PoCL's PyPI build compiles the rows kernels with at most 8 floats per vector

@@ -19,6 +19,7 @@ from clattn.codegen import render_prefill
 from clattn.device_fit import fit_device
 from clattn.fit import (
     PREFILL_MAX_KB,
+    PREFILL_MIN_ROW_VECTORS,
     PREFILL_ROWS,
     Limits,
     decode_geometry,
@@ -152,6 +153,25 @@ def test_wishes_are_cut_with_their_reasons():
     bare = clattn.Profile(name="b", prefill_kb=None, prefill_tc=None, prefill_rm=None)
     g = prefill_geometry(clattn.AttentionSpec(32, 8, 128), bare, Limits(local_mem_size=1 << 20))
     assert (g.tc, g.rm, g.kb) == (16, 4, 32) and not g.notes
+
+
+@pytest.mark.parametrize("shape, native, want", [
+    ((32, 8, 128), 16, 8),    # Llama-3-8B: 4096 floats of q give 32 rows, two 16-float vectors
+    ((32, 8, 128), 8, 8),
+    ((8, 4, 256), 16, 16),    # Gemma-2: 4096 floats are 16 rows, one vector: two need 16 queries
+    ((8, 4, 256), 8, 8),      # ... two 8-float vectors already
+    ((32, 32, 96), 16, 32),   # Phi-3: 16 queries (the floats' cap) of one head, one vector
+    ((32, 32, 96), 8, 16),
+    ((14, 2, 64), 16, 9),     # Qwen2.5: 7 heads, at most 64 rows
+    ((71, 1, 64), 16, 1),     # a group wider than the row cap: one query
+])
+def test_rows_queries_fill_two_row_vectors(shape, native, want):
+    cpu = PROFILES["generic-cpu"]
+    spec = clattn.AttentionSpec(*shape, dtype="float16")
+    g = prefill_geometry(spec, cpu, Limits(native_float=native))
+    assert g.vec == native and g.qb == want and not g.notes
+    rows = g.qb * spec.group_size
+    assert rows >= min(PREFILL_MIN_ROW_VECTORS * g.vec, PREFILL_ROWS)
 
 
 def test_rows_vectors_follow_the_native_width_decode_from_8():

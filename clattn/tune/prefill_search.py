@@ -54,7 +54,7 @@ def _fits_rows_vec(value: int, limits: Limits) -> bool:
 PREFILL_SPACE: tuple[Parameter, ...] = (
     Parameter("prefill_vec", (4, 8, 16), ("rows",), allowed=_fits_rows_vec),
     Parameter("prefill_kb", (4, 8, 16), ("rows",)),
-    Parameter("prefill_qb", (2, 4, 8, 16), ("rows",)),
+    Parameter("prefill_qb", (2, 4, 8, 16, 32), ("rows",)),
     Parameter("prefill_tc", (4, 8, 16, 32), ("tiled",), allowed=fits_work_group),
     Parameter("prefill_rm", (1, 2, 4, 8), ("tiled",)),
     Parameter("prefill_kb", (16, 32, 64), ("tiled",)),
