@@ -360,6 +360,12 @@ MUTANTS = [
         ("if self.prefill and tables.T > len(tables.lengths):", "if False:")],
         ["tests/test_cache_prefill.py", "-k", "prompts_decode_and_mixed and float32"],
         "the cache runs prompt chunks on the decode kernel (no prefill path)", "python"),
+    Mutant("prefill-units-interleaved", "clattn/prefill.py", [
+        ("return np.lexsort((-work, seq, -longest[seq]))",
+         "return np.argsort(-work, kind='stable')")],
+        ["tests/test_prefill.py", "-k", "plan_order_keeps_a_sequence_together"],
+        "the prefill units of a batch's sequences interleave (their keys leave the cache)",
+        "python"),
     Mutant("prefill-run-past-window-slide", "clattn/cache_tables.py", [
         ("key &= t.window_offset == t.sink_size", "key &= t.window_offset >= 0")],
         ["tests/test_cache_prefill.py", "-k", "slide_inside_a_chunk and None"],
@@ -439,6 +445,11 @@ MUTANTS = [
          "    if False:")],
         ["tests/test_profiler.py", "-k", "does_not_hold_up"],
         "a search winner slower than the default when timed again is kept (both stages)",
+        "python"),
+    Mutant("prefill-rows-one-row-vector", "clattn/fit.py", [
+        ("max(by_floats, -(-PREFILL_MIN_ROW_VECTORS * vec // G))", "max(by_floats, 1)")],
+        ["tests/test_tune_prefill_fit.py", "-k", "fill_two_row_vectors"],
+        "the rows prefill derives units of one row vector (one multiply-add per key element)",
         "python"),
     Mutant("llvmpipe-tiled-prefill", "clattn/fit.py", [
         ('            tiled_prefill="llvmpipe" not in '
