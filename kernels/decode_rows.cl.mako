@@ -433,7 +433,7 @@ ${rotate_row("f")}
         if (direct) {
             __global st_t* op = out + ((ulong)b * ${HQO} + h) * ${DV};
 %   for i in range(NVV):
-            ${c.storev(V, "a%d_%d * inv" % (g, i), "op + %d" % (i * V))}
+            ${kx.raw_store("a%d_%d * inv" % (g, i), "op + %d" % (i * V), V, DTYPE, NATIVE_HALF)}
 %   endfor
             lse[(ulong)b * ${HQO} + h] = st;
         } else {

@@ -30,8 +30,10 @@ Template parameters (clattn.codegen.render_prefill, from clattn.fit.PrefillGeome
 <%! from clattn import kernel_exprs as kx %>\
 ${c.prelude(poly=True)}
 ${pc.setup()}
-## private vectors go through aligned pointers and selects are written as ?:
-## (vloadN/vstoreN/select are library calls some CPU drivers do not inline)
+## private vectors go through aligned pointers, q and out through the raw vector loads and
+## stores, and selects are written as ?: (vloadN/vstoreN/select and scalar half loads are
+## library calls some CPU drivers do not inline: scalar loads of q cost up to 25% of a
+## 128-query prefill on Intel's runtime)
 <%
 assert KB <= 25, "clattn_mask_bits gives a block's bits in one word"
 V, NV, NVV = VEC, D // VEC, DV // VEC            # vectors of a q/K row, of a V row
@@ -75,11 +77,12 @@ __kernel void clattn_prefill(${SIGNATURE})
     const float qscale = sm_scale${" * CLATTN_LOG2E" if SOFTCAP is None else ""};
     for (int r = 0; r < ${M}; ++r) {
         const int i = r / ${G};
-        float f[${D}];
+        float f[${D}] __attribute__((aligned(64)));
         ((int*)lim)[r] = QLIM(i);
         if (i < nq) {
             const __global st_t* qp = q + ((ulong)(qs + i) * ${HQO} + kvh * ${G} + r % ${G}) * ${D};
-            for (int e = 0; e < ${D}; ++e) f[e] = ${c.loadv(1, "qp + e")};
+            for (int e = 0; e < ${NV}; ++e)
+                ${kx.private_store(kx.raw_load("qp + e * %d" % V, V, DTYPE, NATIVE_HALF), "f + e * %d" % V, FV)}
             if (rotary_mode) {
                 clattn_rope_cs(qpos0 + i, tt, cs, sn);
                 clattn_rotate_cs(f, cs, sn, rope_att);
@@ -245,8 +248,7 @@ __kernel void clattn_prefill(${SIGNATURE})
         const float inv = clattn_part_inv(l, seen) * alpha;
         __global st_t* op = out + at * ${DV};
         for (int e = 0; e < ${NVV}; ++e) {
-            const ${FV} o = acc[r][e] * inv;
-            ${c.storev(V, "o", "op + e * %d" % V)}
+            ${kx.raw_store("acc[r][e] * inv", "op + e * %d" % V, V, DTYPE, NATIVE_HALF)}
         }
         lse[at] = clattn_part_lse(mf, l, seen);
     }
