@@ -758,6 +758,10 @@ def test_search_space_is_declarative():
     assert search.values_to_try(by["thread_limit"], tiled, small, False) == [128, 64, 32]
     assert search.values_to_try(by["reduction"], tiled, small, False) == []  # no sub-groups
     assert search.values_to_try(by["vec"], rows, Limits(), True) == [4, 16]  # quick: neighbours
+    # a CPU driver's vectors never narrower than 4; a GPU's native 1 allows them all
+    assert search.values_to_try(by["vec"], rows, Limits(native_float=16), False) == [4, 16]
+    assert search.values_to_try(by["vec"], tiled.with_(vec=4), Limits(native_float=1),
+                                False) == [2, 8, 1, 16]
     assert by["reduction"].resets == {"subgroup_size": None}
     assert not by["wgs_per_cu"].kernel and by["vec"].kernel
     assert isinstance(by["vec"], Parameter)

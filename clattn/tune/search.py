@@ -54,6 +54,15 @@ def fits_work_group(value: int, limits: Limits) -> bool:
     return value <= min(limits.max_work_group_size, limits.max_work_item_sizes[0])
 
 
+def worth_building_vec(value: int, limits: Limits) -> bool:
+    """Whether a ``vec`` candidate is worth a build: at least 4 floats, or the device's
+    native width where that is less (a GPU's 1 or 2). Narrower vectors on a CPU driver ran
+    3-5x slower than the best, and their kernels unroll head_dim into so many statements
+    that PyPI's PoCL took minutes to compile DeepSeek-V2-Lite's latent rows at vec 1
+    (LLVM's jump threading; tools/RESULTS.md, "Machine E, a fourth stop")."""
+    return value >= min(4, limits.native_float)
+
+
 def _has_subgroups(value: str, limits: Limits) -> bool:
     return value != "subgroup" or bool(limits.subgroup_sizes)
 
@@ -79,7 +88,7 @@ class Parameter:
 #: visited in this order: the cheap plan fields before the other strategy (rarely a win,
 #: and its kernels are the slowest to build and to run)
 SEARCH_SPACE: tuple[Parameter, ...] = (
-    Parameter("vec", (1, 2, 4, 8, 16)),
+    Parameter("vec", (1, 2, 4, 8, 16), allowed=worth_building_vec),
     Parameter("tile_rows", (1, 2, 4, 8, 16)),
     Parameter("wgs_per_cu", (1, 2, 4, 8, 16), kernel=False),
     Parameter("min_partition_rows", (64, 128, 256, 512, 1024, 2048), kernel=False),
