@@ -56,6 +56,20 @@ def load_revision(rev: str, into: Path):
     return mod
 
 
+def alternate(runs: list, seconds: float) -> int:
+    """Call each run's ``dec.run(*args, plan=plan)`` in turns (the order reversed every
+    other turn) for ``seconds``, at least 6 turns, appending its kernel event ms to its
+    ``ms``; returns the turns."""
+    t0, turn = time.perf_counter(), 0
+    while time.perf_counter() - t0 < seconds or turn < 6:
+        for r in runs if turn % 2 == 0 else runs[::-1]:
+            res = r["dec"].run(*r["args"], plan=r["plan"])
+            r["queue"].finish()
+            r["ms"].append(sum(e.profile.end - e.profile.start for e in res.events) * 1e-6)
+        turn += 1
+    return turn
+
+
 def one_row(pkgs: list, name: str, dtype: str, B: int, ctx: int, device: str,
             seconds: float, seed: int, pools: tuple = ("plain", "plain"),
             fmt: str | None = None) -> dict:
@@ -99,14 +113,7 @@ def one_row(pkgs: list, name: str, dtype: str, B: int, ctx: int, device: str,
         out = first.out.get() if hasattr(first.out, "get") else np.asarray(first.out)
         runs.append(dict(dec=dec, queue=queue, args=(dq, dp, *tables), plan=plan, out=out,
                          ms=[]))
-    t0, turn = time.perf_counter(), 0
-    while time.perf_counter() - t0 < seconds or turn < 6:
-        order = runs if turn % 2 == 0 else runs[::-1]
-        for r in order:
-            res = r["dec"].run(*r["args"], plan=r["plan"])
-            r["queue"].finish()
-            r["ms"].append(sum(e.profile.end - e.profile.start for e in res.events) * 1e-6)
-        turn += 1
+    turn = alternate(runs, seconds)
     diff = float(np.max(np.abs(runs[0]["out"].astype(np.float64) - runs[1]["out"])))
     plan = runs[1]["plan"]
     return dict(model=name, dtype=fmt, B=B, ctx=ctx,

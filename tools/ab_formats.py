@@ -17,12 +17,11 @@ from __future__ import annotations
 
 import argparse
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
 import pyopencl.array as cla
-from ab_decode import PACK_PAGES, load_revision
+from ab_decode import PACK_PAGES, alternate, load_revision
 from common import MODELS, PAGE  # first: it puts clattn on the path
 
 import clattn
@@ -60,13 +59,7 @@ def one_row(pkgs: list, model: str, B: int, ctx: int, device: str, seconds: floa
             queue.finish()
             runs.append(dict(what=f"{name} {fmt}", dec=dec, queue=queue, args=args, plan=plan,
                              ms=[]))
-    t0, turn = time.perf_counter(), 0
-    while time.perf_counter() - t0 < seconds or turn < 6:
-        for r in runs if turn % 2 == 0 else runs[::-1]:
-            res = r["dec"].run(*r["args"], plan=r["plan"])
-            r["queue"].finish()
-            r["ms"].append(sum(e.profile.end - e.profile.start for e in res.events) * 1e-6)
-        turn += 1
+    turn = alternate(runs, seconds)
     f16 = runs[0]["ms"]
     cells = ["%.2f (%.2fx, p10 %.2fx)" % (np.median(r["ms"]), np.median(r["ms"]) / np.median(f16),
                                           np.percentile(r["ms"], 10) / np.percentile(f16, 10))

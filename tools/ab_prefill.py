@@ -16,12 +16,11 @@ from __future__ import annotations
 
 import argparse
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
 import pyopencl.array as cla
-from ab_decode import load_revision
+from ab_decode import alternate, load_revision
 from common import MODELS, PAGE
 
 import clattn
@@ -50,15 +49,9 @@ def one_row(pkgs: list, name: str, dtype: str, B: int, new: int, cached: int, de
         args = [cla.to_device(queue, a) for a in (q, pages, qo, indptr, indices, last)]
         first = pre.run(*args, plan=plan)
         queue.finish()
-        runs.append(dict(pre=pre, queue=queue, args=args, plan=plan, out=first.out.get(),
+        runs.append(dict(dec=pre, queue=queue, args=args, plan=plan, out=first.out.get(),
                          ms=[]))
-    t0, turn = time.perf_counter(), 0
-    while time.perf_counter() - t0 < seconds or turn < 6:
-        for r in (runs if turn % 2 == 0 else runs[::-1]):
-            res = r["pre"].run(*r["args"], plan=r["plan"])
-            r["queue"].finish()
-            r["ms"].append(sum(e.profile.end - e.profile.start for e in res.events) * 1e-6)
-        turn += 1
+    turn = alternate(runs, seconds)
     diff = float(np.max(np.abs(runs[0]["out"].astype(np.float64) - runs[1]["out"])))
     return dict(model=name, dtype=dtype, B=B, chunk=f"{new}:{cached}",
                 units=" / ".join(f"{len(r['plan'].units)}x{r['plan'].queries_per_unit}"
