@@ -128,10 +128,12 @@ inline ${T} clattn_state_weight${S}(const ${T} s, const ${T} mx)
 <% T = "float" if V == 1 else "float%d" % V; I = "int" if V == 1 else "int%d" % V %>\
 /* 2^x for x <= 0 (-inf gives 0) without library calls: round-to-nearest by the
    1.5 * 2^23 trick, 2^f on [-1/2, 1/2] by its degree-6 Taylor polynomial (error
-   below 2e-7 relative), 2^n as two exponent-field scalings (n down to -150) */
+   below 2e-7 relative), 2^n as one exponent-field scaling; x below -126.5 gives 0 (every
+   caller weighs against a 2^0 = 1 of the same sum, so a weight below 2^-126 is lost in
+   its rounding anyway) */
 inline ${T} clattn_exp2_${V}(${T} x)
 {
-    x = x < -150.0f ? (${T})(-150.0f) : x;
+    x = x < -127.0f ? (${T})(-127.0f) : x;
     const ${T} t = x + 12582912.0f;
     const ${I} n = as_${I}(t) - 0x4B400000;
     const ${T} f = x - (t - 12582912.0f);
@@ -142,8 +144,7 @@ inline ${T} clattn_exp2_${V}(${T} x)
     p = p * f + 2.4022651e-1f;
     p = p * f + 6.9314718e-1f;
     p = p * f + 1.0f;
-    const ${I} n1 = n >> 1;
-    return p * as_${T}((n1 + 127) << 23) * as_${T}((n - n1 + 127) << 23);
+    return p * as_${T}((n + 127) << 23);
 }
 </%def>
 

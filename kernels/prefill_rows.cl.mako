@@ -146,53 +146,74 @@ __kernel void clattn_prefill(${SIGNATURE})
         }
         /* scores of NK keys x RG row vectors per tile, the masks, the online softmax:
            every row vector at once; a row with no attended key in the block keeps its
-           state (r0, the block's first key, is attended iff r0 <= lim) */
+           state (r0, the block's first key, is attended iff r0 <= lim). A whole block
+           (every live row attends all KB keys) skips the masks: padding rows then carry
+           finite scores of q = 0 that no output reads */
+        const int whole = mfull && r0 + ${KB - 1} <= QLIM(0);
+% for masked in (False, True):
+        ${"if (whole) {" if not masked else "} else {"}
         ${FV} bm[${NRV}];
         for (int v = 0; v < ${NRV}; ++v) bm[v] = -INFINITY;
         for (int j = 0; j < ${KB}; j += ${NK})
         for (int g = 0; g < ${NRV}; g += ${RG}) {
-% for k in range(NK):
-%   for v in range(RG):
+%   for k in range(NK):
+%     for v in range(RG):
             ${FV} t${k}_${v} = 0.0f;
+%     endfor
 %   endfor
-% endfor
             for (int e = 0; e < ${D}; ++e) {
-% for v in range(RG):
+%   for v in range(RG):
                 const ${FV} q${v} = qt[e][g + ${v}];
-% endfor
-% for k in range(NK):
+%   endfor
+%   for k in range(NK):
                 {
                     const float kk = ((const float*)kf[j + ${k}])[e];
-%   for v in range(RG):
+%     for v in range(RG):
                     t${k}_${v} += kk * q${v};
-%   endfor
+%     endfor
                 }
-% endfor
+%   endfor
             }
-% for k in range(NK):
-%   for v in range(RG):
+%   for k in range(NK):
+%     for v in range(RG):
             {
+%       if masked:
                 const ${FV} sv = (${kx.causal_mask("r0 + j + %d" % k, "g + %d" % v, V)} & mk[j + ${k}][g + ${v}]) ? ${kx.score("t%d_%d" % (k, v), SOFTCAP)} : (${FV})(-INFINITY);
+%       else:
+                const ${FV} sv = ${kx.score("t%d_%d" % (k, v), SOFTCAP)};
+%       endif
                 bm[g + ${v}] = ${kx.select_max("bm[g + %d]" % v, "sv")};
                 ${kx.private_store("sv", "pt[j + %d] + (g + %d) * %d" % (k, v, V), FV)}
             }
+%     endfor
 %   endfor
-% endfor
         }
         for (int v = 0; v < ${NRV}; ++v) {
+%   if masked:
             const ${IV} live = ${kx.causal_mask("r0", "v", V)};
             const ${FV} mx = live ? ${kx.select_max("mr[v]", "bm[v]")} : mr[v];
             const ${FV} base = clattn_basev(mx);
             const ${FV} al = live ? clattn_exp2_${V}(mr[v] - base) : (${FV})1.0f;
+%   else:
+            const ${FV} mx = ${kx.select_max("mr[v]", "bm[v]")};
+            const ${FV} base = clattn_basev(mx);
+            const ${FV} al = clattn_exp2_${V}(mr[v] - base);
+%   endif
             ${FV} sum = 0.0f;
             for (int j = 0; j < ${KB}; ++j) {
+%   if masked:
                 const ${FV} p = ${kx.causal_mask("r0 + j", "v", V)} ? clattn_exp2_${V}(${kx.private_load("pt[j] + v * %d" % V, FV)} - base) : (${FV})0.0f;
+%   else:
+                const ${FV} p = clattn_exp2_${V}(${kx.private_load("pt[j] + v * %d" % V, FV)} - base);
+%   endif
                 sum += p;
                 ${kx.private_store("p", "pt[j] + v * %d" % V, FV)}
             }
             lr[v] = lr[v] * al + sum;
             mr[v] = mx;
             ${kx.private_store("al", "alpha + v * %d" % V, FV)}
+        }
+% endfor
         }
         /* values: where every row attends every key of the block (rows past the end
            are 0), MV rows x NI head_dim vectors per tile; else (the causal diagonal, a

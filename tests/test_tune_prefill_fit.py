@@ -115,14 +115,14 @@ def _assert_rendered(spec, geom):
 
 def test_defaults_per_device_class():
     cpu, gpu = PROFILES["generic-cpu"], PROFILES["generic"]
-    assert (cpu.strategy, cpu.prefill_kb, cpu.prefill_qb) == ("rows", 8, None)
+    assert (cpu.strategy, cpu.prefill_kb, cpu.prefill_qb) == ("rows", 16, None)
     assert (gpu.prefill_tc, gpu.prefill_rm, gpu.prefill_kb, gpu.prefill_qb) == (16, 4, None, None)
-    assert PROFILES["nvidia"].prefill_tc == 16 and PROFILES["intel-cpu"].prefill_kb == 8
-    assert prefill_text(cpu) == "kb 8, qb auto, vec auto" and \
+    assert PROFILES["nvidia"].prefill_tc == 16 and PROFILES["intel-cpu"].prefill_kb == 16
+    assert prefill_text(cpu) == "kb 16, qb auto, vec auto" and \
         prefill_text(gpu) == "16x4, kb auto, qb auto"
     # a decode tile_rows (what the tuner tunes) does not move the CPU prefill's key blocks
     g = prefill_geometry(clattn.AttentionSpec(32, 8, 128), cpu.with_(tile_rows=2), Limits())
-    assert g.kb == 8 and not g.notes
+    assert g.kb == 16 and not g.notes
     # the GPU root leaves the key tile to the fit: 2 keys per thread of a row group
     g = prefill_geometry(clattn.AttentionSpec(32, 8, 128), gpu, Limits(local_mem_size=1 << 20))
     assert (g.tc, g.rm, g.kb) == (16, 4, 32) and not g.notes

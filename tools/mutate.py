@@ -175,6 +175,11 @@ MUTANTS = [
          "${T} p = 0.0f;\n    p = p * f + 0.0f;")],
         [KT, "-k", k("model_shapes", ROWS)],
         "the rows kernel's exp2 polynomial loses its two highest terms", "kernel"),
+    Mutant("exp2-range-unclamped", COMMON, [
+        ("x = x < -127.0f ? (${T})(-127.0f) : x;", "x = x < -200.0f ? (${T})(-200.0f) : x;")],
+        ["tests/test_kernel_numerics.py", "-k", "accurate"],
+        "the CPU kernels' exp2 scales by 2^n below the exponent field's range (2^-127 "
+        "and less wrap to huge or negative numbers)", "kernel"),
     Mutant("log2-polynomial-cut", COMMON, [
         ("p = p * f2 + 0.33333333f;", "p = p * f2 + 0.0f;")],
         ["tests/test_kernel_numerics.py", "-k", "accurate"],
@@ -581,6 +586,12 @@ MUTANTS = [
         ["tests/test_fold_merge.py", "-k", "grow_with"],
         "the folded merge's counters keep the first batch's size (later launches count "
         "past them; Intel's runtime crashes on it, PoCL gives wrong values)", env=POCL),
+    Mutant("prefill-whole-block-on-the-diagonal", "kernels/prefill_rows.cl.mako", [
+        ("const int whole = mfull && r0 + ${KB - 1} <= QLIM(0);",
+         "const int whole = mfull && r0 <= QLIM(0);")],
+        ["tests/test_prefill.py", "-k", k("model_shapes", ROWS)],
+        "the rows prefill skips the causal masks in a block the diagonal crosses (queries "
+        "attend later keys)", "kernel", env=FAST),
     Mutant("prefill-mask-unit-offset", "kernels/prefill_common.clh.mako", [
         ("* 8 + (long)q0 * chunk : 0;", "* 8 : 0;")],
         ["tests/test_custom_mask.py", "-k", "several_prefill_units"],
