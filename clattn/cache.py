@@ -67,7 +67,10 @@ class CacheStats:
     pages taken by the step in progress; ``bytes_per_token``: pool bytes one token takes
     over all layers; ``free_tokens``: the longest context the free pages still hold;
     ``prefill_launches``: attend calls that ran the prefill kernel since the cache was
-    made (one per layer of a step with prompt chunks); ``launches``: kernels the cache
+    made (one per layer of a step with prompt chunks), ``prefill_units`` the work units
+    (tiles of one sequence's queries) they ran (0 on the CPU backend: the plan of
+    :func:`clattn.prefill.queries_per_unit` cuts a step's chunks over long caches into
+    fewer, larger units); ``launches``: kernels the cache
     enqueued since it was made (page copies, appends, decode, merge, prefill; 0 on the CPU
     backend), so a step's launches per layer are its difference over ``num_layers``.
     """
@@ -84,6 +87,7 @@ class CacheStats:
     free_tokens: int
     prefill_launches: int = 0
     launches: int = 0
+    prefill_units: int = 0
 
     def __str__(self) -> str:
         return (f"{self.pages_used}/{self.num_pages} pages used ({self.pages_shared} shared, "
@@ -319,7 +323,8 @@ class PagedKVCache:
                 sequences=len(t.seqs), bytes_per_token=self.page_bytes * self.num_layers //
                 self.spec.page_size, pool_bytes=self.page_bytes * self.num_pages * self.num_layers,
                 free_tokens=free * self.spec.page_size, prefill_launches=self.prefill_launches,
-                launches=self.launches)
+                launches=self.launches,
+                prefill_units=self._device.prefill_units if self._device else 0)
 
     # -- sequences on storage (clattn.cache_store, format: clattn.kv_file) -------------
     def save(self, path: str | os.PathLike[str], seq_ids: Sequence[Hashable] | None = None,

@@ -27,7 +27,7 @@ import numpy as np
 from . import host_memory, runtime, signatures
 from .cache_tables import PrefillRuns, StepTables
 from .decode_launch import DecodeLaunch, make_plan, plan_launch
-from .prefill import make_prefill_plan
+from .prefill import make_prefill_plan, queries_per_unit
 from .quant import QUANTIZED, check_quantizable
 from .result import AttentionResult
 from .spec import AttentionSpec
@@ -88,9 +88,10 @@ class CacheDevice:
 
     Attributes
     ----------
-    bytes_uploaded, launches, prefill_launches : int
-        Bytes sent to the device (tables, k, v, q, sinks, masks), kernels enqueued, and
-        attend calls that ran the prefill kernel, since it was made.
+    bytes_uploaded, launches, prefill_launches, prefill_units : int
+        Bytes sent to the device (tables, k, v, q, sinks, masks), kernels enqueued,
+        attend calls that ran the prefill kernel, and the work units (tiles of one
+        sequence's queries) those launches ran, since it was made.
     """
 
     def __init__(self, spec: AttentionSpec, opencl: Any, pools: list, num_pages: int,
@@ -102,7 +103,7 @@ class CacheDevice:
         self.num_pages = num_pages
         rt = opencl.runtime
         self.queue, self.ctx = rt.queue, rt.context
-        self.bytes_uploaded = self.launches = self.prefill_launches = 0
+        self.bytes_uploaded = self.launches = self.prefill_launches = self.prefill_units = 0
         # on the runtime's in-order queue the launches are ordered by the queue itself: only
         # the caller's arrays bring events to wait for (an out-of-order queue: every one)
         cl = runtime.cl()
@@ -132,7 +133,9 @@ class CacheDevice:
         self.has_fused = fused is not None
         self.fuse = False  # the step in progress defers its appends
         self.sink_tables: dict = {}  # layer -> (numpy sink_logits, its device copy)
-        self.prefill: Any = None  # the bound prefill kernel, made by the first chunk step
+        self.prefill: Any = None  # the bound prefill kernel of the step's units
+        self.prefill_geometry: Any = None  # ... and its geometry
+        self.prefills: dict = {}  # queries per unit -> (bound prefill kernel, geometry)
         self.runs: PrefillRuns | None = None
         # byte pools: one flag per layer, set by the check pass to the epoch of an append
         # it refuses (the append then writes nothing); read back by end()
@@ -184,7 +187,7 @@ class CacheDevice:
         self.pending = None
         self.fuse = self.has_fused and runs is None and all(n == 1 for n in t.lengths)
         if runs is not None:  # the unit table travels in the step's one upload
-            runs.units = make_prefill_plan(runs.n, runs.chunk, self._prefill_kernel(),
+            runs.units = make_prefill_plan(runs.n, runs.chunk, self._prefill_kernel(runs),
                                            runs.q_start).units
         packed, views = t.packed()
         slot = self.ring[self.ring_at]
@@ -242,17 +245,21 @@ class CacheDevice:
             self.copy_sizes = ((copy_rows,), None) if spec.byte_pool else \
                 geom.sizes(copy_rows, D)
 
-    def _prefill_kernel(self) -> int:
-        """Bind the prefill kernel (built and fitted at the first step that needs it);
-        returns its queries per work unit."""
-        opencl = self.opencl
-        if self.prefill is None:
-            self.prefill = opencl.prefill_kernel().bind(
+    def _prefill_kernel(self, runs: PrefillRuns) -> int:
+        """Bind the prefill kernel of the runs' units (built and fitted at the first step
+        that needs it; clattn.prefill.queries_per_unit picks the units) as
+        ``self.prefill``; returns its queries per work unit."""
+        qb = queries_per_unit(self.opencl.prefill_geometry, runs.n, runs.chunk)
+        bound = self.prefills.get(qb)
+        if bound is None:
+            kernel, geom = self.opencl.prefill_kernel_for(qb)
+            bound = self.prefills[qb] = (kernel.bind(
                 **dict.fromkeys(TABLES + ("units",)), num_pages=self.num_pages,
                 total_q=0, nnz=0, q_pos_mode=0, batch=0, n_units=0, causal=1,
                 mask=None, mask_indptr=None, mask_bytes=0, use_mask=0, sink_logits=None,
-                use_sinks=0, **self.scalars)
-        return opencl.prefill_geometry.qb
+                use_sinks=0, **self.scalars), geom)
+        self.prefill, self.prefill_geometry = bound
+        return qb
 
     def _start_prefill(self, t: StepTables, runs: PrefillRuns, tab: dict) -> None:
         """Set the prefill runs' tables and unit table on the bound prefill kernel."""
@@ -266,7 +273,7 @@ class CacheDevice:
                          k_pos_offset=tab["prefill.k_pos_offset"] if attend_rope else None,
                          total_q=t.T, batch=len(runs.n), units=tab["prefill.units"],
                          n_units=n_units, **self._mask_args(t.mask))
-        geom = self.opencl.prefill_geometry
+        geom = self.prefill_geometry
         self.prefill_sizes = (geom.global_size(n_units, self.spec.num_kv_heads),
                               geom.local_size())
 
@@ -478,6 +485,7 @@ class CacheDevice:
                                          pages=pool, out=out, lse=lse, sink_logits=sinks,
                                          use_sinks=int(sinks is not None)),)
             self.prefill_launches += 1
+            self.prefill_units += len(self.runs.units)
         self.launches += len(evts)
         if not self.in_order:
             pool.events.append(evts[0])  # the next write of the pool waits for this read

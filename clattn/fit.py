@@ -582,7 +582,9 @@ class PrefillGeometry:
     """Everything the prefill templates (:mod:`clattn.prefill`) and their launch need.
 
     ``qb`` queries per work unit (a tile of one sequence's queries: ``rows``, one
-    work-item; ``tiled``, one work-group) over ``kb`` keys per block. rows: ``vec`` floats
+    work-item; ``tiled``, one work-group) over ``kb`` keys per block; rows: a plan whose
+    queries follow long caches takes units of ``qb_long`` (when not 0) instead, a second
+    build of the kernel (:func:`clattn.prefill.queries_per_unit`). rows: ``vec`` floats
     per load along head_dim. tiled: ``tr`` row groups of ``rm`` (query, head) rows, each
     group ``tc`` threads wide (keys in the score phase, head_dim in the value phase);
     ``kb = tc * rk``. ``notes``: every wish of the profile that was cut, with its reason.
@@ -592,6 +594,7 @@ class PrefillGeometry:
     vec: int
     qb: int
     kb: int
+    qb_long: int = 0  # rows: queries per unit of a plan over long caches (0: qb only)
     rm: int = 1
     tc: int = 1
     tr: int = 1
@@ -628,6 +631,13 @@ PREFILL_ROWS = 64
 #: Intel) Gemma-2's 2 heads of 256 in 16 queries and Phi-3's 1 head of 96 in 32 ran
 #: 1.10-1.13x faster than in 8 and 16 over 4096 cached rows, 1.00-1.02x on an empty cache
 PREFILL_MIN_ROW_VECTORS = 2
+#: rows prefill: a plan whose new queries follow at least this many cached rows each, on
+#: average, takes units of twice the derived queries (each unit streams the whole cache:
+#: larger units read it fewer times; the same units lose over short caches, where a
+#: smaller unit's causal diagonal and its L1-sized state win). Sapphire Rapids, f16, B=1,
+#: 128 new over 4096 cached: Gemma-2 32 queries 1.05x the speed of 16, Llama-3-8B 16
+#: 1.07-1.08x of 8, PoCL and Intel; 128 over 1024: 1.00-1.04x; 512 over none: 0.87-0.89x
+PREFILL_LONG_CACHE = 2048
 #: rows prefill: keys per block are a power of two up to this
 PREFILL_MAX_KB = 16
 #: tiled prefill without wishes: threads per row group, rows per thread, keys per thread
@@ -689,16 +699,19 @@ def _prefill_rows(spec: AttentionSpec, profile: Profile, limits: Limits,
         notes.append(f"{kb_field} {want_kb} -> {kb}: the rows kernel takes a power of two up "
                      f"to {PREFILL_MAX_KB}")
     cap = max(1, PREFILL_ROWS // G)
+    qb_long = 0
     if profile.prefill_qb is None:
         by_floats = min(16, PREFILL_ROW_FLOATS // ((spec.head_dim + spec.head_dim_v) // 2 * G))
         qb = max(1, min(max(by_floats, -(-PREFILL_MIN_ROW_VECTORS * vec // G)), cap))
+        qb_long = 2 * qb if 2 * qb <= cap else 0
     else:
         qb = min(profile.prefill_qb, cap)
         if qb != profile.prefill_qb:
             notes.append(f"prefill_qb {profile.prefill_qb} -> {qb}: the rows kernel keeps at "
                          f"most {PREFILL_ROWS} (query, head) rows per work-item ({G} heads "
                          f"per query)")
-    return PrefillGeometry("rows", vec, qb, kb, native_fp16=native, denorms=limits.denorms,
+    return PrefillGeometry("rows", vec, qb, kb, qb_long=qb_long, native_fp16=native,
+                           denorms=limits.denorms,
                            storage_half=limits.storage_half,
                            notes=tuple(notes))
 

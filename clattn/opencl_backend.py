@@ -18,6 +18,7 @@ and :class:`~clattn.PagedKVCache` hold one and call its public methods.
 from __future__ import annotations
 
 import threading
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -220,6 +221,22 @@ class OpenCLBackend:
                                           lambda: render_prefill(spec, g)),
                     lambda limits: prefill_geometry(spec, setup.profile, limits), "prefill")
             return self._prefill
+
+    def prefill_kernel_for(self, qb: int) -> tuple[Launcher, PrefillGeometry]:
+        """The prefill kernel of plans of ``qb`` queries per unit and its geometry: the
+        fitted one, or (``qb`` its ``qb_long``) the rows kernel built for longer units,
+        a second build made at the first plan that takes them."""
+        main = self.prefill_kernel()
+        geom = self.prefill_geometry
+        if qb == geom.qb or not geom.qb_long:
+            return main, geom
+        if qb != geom.qb_long:
+            raise ValueError(f"plan: made for {qb} queries per unit, this kernel takes "
+                             f"{geom.qb} or {geom.qb_long}; plan with this BatchPrefill")
+        long = replace(geom, qb=qb, qb_long=0)
+        spec = self.spec
+        return self.runtime.launcher(("prefill", spec.key(), long), signatures.PREFILL,
+                                     lambda: render_prefill(spec, long)), long
 
     def append_kernel(self, table: Any) -> Launcher:
         """The kernel of ``table`` (:data:`~clattn.signatures.APPEND`, ``APPEND_CHECK`` or

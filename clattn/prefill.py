@@ -17,7 +17,7 @@ import numpy as np
 from . import cpu_backend
 from .codegen import render_prefill
 from .device import DeviceSetup, open_backend, warn_notes
-from .fit import PrefillGeometry
+from .fit import PREFILL_LONG_CACHE, PrefillGeometry
 from .opencl_backend import OpenCLBackend
 from .profiles.record import Profile
 from .result import AttentionResult
@@ -72,6 +72,21 @@ def _unit_order(seq: np.ndarray, work: np.ndarray, batch: int) -> np.ndarray:
     longest = np.zeros(batch, np.int64)
     np.maximum.at(longest, seq, work)
     return np.lexsort((-work, seq, -longest[seq]))
+
+
+def queries_per_unit(geometry: PrefillGeometry, n_q: np.ndarray,
+                     chunk: np.ndarray | None) -> int:
+    """The queries per work unit of a plan: ``geometry.qb_long`` where the new queries
+    follow :data:`clattn.fit.PREFILL_LONG_CACHE` cached rows or more on average and the
+    sequences bring enough queries to fill such units (on average one each), else
+    ``geometry.qb``. Unknown chunks (no page tables): ``qb``."""
+    long = geometry.qb_long
+    n_q = np.asarray(n_q, np.int64)
+    total = int(n_q.sum())
+    if not long or chunk is None or total < long * max(len(n_q), 1):
+        return geometry.qb
+    cached = np.maximum(np.asarray(chunk, np.int64) - n_q, 0)
+    return long if int((n_q * cached).sum()) >= PREFILL_LONG_CACHE * total else geometry.qb
 
 
 def make_prefill_plan(n_q: np.ndarray, chunk: np.ndarray | None, qb: int,
@@ -200,12 +215,13 @@ class BatchPrefill:
             chunk = chunk_lengths(self.spec, page_indptr, last_page_len,
                                   length_info=length_info, window_offset=window_offset,
                                   sink_size=sink_size)
-        qb = self.geometry.qb if self.setup else 1
-        return make_prefill_plan(np.diff(qo_indptr.astype(np.int64)), chunk, qb)
+        n_q = np.diff(qo_indptr.astype(np.int64))
+        qb = queries_per_unit(self.geometry, n_q, chunk) if self.setup else 1
+        return make_prefill_plan(n_q, chunk, qb)
 
     def _checked_plan(self, plan: PrefillPlan | None, args: PrefillArgs) -> PrefillPlan:
         """The caller's plan, checked against this call, or a new one."""
-        qb = self.geometry.qb
+        geom = self.geometry
         n_q = args.n_q
         if n_q is None:  # device qo_indptr: its values are needed to cut the batch
             if plan is None:
@@ -214,13 +230,15 @@ class BatchPrefill:
                     raise ValueError("qo_indptr: the device table does not split q's "
                                      f"{args.total_q} queries; pass a plan or a valid table")
         if plan is None:
-            return make_prefill_plan(n_q, args.tables.chunk, qb)
+            chunk = args.tables.chunk
+            return make_prefill_plan(n_q, chunk, queries_per_unit(geom, n_q, chunk))
         if not isinstance(plan, PrefillPlan):
             raise TypeError(f"plan: expected a PrefillPlan from BatchPrefill.plan(), got "
                             f"{type(plan).__name__}")
-        if plan.queries_per_unit != qb:
+        if plan.queries_per_unit not in (geom.qb, geom.qb_long or geom.qb):
+            takes = f"{geom.qb}" + (f" or {geom.qb_long}" if geom.qb_long else "")
             raise ValueError(f"plan: made for {plan.queries_per_unit} queries per unit, this "
-                             f"kernel takes {qb}; plan with this BatchPrefill")
+                             f"kernel takes {takes}; plan with this BatchPrefill")
         _check_split(plan, args, n_q)
         return plan
 
@@ -335,8 +353,7 @@ class BatchPrefill:
                      **opencl.scalars(rotary_mode, rope_theta, rope_scale, sm_scale))
         events: list = []
         if n_units and T:
-            kernel = opencl.prefill_kernel()
-            geom = opencl.prefill_geometry
+            kernel, geom = opencl.prefill_kernel_for(plan.queries_per_unit)
             events.append(kernel(call.queue, geom.global_size(n_units, spec.num_kv_heads),
                                  geom.local_size(), call.wait_list(), **named))
         o, s = call.finish([dout, dlse], events, host=is_host(q))

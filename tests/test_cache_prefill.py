@@ -97,6 +97,37 @@ def test_prompts_decode_and_mixed_steps(target, dtype):
     assert cache.stats().prefill_launches == 4 * 2
 
 
+def test_a_chunk_over_a_long_cache_runs_longer_units(device_target):
+    """A 40-token chunk over 2100 cached tokens: exact, and on the rows kernel in units of
+    qb_long (clattn.prefill.queries_per_unit), where a 2100-token prompt runs units of qb
+    (stats().prefill_units counts them)."""
+    spec = _spec(F16)
+    cache = make_cache(spec, device_target, num_pages=560)
+    hist = History(spec, 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # profile fitting notes
+        g = clattn.BatchPrefill(spec, device_target.device,
+                                profile=device_target.profile).geometry
+    # the prompt: appended and attended, unchecked (the oracle's per-token copies of 2100
+    # rows would take minutes)
+    rng = np.random.default_rng(3)
+    cache.add("a")
+    hist.add("a")
+    cache.begin(["a"], [2100])
+    kv = rng.standard_normal((2, cache.num_layers, 2100, 2, 16)).astype(F16)
+    for layer in range(cache.num_layers):
+        cache.append(layer, kv[0, layer], kv[1, layer])
+        cache.attend(layer, rng.standard_normal((2100, 4, 16)).astype(F16))
+    cache.end()
+    hist.commit(kv[0], kv[1], [("a", 2100)])
+    before = cache.stats().prefill_units
+    assert before == cache.num_layers * -(-2100 // g.qb)
+    assert run_steps(cache, hist, [(["a"], [40])], seed=1) == [PREFILL]
+    assert g.strategy != "rows" or g.qb_long == 2 * g.qb
+    qb = g.qb_long if g.strategy == "rows" else g.qb
+    assert cache.stats().prefill_units - before == cache.num_layers * -(-40 // qb)
+
+
 @pytest.mark.parametrize("rope", [None, "attend"])
 def test_window_that_starts_to_slide_inside_a_chunk(target, rope):
     """Windows with sinks: the tokens of a chunk before the window slides attend on the

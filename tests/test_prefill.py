@@ -23,8 +23,8 @@ from test_signatures import _expected, _parsed
 import clattn
 from clattn import signatures
 from clattn.codegen import render_prefill
-from clattn.fit import Limits, prefill_geometry
-from clattn.prefill import make_prefill_plan
+from clattn.fit import PREFILL_LONG_CACHE, Limits, PrefillGeometry, prefill_geometry
+from clattn.prefill import make_prefill_plan, queries_per_unit
 from clattn.profiles import builtin_profiles
 
 F16, F32 = "float16", "float32"
@@ -309,6 +309,49 @@ def test_plan_order_keeps_a_sequence_together_longest_first():
             mine = u[u[:, 0] == b]
             assert sorted(mine[:, 1].tolist()) == list(range(0, int(n_q[b]), qb))
             assert (np.diff(work[u[:, 0] == b]) <= 0).all()
+
+
+def test_queries_per_unit_take_long_units_over_long_caches():
+    """Units of qb_long where the new queries follow PREFILL_LONG_CACHE cached rows or
+    more on average and fill one such unit per sequence; qb otherwise, and always where
+    the geometry has no qb_long (a wish, the tiled kernel) or the chunks are unknown."""
+    g = PrefillGeometry("rows", 16, 8, 16, qb_long=16)
+    L = PREFILL_LONG_CACHE
+    assert queries_per_unit(g, np.array([16]), np.array([16 + L])) == 16
+    assert queries_per_unit(g, np.array([16]), np.array([16 + L - 1])) == 8   # mean below
+    assert queries_per_unit(g, np.array([15]), np.array([15 + 4 * L])) == 8   # no full unit
+    # the mean weighs each sequence by its queries: 40 over 2L and 20 over none
+    assert queries_per_unit(g, np.array([40, 20]), np.array([40 + 2 * L, 20])) == 16
+    assert queries_per_unit(g, np.array([20, 40]), np.array([20 + 2 * L, 40])) == 8
+    assert queries_per_unit(g, np.array([64, 0]), np.array([64 + L, 0])) == 16
+    assert queries_per_unit(g, np.array([64]), None) == 8
+    assert queries_per_unit(PrefillGeometry("rows", 16, 8, 16), np.array([64]),
+                            np.array([64 + 4 * L])) == 8
+    # the fit: the derived qb doubled where twice it fits the kernel's 64 rows; a wish pins it
+    cpu = builtin_profiles()["generic-cpu"]
+    lim = Limits(native_float=16)
+    assert prefill_geometry(clattn.AttentionSpec(32, 8, 128), cpu, lim).qb_long == 16
+    assert prefill_geometry(clattn.AttentionSpec(14, 2, 64), cpu, lim).qb_long == 0  # 9 x 7
+    assert prefill_geometry(clattn.AttentionSpec(32, 8, 128), cpu.with_(prefill_qb=8),
+                            lim).qb_long == 0
+
+
+def test_units_over_long_caches(device_target):
+    """New queries over caches of 2100 and 2600 rows: the rows kernel's plan takes units
+    of qb_long (its second build); over short caches units of qb; exact either way."""
+    sc = SCENARIOS["Llama-3.1-8B"]
+    target = device_target
+    pre = get_prefill(sc.spec, target)
+    win = dict(window=[0, 0], sinks=[0, 0]) if sc.spec.sliding_window else {}
+    for cached, far in (([2100, 2600], True), ([300, 0], False)):
+        case = prefill_case(sc.spec, cached, [40, 19], seed=21, **win)
+        plan = pre.plan(case["qo_indptr"], case["page_indptr"], case["last_page_len"],
+                        **{k: case[k] for k in ("window_offset", "sink_size") if k in case})
+        g = pre.geometry
+        assert plan.queries_per_unit == (g.qb_long if far and g.qb_long else g.qb), plan
+        assert (g.qb_long > 0) == (g.strategy == "rows")
+        check(pre, sc, case, what=f"{cached} cached: ", plan=plan,
+              sm_scale=sc.call.get("sm_scale"))
 
 
 def test_validation_names_the_problem():

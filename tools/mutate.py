@@ -371,6 +371,17 @@ MUTANTS = [
         ["tests/test_prefill.py", "-k", "plan_order_keeps_a_sequence_together"],
         "the prefill units of a batch's sequences interleave (their keys leave the cache)",
         "python"),
+    Mutant("prefill-long-units-by-attended-rows", "clattn/prefill.py", [
+        ("cached = np.maximum(np.asarray(chunk, np.int64) - n_q, 0)",
+         "cached = np.asarray(chunk, np.int64)")],
+        ["tests/test_prefill.py", "-k", "queries_per_unit_take_long_units"],
+        "the plan takes long units by the rows its queries attend (new ones too), so long "
+        "prompts over short caches get them", "python"),
+    Mutant("cache-prefill-long-units-ignored", "clattn/cache_device.py", [
+        ("qb = queries_per_unit(self.opencl.prefill_geometry, runs.n, runs.chunk)",
+         "qb = self.opencl.prefill_geometry.qb")],
+        ["tests/test_cache_prefill.py", "-k", "longer_units"],
+        "the cache's prefill steps keep qb-query units over long caches", env=FAST),
     Mutant("prefill-run-past-window-slide", "clattn/cache_tables.py", [
         ("key &= t.window_offset == t.sink_size", "key &= t.window_offset >= 0")],
         ["tests/test_cache_prefill.py", "-k", "slide_inside_a_chunk and None"],
