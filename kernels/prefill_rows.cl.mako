@@ -54,6 +54,35 @@ ${pc.basev(V)}
 typedef ${"half" if V == 1 else "half%d" % V} __attribute__((aligned(2))) ldn_t;
 % endif
 
+## the value tiles of rows r .. r + MV - 1 over keys 0 .. jend - 1 of the block: MV rows x NI
+## head_dim vectors of accumulators scaled by the rows' alpha, each weight broadcast
+<%def name="value_tiles(jend, MV, NI, NVV, FV)">\
+                for (int e = 0; e < ${NVV}; e += ${NI}) {
+% for a in range(MV):
+%   for ci in range(NI):
+                    ${FV} o${a}_${ci} = acc[r + ${a}][e + ${ci}] * alpha[r + ${a}];
+%   endfor
+% endfor
+                    for (int j = 0; j < ${jend}; ++j) {
+% for ci in range(NI):
+                        const ${FV} v${ci} = vf[j][e + ${ci}];
+% endfor
+% for a in range(MV):
+                        {
+                            const float p = pt[j][r + ${a}];
+%   for ci in range(NI):
+                            o${a}_${ci} += p * v${ci};
+%   endfor
+                        }
+% endfor
+                    }
+% for a in range(MV):
+%   for ci in range(NI):
+                    acc[r + ${a}][e + ${ci}] = o${a}_${ci};
+%   endfor
+% endfor
+                }
+</%def>
 __kernel void clattn_prefill(${SIGNATURE})
 {
     const int u = get_global_id(0);
@@ -216,36 +245,30 @@ __kernel void clattn_prefill(${SIGNATURE})
 % endfor
         }
         /* values: where every row attends every key of the block (rows past the end
-           are 0), MV rows x NI head_dim vectors per tile; else (the causal diagonal, a
-           custom mask) row by row over the keys the row attends, so that a masked key's
-           value is never multiplied (0 * inf would be NaN) */
+           are 0), MV rows x NI head_dim vectors per tile. On the causal diagonal (no
+           custom mask drops a key) the same tiles over the keys every row of the tile
+           attends (jt, the fewest), then each row alone over the rest of its own; under
+           a custom mask row by row over the keys the row attends. A masked key's value
+           is never multiplied (0 * inf would be NaN) */
         if (mfull && r0 + n - 1 <= QLIM(0)) {
             for (int r = 0; r < rows_v; r += ${MV}) {
-                for (int e = 0; e < ${NVV}; e += ${NI}) {
+${value_tiles(KB, MV, NI, NVV, FV)}
+            }
+        } else if (mfull) {
+            for (int r = 0; r < rows_v; r += ${MV}) {
+                int jt = n;
 % for a in range(MV):
-%   for ci in range(NI):
-                    ${FV} o${a}_${ci} = acc[r + ${a}][e + ${ci}] * alpha[r + ${a}];
-%   endfor
+                jt = min(jt, max(((int*)lim)[r + ${a}] - r0 + 1, 0));
 % endfor
-                    for (int j = 0; j < ${KB}; ++j) {
-% for ci in range(NI):
-                        const ${FV} v${ci} = vf[j][e + ${ci}];
-% endfor
+${value_tiles("jt", MV, NI, NVV, FV)}
 % for a in range(MV):
-                        {
-                            const float p = pt[j][r + ${a}];
-%   for ci in range(NI):
-                            o${a}_${ci} += p * v${ci};
-%   endfor
-                        }
-% endfor
-                    }
-% for a in range(MV):
-%   for ci in range(NI):
-                    acc[r + ${a}][e + ${ci}] = o${a}_${ci};
-%   endfor
-% endfor
+                {
+                    const int ja = min(n, ((int*)lim)[r + ${a}] - r0 + 1);
+                    for (int j = jt; j < ja; ++j)
+                        for (int e = 0; e < ${NVV}; ++e)
+                            acc[r + ${a}][e] += pt[j][r + ${a}] * vf[j][e];
                 }
+% endfor
             }
         } else {
             for (int r = 0; r < rows; ++r) {

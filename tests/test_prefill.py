@@ -180,12 +180,15 @@ def test_not_causal_empty_chunks_and_q_pos(target):
 
 
 def test_masked_nonfinite_rows_do_not_leak(target):
-    """A NaN key and an inf value in the last rows: the queries before them are exact,
-    the queries that attend them NaN."""
+    """A NaN key and inf values in the last rows: the queries before them are exact,
+    the queries that attend them NaN. Row 12 is query 7's own: with 7 heads a query's
+    rows share the kernel's value tiles with the next query's, whose keys they must not
+    multiply (0 * inf)."""
     sc = SCENARIOS["Qwen2.5-0.5B"]
     case = prefill_case(sc.spec, [5], [9], seed=6)
     pi = case["page_indices"]                  # page size 1: row r is page pi[r]
     case["pages"][pi[13], 1] = np.inf
+    case["pages"][pi[12], 1] = np.inf
     case["pages"][pi[12], 0] = np.nan
     res = run(get_prefill(sc.spec, target), case)
     ref_o, ref_l = naive_prefill(sc, case)

@@ -603,6 +603,12 @@ MUTANTS = [
         ["tests/test_prefill.py", "-k", k("model_shapes", ROWS)],
         "the rows prefill skips the causal masks in a block the diagonal crosses (queries "
         "attend later keys)", "kernel", env=FAST),
+    Mutant("prefill-diagonal-tiles-by-the-last-row", "kernels/prefill_rows.cl.mako", [
+        ("jt = min(jt, max(((int*)lim)[r + ${a}] - r0 + 1, 0));",
+         "jt = min(jt, max(((int*)lim)[r + ${MV - 1}] - r0 + 1, 0));")],
+        ["tests/test_prefill.py", "-k", "masked_nonfinite and not tiled and not cpu"],
+        "the rows prefill's diagonal value tiles run to the keys of the tile's last row "
+        "(earlier rows add later keys' values)", "kernel", env=FAST),
     Mutant("prefill-mask-unit-offset", "kernels/prefill_common.clh.mako", [
         ("* 8 + (long)q0 * chunk : 0;", "* 8 : 0;")],
         ["tests/test_custom_mask.py", "-k", "several_prefill_units"],
