@@ -243,6 +243,12 @@ class PagedKVCache:
         """Attend calls that ran the prefill kernel since the cache was made."""
         return self._device.prefill_launches if self._device else self._host_prefill_launches
 
+    @property
+    def prefill_units(self) -> int:
+        """Work units the prefill launches ran since the cache was made (0 on the CPU
+        backend)."""
+        return self._device.prefill_units if self._device else 0
+
     # -- sequences ------------------------------------------------------------------
     def add(self, seq_id: Hashable, *, window: int | None = None, sink: int = 0,
             pos_offset: int = 0) -> None:
@@ -324,7 +330,7 @@ class PagedKVCache:
                 self.spec.page_size, pool_bytes=self.page_bytes * self.num_pages * self.num_layers,
                 free_tokens=free * self.spec.page_size, prefill_launches=self.prefill_launches,
                 launches=self.launches,
-                prefill_units=self._device.prefill_units if self._device else 0)
+                prefill_units=self.prefill_units)
 
     # -- sequences on storage (clattn.cache_store, format: clattn.kv_file) -------------
     def save(self, path: str | os.PathLike[str], seq_ids: Sequence[Hashable] | None = None,

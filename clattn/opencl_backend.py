@@ -223,16 +223,14 @@ class OpenCLBackend:
             return self._prefill
 
     def prefill_kernel_for(self, qb: int) -> tuple[Launcher, PrefillGeometry]:
-        """The prefill kernel of plans of ``qb`` queries per unit and its geometry: the
-        fitted one, or (``qb`` its ``qb_long``) the rows kernel built for longer units,
-        a second build made at the first plan that takes them."""
+        """The prefill kernel of plans of ``qb`` queries per unit (the geometry's ``qb``
+        or ``qb_long``, as :func:`clattn.prefill.queries_per_unit` chose) and its
+        geometry: the fitted one, or the rows kernel built for the longer units, a second
+        build made at the first plan that takes them."""
         main = self.prefill_kernel()
         geom = self.prefill_geometry
-        if qb == geom.qb or not geom.qb_long:
+        if qb == geom.qb:
             return main, geom
-        if qb != geom.qb_long:
-            raise ValueError(f"plan: made for {qb} queries per unit, this kernel takes "
-                             f"{geom.qb} or {geom.qb_long}; plan with this BatchPrefill")
         long = replace(geom, qb=qb, qb_long=0)
         spec = self.spec
         return self.runtime.launcher(("prefill", spec.key(), long), signatures.PREFILL,

@@ -235,7 +235,7 @@ class BatchPrefill:
         if not isinstance(plan, PrefillPlan):
             raise TypeError(f"plan: expected a PrefillPlan from BatchPrefill.plan(), got "
                             f"{type(plan).__name__}")
-        if plan.queries_per_unit not in (geom.qb, geom.qb_long or geom.qb):
+        if plan.queries_per_unit not in {geom.qb, geom.qb_long} - {0}:
             takes = f"{geom.qb}" + (f" or {geom.qb_long}" if geom.qb_long else "")
             raise ValueError(f"plan: made for {plan.queries_per_unit} queries per unit, this "
                              f"kernel takes {takes}; plan with this BatchPrefill")
