@@ -107,9 +107,16 @@ def cpu_description() -> str:
 
 def driver_description(devices: Iterable[Any]) -> list[str]:
     """One line per OpenCL device: platform, device name, platform version and driver
-    build (the builds a figure depends on)."""
-    return [f"{d.platform.name.strip()} {d.platform.version.strip()} / {d.name.strip()}, "
-            f"driver {d.driver_version.strip()}" for d in devices]
+    build (the builds a figure depends on); for PoCL also ``POCL_AFFINITY`` (pinned
+    workers run launches of few work-groups up to 1.7x faster on small VMs)."""
+    out = []
+    for d in devices:
+        line = (f"{d.platform.name.strip()} {d.platform.version.strip()} / {d.name.strip()}, "
+                f"driver {d.driver_version.strip()}")
+        if "portable computing language" in d.platform.name.lower():
+            line += f", POCL_AFFINITY={os.environ.get('POCL_AFFINITY', 'unset')}"
+        out.append(line)
+    return out
 
 
 __all__ = ["GiB", "ISA_FLAGS", "MODELS", "PAGE", "ROOT", "cpu_description", "csv",
