@@ -8,7 +8,8 @@ work). Stored dimension-major (``[head_dim][page_size]``), a page's keys give ea
 16 scores as 16 lanes directly: for every dimension, one key column times the query's
 element broadcast from memory, and no tree. This script measures what that layout would
 buy before the pages, the appends and every kernel change for it: three kernels for one
-model's KV-head group (f16 pages of 16 rows, vectors of 16 floats, no RoPE, no window),
+model's KV-head group (f16 pages of 16 rows, vectors of 16 floats: a CPU device whose rows
+decode runs at 16, i.e. AVX-512; no RoPE, no window),
 built on the prelude of BatchDecode's own kernel for the device (its 2^x, f16 loads and
 halving sums):
 
@@ -180,6 +181,10 @@ def main() -> None:
     spec = clattn.AttentionSpec(hqo, hkv, D, page_size=PAGE, dtype="float16")
     dec = clattn.BatchDecode(spec, device=a.device)
     queue = dec.setup.runtime.queue
+    if dec.geometry.strategy != "rows" or dec.geometry.vec != VEC:
+        raise SystemExit(f"{a.device}: the prototypes are written for the rows decode at "
+                         f"{VEC}-float vectors (AVX-512 CPUs); this device's decode runs "
+                         f"{dec.geometry.strategy} at {dec.geometry.vec}")
     native = dec.geometry.native_fp16
     prelude = dec.source().split("__kernel void")[0]
     load = kx.raw_load("%s", VEC, "half", native)
