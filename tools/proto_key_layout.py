@@ -21,10 +21,10 @@ halving sums):
 
 Each writes its partitions' states (BatchDecode's split into the same number of
 partitions), merged on the host and checked against float64 attention. All four are
-called in turns, the order reversed every other turn: hot (the same pages every call) and
-cold (each call another copy of the pages, the copies spanning ``--cold-gib``), the pools
-made as ``BatchDecode.empty_pages`` makes them (huge pages where the driver's memory is
-the host's).
+called in turns (``ab_decode.alternate``), the order reversed every other turn: hot (the
+same pages every call) and cold (each call another copy of the pages, the copies spanning
+``--cold-gib``), the pools made as ``BatchDecode.empty_pages`` makes them (huge pages where
+the driver's memory is the host's).
 
     python tools/proto_key_layout.py --device pthread-intel --model Qwen2.5-0.5B
 
@@ -33,12 +33,14 @@ A developer script, not a test.
 from __future__ import annotations
 
 import argparse
-import time
 import warnings
+from types import SimpleNamespace
+from typing import Callable
 
 import numpy as np
 import pyopencl as cl
 import pyopencl.array as cla
+from ab_decode import alternate
 from common import MODELS, PAGE, cpu_description, driver_description  # first: clattn on the path
 
 import clattn
@@ -163,6 +165,20 @@ __kernel void proto(const __global st_t* q, const __global kv_t* pages, const __
     return "\n".join(L) + "\n"
 
 
+class Copies:
+    """One kernel's calls as :func:`ab_decode.alternate` makes a decoder's: ``run()``
+    launches over the next of ``copies`` page copies (copy 0 alone when 1: hot; 1 ..
+    copies - 1 in turn otherwise: cold) and returns what has the launch's ``events``."""
+
+    def __init__(self, launch: Callable[[int], list], copies: int) -> None:
+        self.launch, self.copies, self.at = launch, copies, 0
+
+    def run(self, plan: None = None) -> SimpleNamespace:
+        if self.copies > 1:
+            self.at = self.at % (self.copies - 1) + 1
+        return SimpleNamespace(events=self.launch(self.at))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="pocl")
@@ -244,16 +260,10 @@ def main() -> None:
     got = dec.run(d_q, pools["rows"], tables[0], idxs[0], tables[1], plan=plan).out.get()
     errs["BatchDecode"] = float(np.abs(got[0].astype(np.float64) - ref).max())
 
-    ms = {(n, t): [] for n in runs for t in ("hot", "cold")}
-    t0, turn, cold = time.perf_counter(), 0, 1
-    while time.perf_counter() - t0 < a.seconds or turn < 6:
-        for n in list(runs) if turn % 2 == 0 else list(runs)[::-1]:
-            for t in ("cold", "hot"):
-                evs = runs[n](cold if t == "cold" else 0)
-                queue.finish()
-                ms[(n, t)].append(sum(e.profile.end - e.profile.start for e in evs) * 1e-6)
-                cold = cold % (sets - 1) + 1
-        turn += 1
+    calls = {(n, t): dict(dec=Copies(f, sets if t == "cold" else 1), args=(), plan=None,
+                          queue=queue, ms=[]) for n, f in runs.items() for t in ("cold", "hot")}
+    turn = alternate(list(calls.values()), a.seconds)
+    ms = {k: c["ms"] for k, c in calls.items()}
     mb = 2 * a.ctx * hkv * D * 2 / 1e6
     print(cpu_description())
     print(*driver_description([queue.device]))
