@@ -16,7 +16,14 @@ import pytest
 from clattn import cpu_backend, runtime
 from clattn.tune import ceilings, timing
 from clattn.tune.checks import TOL
-from clattn.tune.workloads import pool_pages, rotating_tables
+from clattn.tune.workloads import (
+    MODELS,
+    PagePool,
+    Workload,
+    pool_pages,
+    rotating_tables,
+    spec_for,
+)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MiB = 1 << 20
@@ -182,6 +189,34 @@ def test_rotating_page_sets_are_disjoint_and_cover_the_pool():
 
 
 # -- measurements on PoCL -------------------------------------------------------------------------
+
+@needs_pocl
+def test_cold_calls_of_variants_in_turns_share_one_rotation():
+    """Two variants timed in turns (as every suite and the tuner's confirmation do) must
+    not read the same page set one after the other: the second would read what the first
+    brought into the caches. Cold calls walk sets 1..n-1 in turn whoever asks; hot calls
+    always take set 0, which no cold call reads."""
+    rt = runtime.Runtime.for_device(POCL)
+    (spec,) = [spec_for(m) for m in MODELS if m.name == "Qwen2.5-0.5B"]
+    pool = PagePool(rt, spec, pages=4 * 3, seed=1)  # 4 sets of 3 pages (B=1, 40 rows)
+    w = Workload(rt, pool, batch=1, context=40, seed=2)
+    try:
+        assert w.n_sets == 4
+        sets = {a.offset: k for k, a in enumerate(w.d_indices)}
+
+        def set_of(args: tuple) -> int:
+            return sets[args[3].offset]
+
+        taken = []
+        for _ in range(4):  # variants a and b in turns, each with a hot call beside
+            taken += [set_of(w.args()), set_of(w.args(hot=True)), set_of(w.args())]
+        cold = [k for i, k in enumerate(taken) if i % 3 != 1]
+        assert cold == [1, 2, 3] * 2 + [1, 2]
+        assert all(k == 0 for i, k in enumerate(taken) if i % 3 == 1)
+    finally:
+        w.release()
+        pool.release()
+
 
 @needs_pocl
 def test_read_bandwidth():

@@ -18,8 +18,9 @@ Suites
             the same row and a table of bytes per KV row per format; then the merge
             bandwidth (merge_state_ at N=4096 and 32768, merge_states K=4; f16 and f32)
             and small-N merge time vs the launch latency.
-  split     split-KV: unsplit vs the planner's choice vs the best forced partition size
-            (cold, as above).
+  split     split-KV: unsplit vs the planner's choice vs the best forced partition size,
+            cold (as above, every plan's calls taking the next page set of one rotation)
+            and hot (page set 0), all in turns.
   prefill   BatchPrefill (a 512-token prompt on an empty cache, a 128-token chunk over
             4096 cached tokens; ``--chunks``): kernel time, GFLOP/s (4 * H_qo * D per
             attended (query, key) pair) and its fraction of the device's f32 multiply-add
@@ -64,7 +65,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import itertools
 import json
 import os
 import platform
@@ -470,12 +470,11 @@ class DeviceBench:
 
 def timed_decode(dec: Any, w: Workload, plan: Any, *, hot: bool = False) -> Callable[[], dict]:
     """A call of ``dec`` on ``w`` (another page set each call unless ``hot``) returning
-    wall, decode, merge and kernel seconds (kernel = decode + merge, from the events)."""
-    counter = itertools.count()
-
+    wall, decode, merge and kernel seconds (kernel = decode + merge, from the events).
+    Cold calls of every variant on ``w`` share its one rotation of page sets."""
     def call() -> dict:
         t = time.perf_counter()
-        res = dec.run(*w.args(next(counter), hot=hot), out=w.out, lse=w.lse, plan=plan)
+        res = dec.run(*w.args(hot=hot), out=w.out, lse=w.lse, plan=plan)
         events = getattr(res, "events", (res.event,))
         events[-1].wait()
         wall = time.perf_counter() - t
@@ -496,7 +495,7 @@ def held_host_us(dec: Any, w: Workload, plan: Any) -> dict:
     same tables. Medians over ``HELD_SAMPLES`` samples of ``HELD_CALLS`` calls each, the
     two kinds alternating."""
     cl = runtime.cl()
-    q, pages, indptr, indices, last = w.args(0, hot=True)
+    q, pages, indptr, indices, last = w.args(hot=True)
     queue = q.queue
     step = dec.prepare(indptr, indices, last, num_pages=pages.shape[0], plan=plan)
     calls = {"run": lambda: dec.run(q, pages, indptr, indices, last, plan=plan, out=w.out,
@@ -540,7 +539,7 @@ def check_decode_row(row: dict, what: str, dec: Any, w: Workload, plans: dict,
         row["fallback_ms"] = (time.perf_counter() - t) * 1e3
         del host
     for name, plan in plans.items():
-        res = dec.run(*w.args(0), out=w.out, lse=w.lse, plan=plan)
+        res = dec.run(*w.args(hot=True), out=w.out, lse=w.lse, plan=plan)
         ok, err, why = compare(res.out.get(), res.lse.get(), ref[0], ref[1], dec.spec.dtype)
         if not Mismatches.check(row, f"{what} [{name}: {plan}]", ok, err, why):
             return None
@@ -792,7 +791,9 @@ def merge_sections(args: argparse.Namespace, db: DeviceBench, deadline: Deadline
 
 
 # -- split suite -------------------------------------------------------------------------
-def _split_plans(dec: Any, w: Workload, sizes: list[int]) -> tuple[dict, str]:
+def _split_plans(dec: Any, w: Workload, sizes: list[int]) -> tuple[dict, str, Any]:
+    """The plans timed (unsplit and each forced size that splits), the key of the one the
+    planner chose, and the planner's own plan (its reason)."""
     plans = {"unsplit": dec.plan(w.indptr, w.last, split=False)}
     for rows_per in sizes:
         p = dec.plan(w.indptr, w.last, split=rows_per)
@@ -801,7 +802,7 @@ def _split_plans(dec: Any, w: Workload, sizes: list[int]) -> tuple[dict, str]:
     planned = dec.plan(w.indptr, w.last, split=None)
     key = "unsplit" if not planned.split else f"split {planned.part_rows}"
     plans.setdefault(key, planned)
-    return plans, key
+    return plans, key, planned
 
 
 def _split_row(args: argparse.Namespace, db: DeviceBench, row: dict, dec: Any,
@@ -810,26 +811,30 @@ def _split_row(args: argparse.Namespace, db: DeviceBench, row: dict, dec: Any,
     spec = dec.spec
     w = db.workload(pool, B, ctx)
     try:
-        plans, planned_key = _split_plans(dec, w, sizes)
+        plans, planned_key, chosen = _split_plans(dec, w, sizes)
         what = f"split {row['model']} B={B} ctx={ctx}"
         if check_decode_row(row, what, dec, w, plans) is None:
             return
         calls = {k: timed_decode(dec, w, p) for k, p in plans.items()}
         # a control: the unsplit launch timed twice; their difference is the noise floor
         calls["unsplit (control)"] = timed_decode(dec, w, plans["unsplit"])
+        calls.update({("hot", k): timed_decode(dec, w, p, hot=True) for k, p in plans.items()})
         res, _ = sample_interleaved(calls, args.repeat, args.row_seconds)
     finally:
         w.release()
     nbytes = io_bytes(spec, B, ctx)
+    hot = {k[1]: res.pop(k)["kernel"] for k in list(res) if isinstance(k, tuple)}
     unsplit, planned = res["unsplit"], res[planned_key]
     control = res.pop("unsplit (control)")
     forced = [(plans[k], r) for k, r in res.items() if k != "unsplit"]
     best_p, best = min(forced, key=lambda x: x[1]["kernel"]) if forced else (None, None)
+    hot_forced = [(plans[k], t) for k, t in hot.items() if k != "unsplit"]
+    hot_p, hot_best = min(hot_forced, key=lambda x: x[1]) if hot_forced else (None, None)
     better = min(unsplit["kernel"], best["kernel"]) if best else unsplit["kernel"]
     bw = db.read.median_gbps
     row.update(
         mib=nbytes / 2**20, unsplit_ms=unsplit["kernel"] * 1e3, page_sets=w.n_sets,
-        plan=str(plans[planned_key]), planned_ms=planned["kernel"] * 1e3,
+        plan=str(chosen), planned_ms=planned["kernel"] * 1e3,
         planned_decode_ms=planned["decode"] * 1e3, planned_merge_ms=planned["merge"] * 1e3,
         planned_wall_ms=planned["wall"] * 1e3,
         best_rows=best_p.part_rows if best_p else None,
@@ -843,7 +848,11 @@ def _split_row(args: argparse.Namespace, db: DeviceBench, row: dict, dec: Any,
         slowdown=planned["kernel"] / better - 1.0,
         forced={str(p.part_rows): r["kernel"] * 1e3 for p, r in forced},
         runs=unsplit["runs"],
-        noise=abs(control["kernel"] - unsplit["kernel"]) / unsplit["kernel"])
+        noise=abs(control["kernel"] - unsplit["kernel"]) / unsplit["kernel"],
+        hot_unsplit_ms=hot["unsplit"] * 1e3, hot_planned_ms=hot[planned_key] * 1e3,
+        hot_best_rows=hot_p.part_rows if hot_p else None,
+        hot_best_ms=hot_best * 1e3 if hot_p else None,
+        hot_speedup=hot["unsplit"] / hot_best if hot_p else None)
     log(f"split {row['model']} B={B} ctx={ctx}: unsplit {row['unsplit_ms']:.3f} ms, planned "
         f"{row['planned_ms']:.3f} ms [{row['plan']}], best forced "
         f"{row['best_ms'] if best else float('nan'):.3f} ms at {row['best_rows']} rows")
@@ -879,8 +888,12 @@ def suite_split(args: argparse.Namespace, deadline: Deadline) -> dict:
             ("best_rows", "best forced rows", "d"), ("best_ms", "best forced ms", ".3f"),
             ("speedup", "unsplit/best split", ".2f"), ("frac_best", "best bw", ".1%"),
             ("slowdown", "planner vs better", "+.1%"),
+            ("hot_unsplit_ms", "hot: unsplit ms", ".3f"), ("hot_planned_ms", "planned ms", ".3f"),
+            ("hot_best_rows", "best forced rows", "d"), ("hot_best_ms", "best forced ms", ".3f"),
+            ("hot_speedup", "unsplit/best split", ".2f"),
             ("noise", "noise (unsplit timed twice)", ".1%"), ("max_err", "max abs err", ".1e")]
-    title = "Split-KV (median kernel event times, decode + merge, cold page sets)"
+    title = ("Split-KV (median kernel event times, decode + merge; cold: each call the next "
+             "page set of one rotation, whichever plan; hot: set 0 every call)")
     if args.profile:
         title += f", profile forced to {args.profile}"
     return {"sections": [(title, rows, cols)], "ceilings": db.ceilings(), "header": db.header()}

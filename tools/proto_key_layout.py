@@ -22,9 +22,10 @@ halving sums):
 Each writes its partitions' states (BatchDecode's split into the same number of
 partitions), merged on the host and checked against float64 attention. All four are
 called in turns (``ab_decode.alternate``), the order reversed every other turn: hot (the
-same pages every call) and cold (each call another copy of the pages, the copies spanning
-``--cold-gib``), the pools made as ``BatchDecode.empty_pages`` makes them (huge pages where
-the driver's memory is the host's).
+same pages every call) and cold (each call the next copy of the pages its kernel reads,
+one rotation per pool whoever calls, the copies spanning ``--cold-gib``), the pools made
+as ``BatchDecode.empty_pages`` makes them (huge pages where the driver's memory is the
+host's).
 
     python tools/proto_key_layout.py --device pthread-intel --model Qwen2.5-0.5B
 
@@ -165,18 +166,30 @@ __kernel void proto(const __global st_t* q, const __global kv_t* pages, const __
     return "\n".join(L) + "\n"
 
 
+class Rotation:
+    """The cold copies of one pool, handed out in turn: copies 1 .. ``copies`` - 1 (copy
+    0 is the hot calls'). One per pool, whichever kernels read it: kernels in turns that
+    each counted their own copies would read one copy after the other, the second out of
+    the caches the first had just filled."""
+
+    def __init__(self, copies: int) -> None:
+        self.copies, self.at = copies, 0
+
+    def next(self) -> int:
+        self.at = self.at % (self.copies - 1) + 1
+        return self.at
+
+
 class Copies:
     """One kernel's calls as :func:`ab_decode.alternate` makes a decoder's: ``run()``
-    launches over the next of ``copies`` page copies (copy 0 alone when 1: hot; 1 ..
-    copies - 1 in turn otherwise: cold) and returns what has the launch's ``events``."""
+    launches over copy 0 (``rotation`` None: hot) or over the pool's next cold copy, and
+    returns what has the launch's ``events``."""
 
-    def __init__(self, launch: Callable[[int], list], copies: int) -> None:
-        self.launch, self.copies, self.at = launch, copies, 0
+    def __init__(self, launch: Callable[[int], list], rotation: Rotation | None) -> None:
+        self.launch, self.rotation = launch, rotation
 
     def run(self, plan: None = None) -> SimpleNamespace:
-        if self.copies > 1:
-            self.at = self.at % (self.copies - 1) + 1
-        return SimpleNamespace(events=self.launch(self.at))
+        return SimpleNamespace(events=self.launch(self.rotation.next() if self.rotation else 0))
 
 
 def main() -> None:
@@ -241,6 +254,7 @@ def main() -> None:
         return dec.run(d_q, pools["rows"], tables[0], idxs[i], tables[1], plan=plan).events
 
     runs = {"BatchDecode": batch_decode}
+    layouts = {"BatchDecode": "rows"}  # the pool each kernel reads
     errs = {}
     for name, layout, ppb in (("rows16", "rows", 1), ("dims16", "dims", 1), ("dims32", "dims", 2)):
         src = kernel_source(prelude, load, G, D, layout, ppb, a.ahead)
@@ -256,12 +270,14 @@ def main() -> None:
         wt = np.exp2(st - st.max(0))
         out = ((o * wt[..., None]).sum(0) / wt.sum(0)[..., None]).reshape(hqo, D)
         errs[name] = float(np.abs(out - ref).max())
-        runs[name] = run
+        runs[name], layouts[name] = run, layout
     got = dec.run(d_q, pools["rows"], tables[0], idxs[0], tables[1], plan=plan).out.get()
     errs["BatchDecode"] = float(np.abs(got[0].astype(np.float64) - ref).max())
 
-    calls = {(n, t): dict(dec=Copies(f, sets if t == "cold" else 1), args=(), plan=None,
-                          queue=queue, ms=[]) for n, f in runs.items() for t in ("cold", "hot")}
+    rotations = {name: Rotation(sets) for name in pools}
+    calls = {(n, t): dict(dec=Copies(f, rotations[layouts[n]] if t == "cold" else None),
+                          args=(), plan=None, queue=queue, ms=[])
+             for n, f in runs.items() for t in ("cold", "hot")}
     turn = alternate(list(calls.values()), a.seconds)
     ms = {k: c["ms"] for k, c in calls.items()}
     mb = 2 * a.ctx * hkv * D * 2 / 1e6

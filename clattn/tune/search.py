@@ -14,7 +14,6 @@ the loop, the scores, the budget and the confirmation rule (:func:`confirm_verdi
 """
 from __future__ import annotations
 
-import itertools
 import math
 import sys
 import time
@@ -877,10 +876,8 @@ class Tuner(CoordinateSearch):
               prune: bool = True) -> float | str:
         """Median kernel seconds per call (events of the decode and its merge), or a
         string saying why the candidate was dropped."""
-        counter = itertools.count()
-
         def call() -> float:
-            res = dec.run(*w.args(next(counter)), **w.kw, plan=plan, out=w.out, lse=w.lse)
+            res = dec.run(*w.args(), **w.kw, plan=plan, out=w.out, lse=w.lse)
             return event_seconds(getattr(res, "events", (res.event,)))
 
         return median_or_pruned(call, self._best.get(shape.key) if prune else None,

@@ -280,9 +280,14 @@ class PagePool:
 
 class Workload:
     """One shape's device inputs on a :class:`PagePool`: q, the tables of every page
-    set, out and lse. ``args(i)``: the positional arguments of ``BatchDecode.run`` for
-    call ``i`` (page set ``i mod n_sets``; always set 0 when ``hot``), ``kw``: its keywords
-    (``sm_scale``)."""
+    set, out and lse. ``args()``: the positional arguments of ``BatchDecode.run`` for the
+    next cold call, ``args(hot=True)`` for a hot one; ``kw``: its keywords (``sm_scale``).
+
+    Rule: the cold page sets rotate once per workload, not once per caller. Two variants
+    timed in turns that each kept their own count would read the same set one after the
+    other, and every variant but the first would read what the first had just brought
+    into the caches. Set 0 is the hot calls' own; cold calls take the others in turn
+    (set 0 only when it is the only one)."""
 
     def __init__(self, rt: Any, pool: PagePool, batch: int, context: int, seed: int,
                  sm_scale: float | None = None) -> None:
@@ -306,11 +311,16 @@ class Workload:
         self.d_indices = [self._d_sets[k * n:(k + 1) * n] for k in range(self.n_sets)]
         self.out = cl.array.empty(q, (batch, spec.num_qo_heads, spec.head_dim_v), spec.np_dtype)
         self.lse = cl.array.empty(q, self.q_host.shape[:2], np.float32)
+        self._cold_calls = 0
         q.finish()
 
-    def args(self, i: int = 0, *, hot: bool = False) -> tuple:
-        """``(q, pages, indptr, indices, last_page_len)`` on the device for call ``i``."""
-        k = 0 if hot else i % self.n_sets
+    def args(self, *, hot: bool = False) -> tuple:
+        """``(q, pages, indptr, indices, last_page_len)`` on the device: over set 0 when
+        ``hot``, else over the next cold set of the workload's one rotation."""
+        k = 0
+        if not hot and self.n_sets > 1:
+            k = 1 + self._cold_calls % (self.n_sets - 1)
+            self._cold_calls += 1
         return (self.q, self.pool.pages, self.d_indptr, self.d_indices[k], self.d_last)
 
     def host_args(self) -> tuple:
