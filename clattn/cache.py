@@ -654,8 +654,13 @@ class _StepInProgress:
             if t.prefill is None:
                 return AttentionResult(*self._decode_host(layer, q, t, out, lse, sink_logits))
             return self._attend_host(layer, q, t.prefill, out, lse, sink_logits)
-        if dev.ready(q, self.q_shape) and out is not None and lse is not None and \
-                dev.ready(out, self.out_shape) and dev.ready(lse, self.q_shape[:2], LSE_DTYPE):
+        on_device = out is not None and lse is not None and \
+            dev.ready(out, self.out_shape) and dev.ready(lse, self.q_shape[:2], LSE_DTYPE)
+        if on_device and dev.ready(q, self.q_shape):
+            return dev.attend(layer, q, out, lse, sinks=dev.sinks(layer, sink_logits))
+        if on_device and is_host(q) and dev.takes_host_q(layer):
+            # the layer's held host k and v go up with q in one write (docs/cache.md)
+            self._check("q", q, self.q_shape)
             return dev.attend(layer, q, out, lse, sinks=dev.sinks(layer, sink_logits))
         self._check("q", q, self.q_shape)
         self._check_out(out, lse)
@@ -665,7 +670,8 @@ class _StepInProgress:
         dout = call.output("out", out, self.out_shape, cache.spec.np_dtype)
         dlse = call.output("lse", lse, self.q_shape[:2], LSE_DTYPE)
         res = dev.attend(layer, dq, dout, dlse, call.wait_list(), sinks=sinks)
-        o, s = call.finish([dout, dlse], list(res.events), host=is_host(q))
+        # results as the given out and lse are (device arrays: at once), else as q is
+        o, s = call.finish([dout, dlse], list(res.events), host=is_host(q) and not on_device)
         return AttentionResult(o, s, res.event, res.events)
 
     def _check_out(self, out: Any, lse: Any) -> None:

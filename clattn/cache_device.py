@@ -34,6 +34,10 @@ from .spec import AttentionSpec
 from .staging import Call
 from .validate import chunk_lengths, is_host, launchable
 
+#: one write of a held append's host k, v and the layer's host q: each part starts at a
+#: multiple of this many elements (the widest vector a kernel loads), as aligned as a
+#: buffer's start
+PACK_ALIGN = 16
 #: the table arguments the decode and prefill kernels share, unset until a step sets them
 TABLES = ("q", "pages", "out", "lse", "page_indptr", "page_indices", "last_page_len",
           "window_offset", "sink_size", "q_pos", "k_pos_offset")
@@ -149,7 +153,9 @@ class CacheDevice:
                     n_tokens=0, k_pos=None, rotary_mode=int(rope.mode == "append"),
                     rope_turns=turns, long_from=long_from, rope_att=att, flags=None, epoch=-1)
         self.append_k = opencl.append_kernel(signatures.APPEND).bind(**args)
-        self.pending: tuple | None = None  # (layer, k, v, events) of the deferred append
+        # the deferred append: (layer, k, v, events) on the device, or (layer, None, None,
+        # events, HeldInputs) while its host k and v wait to go up with the layer's q
+        self.pending: tuple | None = None
         self.check_k = opencl.append_kernel(signatures.APPEND_CHECK).bind(**args) \
             if self.quantized else None
         self.copy_k = opencl.append_kernel(signatures.PAGE_COPY).bind(
@@ -160,7 +166,9 @@ class CacheDevice:
         # first launch made every step wait for the previous one's kernels)
         self.ring = [[None, 0, [], None], [None, 0, [], None]]
         self.ring_at = 0
-        self.stage = {"k": [None, 0, []], "v": [None, 0, []]}  # host k/v staging buffers
+        # staging buffers [buffer, bytes, events after which it is free again]: host k, v
+        # one write each; "held": a held append's k and v with the layer's q in one write
+        self.stage = {"k": [None, 0, []], "v": [None, 0, []], "held": [None, 0, []]}
         self.plan_key: Any = None
         self.plan = None
 
@@ -387,6 +395,9 @@ class CacheDevice:
                 check_quantizable(v, spec.v_format, "v")
         self.flush()  # the staging buffers hold one layer's k, v at a time
         pool = self.pools[layer]
+        if self.fuse and is_host(k) and (vik or is_host(v)):
+            held = HeldInputs.of(k, None if vik else v, self.q_elems(k.shape[0]))
+            return self._defer(layer, pool, None, None, [], held)
         dk, ek = self._device_input("k", k, held=self.fuse)
         dv, ev = (dk, []) if vik else self._device_input("v", v, held=self.fuse)
         if self.fuse:
@@ -419,18 +430,45 @@ class CacheDevice:
         self._track(evt)
 
     # -- the fused append ------------------------------------------------------------
-    def _defer(self, layer: int, pool: Any, dk: Any, dv: Any, events: list) -> None:
+    def _defer(self, layer: int, pool: Any, dk: Any, dv: Any, events: list,
+               held: "HeldInputs | None" = None) -> None:
         """Hold layer's append for its attend launch (the page copies run now: the write
         may land in a copy). Returns None: there is no write event yet."""
         if self.n_copies:
             events = [self.copy(pool, events)]
-        self.pending = (layer, dk, dv, events)
+        self.pending = (layer, dk, dv, events) if held is None else \
+            (layer, None, None, events, held)
+
+    def q_elems(self, tokens: int) -> int:
+        """Elements of the step's q."""
+        return tokens * self.spec.num_qo_heads * self.spec.head_dim
+
+    def takes_host_q(self, layer: int) -> bool:
+        """True when ``layer``'s held append waits for a host q to go up with it."""
+        return self.pending is not None and self.pending[0] == layer and len(self.pending) == 5
+
+    def _upload_held(self, q: np.ndarray | None) -> tuple[Any, Any, Any, list]:
+        """The held append's k and v (and ``q``, a host array, when given) in one write:
+        ``(k, v, q or None, events)`` on the device."""
+        layer, _, _, events, held = self.pending
+        data = held.with_q(q)
+        cl = runtime.cl()
+        st = self.stage["held"]
+        if st[1] < data.nbytes:
+            st[0], st[1] = cl.Buffer(self.ctx, cl.mem_flags.READ_WRITE, data.nbytes), data.nbytes
+        evt = cl.enqueue_copy(self.queue, st[0], data, is_blocking=False, wait_for=st[2] or None)
+        self.bytes_uploaded += data.nbytes
+        self.pending = (layer, (st[0], 0), (st[0], held.at_v), events + [evt])
+        return (st[0], 0), (st[0], held.at_v), (st[0], held.at_q) if q is not None else None, \
+            events + [evt]
 
     def flush(self) -> None:
         """Launch the deferred append on the append kernel (its layer was not attended
         before the next append, end or cancel)."""
         if self.pending is None:
             return
+        if len(self.pending) == 5:
+            self._upload_held(None)
         layer, dk, dv, events = self.pending
         self.pending = None
         pool = self.pools[layer]
@@ -454,7 +492,13 @@ class CacheDevice:
         rows the decode launch left empty); ``sinks``: the layer's learned sinks on the
         device (:meth:`sinks`) or None."""
         pool = self.pools[layer]
-        waits = waits if waits is not None else q.events + out.events + lse.events
+        if is_host(q):  # a host q goes up with the layer's held k and v (takes_host_q)
+            if not self.takes_host_q(layer):
+                raise ValueError("attend: a host q is taken only beside a held append")
+            *_, q, _ = self._upload_held(q)
+            waits = out.events + lse.events
+        else:
+            waits = waits if waits is not None else q.events + out.events + lse.events
         if sinks is not None and sinks.events:
             waits = waits + list(sinks.events)
         fused = None
@@ -462,6 +506,8 @@ class CacheDevice:
             if not self.decode.fuses(sinks is not None):
                 self.flush()  # that build has no fused form: the append launched first
             else:
+                if len(self.pending) == 5:
+                    self._upload_held(None)
                 fused = self.pending  # held until its launch is enqueued (a launch that
                 waits = waits + fused[3]  # raises leaves it for flush())
         if not self.in_order:
@@ -495,6 +541,35 @@ class CacheDevice:
         lse.events[:] = [evts[-1]]
         self._track(evts[-1])
         return AttentionResult(out, lse, evts[-1], tuple(evts))
+
+
+@dataclass(frozen=True)
+class HeldInputs:
+    """A held append's host k and v, copied (the caller may reuse its arrays once
+    ``append`` returns) into one array with room for the layer's q: k at 0, v at
+    ``at_v``, q at ``at_q`` (each at a multiple of :data:`PACK_ALIGN` elements)."""
+
+    data: np.ndarray
+    at_v: int
+    at_q: int
+
+    @staticmethod
+    def of(k: np.ndarray, v: np.ndarray | None, q_elems: int) -> "HeldInputs":
+        at_v = -(-k.size // PACK_ALIGN) * PACK_ALIGN if v is not None else 0
+        at_q = at_v + (-(-v.size // PACK_ALIGN) * PACK_ALIGN if v is not None else
+                       -(-k.size // PACK_ALIGN) * PACK_ALIGN)
+        data = np.empty(at_q + q_elems, k.dtype)
+        data[:k.size] = k.reshape(-1)
+        if v is not None:
+            data[at_v:at_v + v.size] = v.reshape(-1)
+        return HeldInputs(data, at_v, at_q)
+
+    def with_q(self, q: np.ndarray | None) -> np.ndarray:
+        """The array to write: k and v, and ``q`` when given (copied in here)."""
+        if q is None:
+            return self.data[:self.at_q]
+        self.data[self.at_q:] = q.reshape(-1)
+        return self.data
 
 
 def short(items: Sequence) -> str:

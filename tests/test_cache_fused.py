@@ -13,11 +13,13 @@ the float64 oracle by tests/test_cache.py, whose simulation runs fused by defaul
 from __future__ import annotations
 
 import warnings
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 import clattn
+from clattn import runtime
 from clattn.profiles import get_profile
 
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "high_freq_factor": 4.0,
@@ -40,13 +42,25 @@ def pools(cache):
     return [p.get() for p in cache.pools]
 
 
-def scenario(cache, seed, window):
-    """The operations, recording every result and the pools after every step."""
+def scenario(cache, seed, window, device_out=False):
+    """The operations, recording every result and the pools after every step.
+    ``device_out``: attend writes device out/lse (its host q then goes up with the
+    layer's held k and v in one write)."""
     spec = cache.spec
     rng = np.random.default_rng(seed)
     H, Hkv, D = spec.num_qo_heads, spec.num_kv_heads, spec.head_dim
     seen = []
     launches = []
+
+    def attend_layer(layer, q):
+        if not device_out:
+            return cache.attend(layer, q)
+        cla = runtime.cl().array
+        out = cla.empty(cache.queue, q.shape, spec.np_dtype)
+        lse = cla.empty(cache.queue, q.shape[:2], np.float32)
+        res = cache.attend(layer, q, out=out, lse=lse)
+        assert res.out is out and res.lse is lse  # device outputs come back as given
+        return SimpleNamespace(out=out.get(), lse=lse.get())
 
     def step(ids, lengths=None, order="paired", attend=range(LAYERS)):
         T = sum(lengths) if lengths else len(ids)
@@ -59,12 +73,12 @@ def scenario(cache, seed, window):
             for layer in range(LAYERS):
                 cache.append(layer, k[layer], v[layer])
                 if layer in attend:
-                    seen.append(cache.attend(layer, q[layer]))
+                    seen.append(attend_layer(layer, q[layer]))
         else:  # every append first: each flushes the one deferred before it
             for layer in range(LAYERS):
                 cache.append(layer, k[layer], v[layer])
             for layer in attend:
-                seen.append(cache.attend(layer, q[layer]))
+                seen.append(attend_layer(layer, q[layer]))
         cache.end()
         launches.append(cache.stats().launches - before)
         seen.append(pools(cache))
@@ -102,7 +116,9 @@ def test_fused_equals_separate(device_target, rope, dtype, window, split, fold):
                                 max_position_embeddings=4096)
     fused = make_cache(spec, device_target, True, split, rope, fold)
     separate = make_cache(spec, device_target, False, split, rope)
-    got, n_fused = scenario(fused, 5, window)
+    # the fused cache attends into device outputs when unsplit: host q then goes up with
+    # the held k and v in one write, and must give the same bits
+    got, n_fused = scenario(fused, 5, window, device_out=not split)
     want, n_separate = scenario(separate, 5, window)
     assert len(got) == len(want)
     for i, (a, b) in enumerate(zip(got, want)):

@@ -150,7 +150,7 @@ def adversarial_variant(profile, dtype, rope):
     print("adversarial copy ok", flush=True)
 
 
-def fused_variant(profile, dtype, rope, split):
+def fused_variant(profile, dtype, rope, split, device_out=False):
     """tests/test_cache_fused.py's scenario on the simulator: the fused launches write
     and read the same bits as the separate ones."""
     from test_cache_fused import LLAMA3 as SCALING
@@ -166,7 +166,7 @@ def fused_variant(profile, dtype, rope, split):
     for fuse in (True, False):
         prof = dict(profile, fuse_append=fuse, **(SPLIT if split else {}))
         cache = _cache(spec, prof, num_pages=40, rope=rope, prefill=False, layers=2)
-        runs.append(scenario(cache, 5, window))
+        runs.append(scenario(cache, 5, window, device_out=device_out and fuse))
     (got, n_fused), (want, n_separate) = runs
     assert all(equal(a, b) for a, b in zip(got, want)), "fused != separate"
     assert sum(n_fused) < sum(n_separate), (n_fused, n_separate)
@@ -325,6 +325,8 @@ VARIANTS = {
     "fused-rows-f16-rope-append": lambda: fused_variant({"strategy": "rows"}, "float16",
                                                         "append", False),
     "fused-tiled-f32-split": lambda: fused_variant(SMALL_TILED, "float32", None, True),
+    "fused-rows-f32-host-q": lambda: fused_variant({"strategy": "rows"}, "float32", None,
+                                                   False, device_out=True),
     "fused-tiled-f16-rope-append": lambda: fused_variant(SMALL_TILED, "float16", "append",
                                                          False),
     "fused-adversarial-rows-f32-rope": lambda: adversarial_fused_variant("generic-cpu",

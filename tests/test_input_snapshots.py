@@ -65,9 +65,13 @@ def _where(target) -> dict:
 
 
 # ---------------------------------------------------------------------------- the cache
-def _drive(spec, target, touch: bool) -> list:
+def _drive(spec, target, touch: bool, device_out: bool = False,
+           appends_first: bool = False) -> list:
     """Three steps over two sequences (prompt chunks, one token each, a masked tree step);
-    returns every attend's outputs and the pools after every step."""
+    returns every attend's outputs and the pools after every step. ``device_out``: attend
+    writes device out/lse (a host q then goes up with the layer's held k and v in one
+    write); ``appends_first``: every layer appended before any is attended (a held
+    append goes up alone)."""
     rng = np.random.default_rng(7)
     H, Hkv, D = spec.num_qo_heads, spec.num_kv_heads, spec.head_dim
     dt = spec.np_dtype
@@ -86,14 +90,24 @@ def _drive(spec, target, touch: bool) -> list:
         cache.begin(["a", "b"], n, masks=m)
         if touch:
             clobber(n, *(m or []))
+        inputs = []
         for layer in range(LAYERS):
             k, v = (rng.standard_normal((T, Hkv, D)).astype(dt) for _ in range(2))
             q = rng.standard_normal((T, H, D)).astype(dt)
-            sinks = rng.standard_normal(H).astype(np.float32)
-            cache.append(layer, k, v)
-            if touch:
-                clobber(k, v)
-            res = cache.attend(layer, q, sink_logits=sinks)
+            inputs.append((k, v, q, rng.standard_normal(H).astype(np.float32)))
+        for layer in range(LAYERS):
+            appends = (range(LAYERS) if layer == 0 else ()) if appends_first else (layer,)
+            for i in appends:
+                cache.append(i, *inputs[i][:2])
+                if touch:
+                    clobber(*inputs[i][:2])
+            q, sinks = inputs[layer][2:]
+            out = lse = None
+            if device_out:
+                cla = runtime.cl().array
+                out = cla.empty(cache.queue, (T, H, spec.head_dim_v), spec.np_dtype)
+                lse = cla.empty(cache.queue, (T, H), np.float32)
+            res = cache.attend(layer, q, out=out, lse=lse, sink_logits=sinks)
             if touch:
                 clobber(q, sinks)
             seen += [host(res.out).copy(), host(res.lse).copy()]
@@ -111,6 +125,23 @@ def test_cache_keeps_what_was_given(target, spec):
     assert len(got) == len(want)
     for i, (g, w) in enumerate(zip(got, want)):
         same(g, w, f"cache result {i}")
+
+
+@pytest.mark.parametrize("appends_first", [False, True], ids=["interleaved", "appends first"])
+@pytest.mark.parametrize("spec", [F32, Q8], ids=["f32", "q8_0"])
+def test_cache_with_device_outputs_keeps_what_was_given(device_target, spec, appends_first):
+    """attend into device out/lse with a host q: in a one-token step of a float pool the
+    q goes up with the layer's held k and v in one write. The results and pools are the
+    bits of the host-output run (checked against the oracle elsewhere), and the same
+    when the caller overwrites k, v and q once each call returns."""
+    target = device_target
+    want = _drive(spec, target, touch=False)
+    plain = _drive(spec, target, touch=False, device_out=True, appends_first=appends_first)
+    got = _drive(spec, target, touch=True, device_out=True, appends_first=appends_first)
+    assert len(got) == len(want) == len(plain)
+    for i, (g, p, w) in enumerate(zip(got, plain, want)):
+        same(p, w, f"cache result {i} (device outputs)")
+        same(g, w, f"cache result {i} (device outputs, inputs overwritten)")
 
 
 # ---------------------------------------------------------------------------- the kernels

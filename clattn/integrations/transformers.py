@@ -520,9 +520,12 @@ def _run_layer(g: Any, step: Any, local: int, query: torch.Tensor, key: torch.Te
     if g.on_device:
         cl = runtime.cl()
         dq, dout, dlse = g.buffers_for(step.T)
-        up = cl.enqueue_copy(g.queue, dq.base_data, q, dst_offset=dq.offset, is_blocking=False)
-        dq.events[:] = [up]
-        res = cache.attend(local, dq, out=dout, lse=dlse, sink_logits=sinks)
+        if not (append and cache.device.takes_host_q(local)):
+            up = cl.enqueue_copy(g.queue, dq.base_data, q, dst_offset=dq.offset,
+                                 is_blocking=False)
+            dq.events[:] = [up]
+            q = dq  # else q goes up with the held append's k and v, in one write
+        res = cache.attend(local, q, out=dout, lse=dlse, sink_logits=sinks)
         cl.enqueue_copy(g.queue, dest, dout.base_data, src_offset=dout.offset,
                         wait_for=[res.event] if res.event is not None else None,
                         is_blocking=True)
