@@ -396,7 +396,7 @@ class CacheDevice:
         self.flush()  # the staging buffers hold one layer's k, v at a time
         pool = self.pools[layer]
         if self.fuse and is_host(k) and (vik or is_host(v)):
-            held = HeldInputs.of(k, None if vik else v, self.q_elems(k.shape[0]))
+            held = HeldInputs.of(k, None if vik else v, self._q_elems(k.shape[0]))
             return self._defer(layer, pool, None, None, [], held)
         dk, ek = self._device_input("k", k, held=self.fuse)
         dv, ev = (dk, []) if vik else self._device_input("v", v, held=self.fuse)
@@ -431,7 +431,7 @@ class CacheDevice:
 
     # -- the fused append ------------------------------------------------------------
     def _defer(self, layer: int, pool: Any, dk: Any, dv: Any, events: list,
-               held: "HeldInputs | None" = None) -> None:
+               held: HeldInputs | None = None) -> None:
         """Hold layer's append for its attend launch (the page copies run now: the write
         may land in a copy). Returns None: there is no write event yet."""
         if self.n_copies:
@@ -439,7 +439,7 @@ class CacheDevice:
         self.pending = (layer, dk, dv, events) if held is None else \
             (layer, None, None, events, held)
 
-    def q_elems(self, tokens: int) -> int:
+    def _q_elems(self, tokens: int) -> int:
         """Elements of the step's q."""
         return tokens * self.spec.num_qo_heads * self.spec.head_dim
 
@@ -495,7 +495,7 @@ class CacheDevice:
         if is_host(q):  # a host q goes up with the layer's held k and v (takes_host_q)
             if not self.takes_host_q(layer):
                 raise ValueError("attend: a host q is taken only beside a held append")
-            *_, q, _ = self._upload_held(q)
+            _, _, q, _ = self._upload_held(q)
             waits = out.events + lse.events
         else:
             waits = waits if waits is not None else q.events + out.events + lse.events
