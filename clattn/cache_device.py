@@ -467,7 +467,7 @@ class CacheDevice:
         before the next append, end or cancel)."""
         if self.pending is None:
             return
-        if len(self.pending) == 5:
+        if self.takes_host_q(self.pending[0]):
             self._upload_held(None)
         layer, dk, dv, events = self.pending
         self.pending = None
@@ -506,7 +506,7 @@ class CacheDevice:
             if not self.decode.fuses(sinks is not None):
                 self.flush()  # that build has no fused form: the append launched first
             else:
-                if len(self.pending) == 5:
+                if self.takes_host_q(layer):  # a device q: k and v go up alone
                     self._upload_held(None)
                 fused = self.pending  # held until its launch is enqueued (a launch that
                 waits = waits + fused[3]  # raises leaves it for flush())
@@ -555,9 +555,12 @@ class HeldInputs:
 
     @staticmethod
     def of(k: np.ndarray, v: np.ndarray | None, q_elems: int) -> "HeldInputs":
-        at_v = -(-k.size // PACK_ALIGN) * PACK_ALIGN if v is not None else 0
-        at_q = at_v + (-(-v.size // PACK_ALIGN) * PACK_ALIGN if v is not None else
-                       -(-k.size // PACK_ALIGN) * PACK_ALIGN)
+        def aligned(n: int) -> int:
+            return -(-n // PACK_ALIGN) * PACK_ALIGN
+
+        end_k = aligned(k.size)
+        at_v = end_k if v is not None else 0  # v None: the values are in the key rows
+        at_q = end_k + (aligned(v.size) if v is not None else 0)
         data = np.empty(at_q + q_elems, k.dtype)
         data[:k.size] = k.reshape(-1)
         if v is not None:
