@@ -658,6 +658,12 @@ class _StepInProgress:
             dev.ready(out, self.out_shape) and dev.ready(lse, self.q_shape[:2], LSE_DTYPE)
         if on_device and dev.ready(q, self.q_shape):
             return dev.attend(layer, q, out, lse, sinks=dev.sinks(layer, sink_logits))
+        if is_host(q) and (out is None or is_host(out)) and (lse is None or is_host(lse)) \
+                and dev.shares_host_io(layer, t.T):
+            # host q, out and lse in a shared slot: the launch is the only command
+            self._check("q", q, self.q_shape)
+            self._check_out(out, lse)
+            return dev.attend_host(layer, q, out, lse, sinks=dev.sinks(layer, sink_logits))
         if on_device and is_host(q) and dev.takes_host_q(layer):
             # the layer's held host k and v go up with q in one write (docs/cache.md)
             self._check("q", q, self.q_shape)

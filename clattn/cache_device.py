@@ -30,6 +30,7 @@ from .decode_launch import DecodeLaunch, make_plan, plan_launch
 from .prefill import make_prefill_plan, queries_per_unit
 from .quant import QUANTIZED, check_quantizable
 from .result import AttentionResult
+from .shared_io import MAX_SHARED_BYTES, SharedRegion, region_bytes, shares_host_memory
 from .spec import AttentionSpec
 from .staging import Call
 from .validate import chunk_lengths, is_host, launchable
@@ -169,6 +170,11 @@ class CacheDevice:
         # staging buffers [buffer, bytes, events after which it is free again]: host k, v
         # one write each; "held": a held append's k and v with the layer's q in one write
         self.stage = {"k": [None, 0, []], "v": [None, 0, []], "held": [None, 0, []]}
+        # an attend's host q, out and lse (and a held append's k and v) in shared memory,
+        # on a CPU device with fine-grained SVM and an in-order queue: the launch is the
+        # layer's only command
+        self.shared = SharedRegion(self.ctx, self.queue) \
+            if self.in_order and shares_host_memory(rt.device) else None
         self.plan_key: Any = None
         self.plan = None
 
@@ -485,6 +491,66 @@ class CacheDevice:
         runtime.cl().enqueue_copy(self.queue, flags, self.flags, is_blocking=True)
         return [layer for layer, epoch in sorted(checks.items()) if flags[layer] == epoch]
 
+    def _shared_layout(self, layer: int, tokens: int) -> tuple[int, int, int]:
+        """Byte offsets of the out and lse parts of the shared region, and the bytes it
+        needs, for an attend of ``tokens`` new tokens (inputs first: the layer's held k
+        and v with room for q, or q alone)."""
+        spec = self.spec
+        item = self.dtype.itemsize
+        held = self.pending[4].data.nbytes if self.takes_host_q(layer) else 0
+        at_out = region_bytes(held or self._q_elems(tokens) * item)
+        at_lse = at_out + region_bytes(tokens * spec.num_qo_heads * spec.head_dim_v * item)
+        return at_out, at_lse, at_lse + tokens * spec.num_qo_heads * 4
+
+    def shares_host_io(self, layer: int, tokens: int) -> bool:
+        """True when ``layer``'s attend of ``tokens`` new tokens with host q, out and lse
+        goes through shared memory (:mod:`clattn.shared_io`): no write or read command."""
+        return self.shared is not None and \
+            self._shared_layout(layer, tokens)[2] <= MAX_SHARED_BYTES
+
+    def attend_host(self, layer: int, q: np.ndarray, out: np.ndarray | None,
+                    lse: np.ndarray | None, sinks: Any = None) -> AttentionResult:
+        """:meth:`attend` with host ``q`` and host ``out``/``lse`` (None: new arrays)
+        through shared memory (:meth:`shares_host_io` said yes): q, and the layer's held
+        k and v, copied in; the launch; its wait; out and lse copied out. Returns once
+        every launch that read the region is complete (the region's rule); the caller's
+        arrays are written only then."""
+        spec, dt = self.spec, self.dtype
+        T, H = q.shape[0], spec.num_qo_heads
+        at_out, at_lse, size = self._shared_layout(layer, T)
+        region = self.shared.take(size)
+        pending = self.pending
+        held = pending[4] if self.takes_host_q(layer) else None
+        at_q = held.at_q if held is not None else 0
+        inputs = region.view(dt, 0, (at_q + q.size,))
+        if held is not None:
+            inputs[:at_q] = held.data[:at_q]
+            self.pending = (layer, region.operand(dt, 0),
+                            region.operand(dt, held.at_v * dt.itemsize), pending[3])
+        inputs[at_q:] = q.reshape(-1)
+        try:
+            res = self.attend(layer, region.operand(dt, at_q * dt.itemsize),
+                              region.operand(dt, at_out), region.operand(np.float32, at_lse),
+                              waits=[], sinks=sinks)
+        except BaseException:
+            self.queue.finish()  # whatever it enqueued has stopped using the region
+            if self.pending is not None and held is not None:
+                self.pending = pending  # still held: a later flush uploads it as before
+            raise
+        self.bytes_uploaded += inputs.nbytes
+        res.event.wait()
+        o = region.view(dt, at_out, (T, H, spec.head_dim_v))
+        s = region.view(np.float32, at_lse, (T, H))
+        if out is None:
+            out = o.copy()
+        else:
+            out[...] = o
+        if lse is None:
+            lse = s.copy()
+        else:
+            lse[...] = s
+        return AttentionResult(out, lse, res.event, res.events)
+
     def attend(self, layer: int, q: Any, out: Any, lse: Any, waits: list | None = None,
                sinks: Any = None) -> AttentionResult:
         """Launch the step's kernels for one layer: decode (with the layer's deferred
@@ -537,8 +603,9 @@ class CacheDevice:
             pool.events.append(evts[0])  # the next write of the pool waits for this read
             if len(evts) > 1:
                 pool.events.append(evts[-1])
-        out.events[:] = [evts[-1]]
-        lse.events[:] = [evts[-1]]
+        for a in (out, lse):
+            if hasattr(a, "events"):  # device arrays (a shared slot's regions: none)
+                a.events[:] = [evts[-1]]
         self._track(evts[-1])
         return AttentionResult(out, lse, evts[-1], tuple(evts))
 

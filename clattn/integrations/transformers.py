@@ -517,7 +517,7 @@ def _run_layer(g: Any, step: Any, local: int, query: torch.Tensor, key: torch.Te
     q = _tokens(query, step)
     flat = out.view(B * L, H, D)
     dest = flat.numpy() if step.sel is None else np.empty((step.T, H, D), q.dtype)
-    if g.on_device:
+    if g.on_device and not cache.device.shares_host_io(local, step.T):
         cl = runtime.cl()
         dq, dout, dlse = g.buffers_for(step.T)
         if not (append and cache.device.takes_host_q(local)):
@@ -529,7 +529,7 @@ def _run_layer(g: Any, step: Any, local: int, query: torch.Tensor, key: torch.Te
         cl.enqueue_copy(g.queue, dest, dout.base_data, src_offset=dout.offset,
                         wait_for=[res.event] if res.event is not None else None,
                         is_blocking=True)
-    else:
+    else:  # the CPU backend, or host arrays in a shared slot (clattn.shared_io)
         cache.attend(local, q, out=dest, lse=np.empty((step.T, H), np.float32),
                      sink_logits=sinks)
     if step.sel is not None:
