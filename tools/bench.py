@@ -471,8 +471,15 @@ class DeviceBench:
 def timed_decode(dec: Any, w: Workload, plan: Any, *, hot: bool = False) -> Callable[[], dict]:
     """A call of ``dec`` on ``w`` (another page set each call unless ``hot``) returning
     wall, decode, merge and kernel seconds (kernel = decode + merge, from the events).
-    Cold calls of every variant on ``w`` share its one rotation of page sets."""
+    Cold calls of every variant on ``w`` share its one rotation of page sets. A hot call
+    is timed right after an untimed call over the same pages: the calls timed in turns
+    with it (other variants, cold sets, the ceilings' streams) evict them, and a hot
+    call that followed them read its pages partly from memory, the more so the earlier
+    its variant came in the turn."""
     def call() -> dict:
+        if hot:
+            res = dec.run(*w.args(hot=True), out=w.out, lse=w.lse, plan=plan)
+            getattr(res, "events", (res.event,))[-1].wait()
         t = time.perf_counter()
         res = dec.run(*w.args(hot=hot), out=w.out, lse=w.lse, plan=plan)
         events = getattr(res, "events", (res.event,))
