@@ -171,10 +171,8 @@ class CacheDevice:
         # one write each; "held": a held append's k and v with the layer's q in one write
         self.stage = {"k": [None, 0, []], "v": [None, 0, []], "held": [None, 0, []]}
         # an attend's host q, out and lse (and a held append's k and v) in shared memory,
-        # on a CPU device with fine-grained SVM and an in-order queue: the launch is the
-        # layer's only command
-        self.shared = SharedRegion(self.ctx, self.queue) \
-            if self.in_order and shares_host_memory(rt.device) else None
+        # on a CPU device with fine-grained SVM: the launch is the layer's only command
+        self.shared = SharedRegion(self.ctx) if shares_host_memory(rt.device) else None
         self.plan_key: Any = None
         self.plan = None
 

@@ -16,17 +16,21 @@ Rules:
 * The host writes the region only while no launch that reads or writes it is pending: a
   call through it returns once its launches are complete, so one region per cache serves
   every call.
-* In-order queues only (the region is freed on its queue, which pyopencl allows only
-  in order); an out-of-order queue keeps the commands.
 * CPU devices only (:func:`shares_host_memory`): GPUs that offer fine-grained SVM (some
   with unified memory) have not been measured, and keep the write and read commands.
 * Calls of more than :data:`MAX_SHARED_BYTES` keep the commands: there the bytes cost more
   than the commands, and a region keeps its largest size.
-* A region is freed on the queue (``clEnqueueSVMFree``), after the launches before it.
+* A region's memory is freed (``clSVMFree``) when its owner is collected, the memory it
+  had before each growth with it (kernel objects may still hold those pointers until their
+  next launch sets new ones; a region grows at least twofold). No launch uses it then: the
+  calls through it wait for theirs. Not on the queue: pyopencl's queue-bound free
+  (``clEnqueueSVMFree``) corrupted the heap of the test process in 3 of 3 runs of the
+  cache tests on this machine's CPU drivers; freeing at once, in none.
 """
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Any
 
 import numpy as np
@@ -64,26 +68,28 @@ class SharedRegion:
 
     Parameters
     ----------
-    context, queue
-        The pyopencl context, and the queue the region is freed on (after the launches
-        enqueued before it).
+    context
+        The pyopencl context.
     """
 
-    def __init__(self, context: Any, queue: Any) -> None:
+    def __init__(self, context: Any) -> None:
         self.context = context
-        self.queue = queue
         self.data: np.ndarray | None = None
         self.arg: Any = None
+        self._frees: list = []  # one finalizer per allocation, run when this is collected
 
     def take(self, nbytes: int) -> "SharedRegion":
         """The region, grown to at least ``nbytes`` (its contents are then undefined)."""
         if self.data is None or self.data.nbytes < nbytes:
             cl = runtime.cl()
             flags = cl.svm_mem_flags.READ_WRITE | cl.svm_mem_flags.SVM_FINE_GRAIN_BUFFER
-            self.data = self.arg = None  # the old region freed on the queue first
-            self.data = cl.svm_empty(self.context, flags, (region_bytes(max(nbytes, 1)),),
-                                     np.uint8, alignment=REGION_ALIGN, queue=self.queue)
-            self.arg = cl.SVM(self.data)
+            size = max(nbytes, 2 * self.data.nbytes if self.data is not None else 1)
+            data = cl.svm_empty(self.context, flags, (region_bytes(size),), np.uint8,
+                                alignment=REGION_ALIGN)
+            free = weakref.finalize(self, data.base.release)
+            free.atexit = False  # at exit the process gives everything back
+            self._frees.append(free)
+            self.data, self.arg = data, cl.SVM(data)
         return self
 
     def view(self, dtype: Any, at: int, shape: tuple) -> np.ndarray:
