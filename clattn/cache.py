@@ -660,7 +660,7 @@ class _StepInProgress:
             return dev.attend(layer, q, out, lse, sinks=dev.sinks(layer, sink_logits))
         if is_host(q) and (out is None or is_host(out)) and (lse is None or is_host(lse)) \
                 and dev.shares_host_io(layer, t.T):
-            # host q, out and lse in a shared slot: the launch is the only command
+            # host q, out and lse in shared memory: the launch is the only command
             self._check("q", q, self.q_shape)
             self._check_out(out, lse)
             return dev.attend_host(layer, q, out, lse, sinks=dev.sinks(layer, sink_logits))

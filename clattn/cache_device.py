@@ -15,7 +15,9 @@ plan made for shorter chunks stays correct: the last partition runs to the chunk
 Where the profile's ``fold_merge`` is on, a split step launches the decode builds with
 the split merge folded in and no merge; unsplit steps keep the plain builds (a CPU
 compiler's code for them can lose speed to the mere presence of the fold's, as to the
-sink epilogue's).
+sink epilogue's). On a CPU device with fine-grained SVM, an attend's host q, out and lse
+(and a held append's k and v) go through one region of shared memory instead of write and
+read commands (:mod:`clattn.shared_io`).
 """
 from __future__ import annotations
 
@@ -602,7 +604,7 @@ class CacheDevice:
             if len(evts) > 1:
                 pool.events.append(evts[-1])
         for a in (out, lse):
-            if hasattr(a, "events"):  # device arrays (a shared slot's regions: none)
+            if hasattr(a, "events"):  # device arrays (parts of the shared region: none)
                 a.events[:] = [evts[-1]]
         self._track(evts[-1])
         return AttentionResult(out, lse, evts[-1], tuple(evts))

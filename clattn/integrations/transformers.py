@@ -529,7 +529,7 @@ def _run_layer(g: Any, step: Any, local: int, query: torch.Tensor, key: torch.Te
         cl.enqueue_copy(g.queue, dest, dout.base_data, src_offset=dout.offset,
                         wait_for=[res.event] if res.event is not None else None,
                         is_blocking=True)
-    else:  # the CPU backend, or host arrays in a shared slot (clattn.shared_io)
+    else:  # the CPU backend, or host arrays in shared memory (clattn.shared_io)
         cache.attend(local, q, out=dest, lse=np.empty((step.T, H), np.float32),
                      sink_logits=sinks)
     if step.sel is not None:
