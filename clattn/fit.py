@@ -78,6 +78,11 @@ def pocl_target_cpu(info: Mapping[str, Any]) -> str | None:
     return None
 
 
+def _is_llvmpipe(info: Mapping[str, Any]) -> bool:
+    """Whether ``info`` is Mesa's llvmpipe (rusticl or Clover on the host CPU)."""
+    return "llvmpipe" in str(info.get("device_name") or "").lower()
+
+
 def _rows_max_vec(info: Mapping[str, Any]) -> int:
     """The widest float vector the rows kernels may use on the device of ``info``."""
     cap = ROWS_VEC_CAPS.get(str(info.get("platform_name")))
@@ -145,7 +150,7 @@ class Limits:
             native_float=int(info.get("native_vector_width_float") or 1),
             has_fp16=bool(info.get("has_fp16")),
             subgroups=kind, subgroup_sizes=sizes, khr_subgroups="cl_khr_subgroups" in names,
-            tiled_prefill="llvmpipe" not in str(info.get("device_name") or "").lower(),
+            tiled_prefill=not _is_llvmpipe(info),
         )
 
 
