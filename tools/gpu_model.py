@@ -243,9 +243,12 @@ class Counts:
 
 # ------------------------------------------------------------------ profiles, records, geometry
 def gpu_profiles() -> list[str]:
-    """The built-in profiles whose strategy is "tiled" (the GPU kernels), in file order."""
+    """The built-in profiles the model counts, in file order: those whose strategy is
+    "tiled" (the GPU kernels) and that have a recorded GPU to model (:func:`representative`),
+    plus the ``generic`` root. A tiled profile for a CPU driver (llvmpipe) has no GPU."""
     from clattn.profiles import builtin_profiles
-    return [n for n, p in builtin_profiles().items() if p.strategy == "tiled"]
+    return [n for n, p in builtin_profiles().items()
+            if p.strategy == "tiled" and (n == "generic" or representative(n) is not None)]
 
 
 def _records() -> list[dict]:
