@@ -32,9 +32,11 @@ from . import cache_store, cpu_backend, validate
 from .cache_device import CacheDevice, CacheRope, device_pools, short
 from .cache_tables import CacheFullError, PageTable, PrefillRuns, StepTables, prefill_runs
 from .device import open_backend, warn_notes
+from .loop_budget import prefill_fits
 from .mask import check_step_masks, step_mask
 from .numbers import is_int
 from .opencl_backend import OpenCLBackend
+from .prefill import make_prefill_plan, queries_per_unit
 from .result import AttentionResult
 from .rope import parse_rope_scaling, rope_tables
 from .spec import INT32_MAX, LSE_DTYPE, AttentionSpec
@@ -441,13 +443,34 @@ class PagedKVCache:
             tables = self.table.reserve(seq_ids, lengths, rope=self.rope)
             try:
                 if self.prefill and tables.T > len(tables.lengths):
-                    tables.prefill = prefill_runs(tables, self._long_from)
+                    tables.prefill = self._budgeted(prefill_runs(tables, self._long_from),
+                                                    masks is not None)
                 if masks is not None:
                     tables.mask = step_mask(tables.prefill, len(tables.lengths), masks)
                 self._step = _StepInProgress(self, tables)
             except BaseException:
                 self.table.release(tables)
                 raise
+
+    def _budgeted(self, runs: PrefillRuns | None, masked: bool) -> PrefillRuns | None:
+        """The step's prefill runs, or None where their units would pass the device's loop
+        budget (:mod:`clattn.loop_budget`): every token then runs on the decode kernel,
+        whose plan keeps within it. A masked step, which needs the prefill kernel, is
+        refused there."""
+        budget = self.opencl.setup.limits.loop_budget if self.opencl else 0
+        if runs is None or not budget:
+            return runs
+        geom = self.opencl.prefill_geometry
+        qb = queries_per_unit(geom, runs.n, runs.chunk)
+        units = make_prefill_plan(runs.n, runs.chunk, qb).units
+        if prefill_fits(self.spec, geom, budget, units, qb, runs.chunk, masked):
+            return runs
+        if masked:
+            raise ValueError(f"masks: this device ends a work-item's loops after {budget} "
+                             f"iterations (clattn.loop_budget), which the masked step's "
+                             f"prefill units would pass; begin steps of fewer tokens over "
+                             f"shorter sequences, or use backend='cpu'")
+        return None
 
     @property
     def positions(self) -> np.ndarray:

@@ -74,8 +74,8 @@ def _same_floats(got: np.ndarray, want: np.ndarray) -> bool:
                 np.array_equal(got[~gn].view(np.uint32), want[~wn].view(np.uint32)))
 
 
-def _run(runtime: Any, source: str, kernel: str, inputs: list, outputs: list,
-         size: int) -> list:
+def run_kernel(runtime: Any, source: str, kernel: str, inputs: list, outputs: list,
+               size: int) -> list:
     """Build ``source`` on ``runtime``'s device, run ``kernel`` over ``size`` work-items
     with the ``inputs`` arrays then empty arrays like ``outputs``, and return those."""
     pcl = _cl()
@@ -84,7 +84,9 @@ def _run(runtime: Any, source: str, kernel: str, inputs: list, outputs: list,
     bufs = [pcl.Buffer(ctx, mf.READ_ONLY | mf.COPY_HOST_PTR, hostbuf=a) for a in inputs]
     outs = [np.empty_like(a) for a in outputs]
     obufs = [pcl.Buffer(ctx, mf.WRITE_ONLY, a.nbytes) for a in outs]
-    prg = pcl.Program(ctx, source).build()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", pcl.CompilerWarning)
+        prg = pcl.Program(ctx, source).build()
     getattr(prg, kernel)(queue, (size,), None, *bufs, *obufs)
     for a, buf in zip(outs, obufs):
         pcl.enqueue_copy(queue, a, buf)
@@ -102,7 +104,7 @@ def check_half(runtime: Any, lanes: int, source: str | None = None) -> bool:
     x = probe_floats()
     n = max(h.size, x.size)
     h, x = np.resize(h, n), np.resize(x, n)
-    f, y = _run(runtime, source or codegen.render_half_probe(lanes), "clattn_half_probe",
+    f, y = run_kernel(runtime, source or codegen.render_half_probe(lanes), "clattn_half_probe",
                 [h, x], [np.empty(n, np.float32), np.empty(n, np.uint16)], n // lanes)
     with np.errstate(over="ignore"):
         want_y = x.astype(np.float16).view(np.uint16)
@@ -121,7 +123,7 @@ __kernel void clattn_prefetch_probe(__global const float* x, __global float* y)
 
 def _check_prefetch(runtime: Any) -> bool:
     x = np.arange(64, dtype=np.float32)
-    (y,) = _run(runtime, PREFETCH_SOURCE, "clattn_prefetch_probe", [x], [x], x.size)
+    (y,) = run_kernel(runtime, PREFETCH_SOURCE, "clattn_prefetch_probe", [x], [x], x.size)
     return bool(np.array_equal(x, y))
 
 

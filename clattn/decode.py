@@ -261,7 +261,7 @@ class BatchDecode:
                             out=out, lse=lse, **kw)
         check_sink_logits(spec, sink_logits)
         B, H, D = args.B, spec.num_qo_heads, spec.head_dim_v   # D: out's width
-        plan = self._checked_plan(plan, args, split)
+        plan = self._checked_plan(plan, args, split, page_indptr)
         rt = self.setup.runtime
         call = Call(rt, queue, wait_for)
         named = upload_tables(call, spec, args, page_indptr, page_indices, length_info,
@@ -317,7 +317,7 @@ class BatchDecode:
                             sink_size=sink_size, q_pos=q_pos, k_pos_offset=k_pos_offset,
                             rotary_mode=rotary_mode, sm_scale=sm_scale, rope_scale=rope_scale,
                             rope_theta=rope_theta)
-        plan = self._checked_plan(plan, args, split)
+        plan = self._checked_plan(plan, args, split, page_indptr)
         call = Call(self.setup.runtime, queue)
         tables = upload_tables(call, spec, args, page_indptr, page_indices, length_info,
                                window_offset, sink_size, q_pos, k_pos_offset, rotary_mode)
@@ -327,12 +327,19 @@ class BatchDecode:
         tables.update(self.opencl.scalars(rotary_mode, rope_theta, rope_scale, sm_scale))
         return DecodeStep(self, args, launch, tables, call.wait_list(), int(num_pages))
 
-    def _checked_plan(self, plan: Plan | None, args: Any, split: bool | int | None) -> Plan:
-        """The caller's plan, checked against this call, or a new one."""
+    def _checked_plan(self, plan: Plan | None, args: Any, split: bool | int | None,
+                      page_indptr: Any) -> Plan:
+        """The caller's plan, checked against this call, or a new one. Device tables are
+        read back (a blocking copy) only on a device with a loop budget, whose plan must
+        know the lengths (:mod:`clattn.loop_budget`); elsewhere they are not split."""
         B = args.B
         _check_split(split)
         if plan is None:
-            chunk = args.chunk if args.chunk is not None else np.zeros(B, np.int64)
+            chunk = args.chunk
+            if chunk is None and self.setup.limits.loop_budget:
+                chunk = _device_chunk(self.spec, page_indptr, args)
+            if chunk is None:
+                return self._make_plan(np.zeros(B, np.int64), False)
             return self._make_plan(chunk, split if args.chunk is not None else False)
         if not isinstance(plan, Plan):
             raise TypeError(f"plan: expected a Plan from BatchDecode.plan(), got "
@@ -359,3 +366,15 @@ def _check_split(split: Any) -> None:
         raise TypeError(f"split={split!r}: None, False, True or rows per partition (an int)")
     if split < 1:
         raise ValueError(f"split={split!r}: rows per partition must be >= 1")
+
+
+def _device_chunk(spec: AttentionSpec, page_indptr: Any, args: Any) -> np.ndarray:
+    """The rows each sequence attends, from device tables copied back to the host."""
+    def host(a: Any) -> Any:
+        return a if a is None or is_host(a) else a.get()
+
+    if args.length_info is not None:
+        return chunk_lengths(spec, host(page_indptr), None, length_info=host(args.length_info))
+    return chunk_lengths(spec, host(page_indptr), host(args.last_page_len),
+                         window_offset=host(args.window_offset),
+                         sink_size=host(args.sink_size))

@@ -4,7 +4,8 @@ Every decode path (:meth:`clattn.BatchDecode.run`, :class:`~clattn.DecodeStep`, 
 one-call short path and the cache's step) launches the decode kernel through this
 module, which alone:
 
-* plans a batch's split over the device (:func:`make_plan`);
+* plans a batch's split over the device (:func:`make_plan`), within the device's loop
+  budget where it has one (:mod:`clattn.loop_budget`);
 * derives from a plan the launch sizes, whether the merge is folded into the decode
   launch (:meth:`clattn.opencl_backend.OpenCLBackend.folds`), the split arguments of the
   decode kernel and the arguments of the merge kernel (:class:`PlanLaunch`);
@@ -24,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from .loop_budget import decode_partition_rows
 from .plan import Plan, row_weight
 from .plan import make_plan as plan_split
 
@@ -41,8 +43,13 @@ def make_plan(opencl: Any, chunk: np.ndarray, split: bool | int | None) -> Plan:
     wg = len(chunk) * spec.num_kv_heads * opencl.decode_geometry.gdz
     cus = int(setup.info.get("max_compute_units") or 1)
     weight = row_weight(spec.group_size, spec.head_dim, spec.head_dim_v)
+    budget = setup.limits.loop_budget
+    if budget:  # the bounds read the built kernel's geometry (a build may refit it)
+        opencl.decode_kernels()
+    cap = decode_partition_rows(spec, opencl.decode_geometry, budget,
+                                int(chunk.max()) if len(chunk) else 0, spec.page_size)
     return plan_split(chunk, wg, cus, setup.profile, spec.page_size, split=split,
-                      weight=weight)
+                      weight=weight, max_rows=cap)
 
 
 @dataclass(frozen=True)

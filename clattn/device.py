@@ -9,6 +9,7 @@ from . import runtime
 from .compiler_probe import prefetch_works, storage_half_works
 from .device_fit import fit_device
 from .fit import Limits
+from .loop_budget import loop_budget
 from .profiles.record import Profile
 from .runtime import cl as _cl
 
@@ -86,8 +87,9 @@ def warn_notes(notes: Iterable[str], what: str = "", stacklevel: int = 3) -> Non
 
 
 def probed_limits(runtime: Any, info: Mapping[str, Any]) -> Limits:
-    """The device facts the fit respects: what ``info`` reports, the subnormal support, and
-    what :mod:`clattn.compiler_probe` finds the compiler does."""
+    """The device facts the fit respects: what ``info`` reports, the subnormal support,
+    what :mod:`clattn.compiler_probe` finds the compiler does and the loop budget
+    :mod:`clattn.loop_budget` finds."""
     limits = Limits.from_info(info)
     try:  # subnormal support decides the cheapest exact f16 conversion
         denorms = bool(runtime.device.single_fp_config & _cl().device_fp_config.DENORM)
@@ -96,8 +98,10 @@ def probed_limits(runtime: Any, info: Mapping[str, Any]) -> Limits:
     # without cl_khr_fp16, the CPU-style kernels convert f16 through clang's __fp16 where
     # the compiler gets every case right (one hardware conversion per vector)
     storage = not limits.has_fp16 and storage_half_works(runtime, limits.rows_max_vec)
+    budget = loop_budget(runtime)
     return replace(limits, denorms=denorms, storage_half=storage,
-                   prefetch=prefetch_works(runtime))
+                   prefetch=prefetch_works(runtime), loop_budget=budget,
+                   tiled_prefill=limits.tiled_prefill and not budget)
 
 
 def open_backend(device: Any, backend: str, profile: Any) -> DeviceSetup | None:

@@ -78,10 +78,10 @@ def pocl_target_cpu(info: Mapping[str, Any]) -> str | None:
     return None
 
 
-#: the rows prefill settings a tiled profile falls back to on llvmpipe: a GPU profile's own
-#: vector and key block gave wrong results there (adreno-7xx's 4 and 4: max error 9.6 on
-#: Qwen2.5-0.5B's shape in clattn tune's check, rusticl 22.3; scalars: 1.6), these agree
-#: with the float64 oracle on it and on tests/test_portability.py's shape
+#: the rows prefill settings a tiled profile falls back to on a device without the tiled
+#: prefill (a loop budget: llvmpipe): wide vectors and long key blocks run the fewest loop
+#: iterations per key (the most keys per work unit within the budget), and every tiled
+#: profile builds the same one kernel there
 LLVMPIPE_PREFILL_ROWS = {"prefill_vec": 8, "prefill_kb": 16}
 
 
@@ -124,10 +124,13 @@ class Limits:
     rows_max_vec: int = 16
     #: CL_DEVICE_NATIVE_VECTOR_WIDTH_FLOAT (1: not reported)
     native_float: int = 1
-    #: the driver runs the tiled prefill kernel right: not Mesa's llvmpipe, whose first
-    #: launch of it left query rows unwritten (rusticl 22.3; Oclgrind, both PoCL builds and
-    #: Intel's runtime agree with the float64 oracle on the same launch)
+    #: the fit may give the prefill the tiled kernel: not on a device with a loop budget
+    #: (Mesa's llvmpipe, whose first launch of it left query rows unwritten), where only
+    #: the rows kernel's iterations are bounded (clattn.loop_budget)
     tiled_prefill: bool = True
+    #: loop iterations a work-item may run in all, every loop together, before the
+    #: device ends its loops unannounced (clattn.loop_budget; 0: no budget)
+    loop_budget: int = 0
 
     @classmethod
     def from_info(cls, info: Mapping[str, Any]) -> "Limits":
@@ -758,8 +761,9 @@ def prefill_geometry(spec: AttentionSpec, profile: Profile, limits: Limits) -> P
     if not limits.tiled_prefill:
         rows = _prefill_rows(spec, profile.with_(**LLVMPIPE_PREFILL_ROWS), limits, native)
         return replace(rows, notes=tuple(rows.notes) + (
-            "strategy tiled -> rows (prefill): Mesa's llvmpipe gives wrong results with the "
-            "tiled prefill kernel; the rows kernel takes "
+            "strategy tiled -> rows (prefill): the device ends a work-item's loops after a "
+            "fixed count (Mesa's llvmpipe), and only the rows kernel's are bounded "
+            "(clattn.loop_budget); it takes "
             + ", ".join(f"{k} {v}" for k, v in LLVMPIPE_PREFILL_ROWS.items()),))
     notes: list[str] = []
     Dv, dv_name = spec.head_dim_v, "head_dim_v" if spec.split_widths else "head_dim"

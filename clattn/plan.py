@@ -67,14 +67,37 @@ def _no_split(chunk: np.ndarray, reason: str) -> Plan:
 
 def make_plan(chunk: np.ndarray, work_groups: int, compute_units: int, profile: Profile,
               page_size: int, *, split: bool | int | None = None,
-              weight: float = 1.0) -> Plan:
+              weight: float = 1.0, max_rows: int | None = None) -> Plan:
     """Plan a batch whose sequences attend to ``chunk[b]`` rows.
 
     ``work_groups``: work-groups of the unsplit launch. ``split``: None = decide,
     False = never, an int = force that many rows per partition. ``weight``: the
-    :func:`row_weight` of the shape's rows.
+    :func:`row_weight` of the shape's rows. ``max_rows``: the most rows a partition may
+    hold on this device (whole pages; :func:`clattn.loop_budget.decode_partition_rows`),
+    which overrides every other choice, ``split=False`` included: a longer partition
+    computes wrong there.
     """
-    chunk = np.asarray(chunk, dtype=np.int64)
+    plan = _make_plan(np.asarray(chunk, dtype=np.int64), work_groups, compute_units, profile,
+                      page_size, split, weight)
+    longest = int(plan.chunk.max()) if len(plan.chunk) else 0
+    if max_rows is None or longest <= max_rows or 0 < plan.part_rows <= max_rows:
+        return plan
+    return _split(plan.chunk, max_rows, f"at most {max_rows} rows per partition: this "
+                                        f"device ends a work-item's loops after a fixed "
+                                        f"count ({plan.reason} otherwise)")
+
+
+def _split(chunk: np.ndarray, rows: int, reason: str) -> Plan:
+    parts = np.maximum(1, -(-chunk // rows))
+    if int(parts.max()) <= 1:
+        return _no_split(chunk, f"every sequence fits one partition of {rows} rows")
+    indptr = np.concatenate([[0], np.cumsum(parts)]).astype(np.int32)
+    indptr.setflags(write=False)  # a plan is cached on the device: it must not change
+    return Plan(int(rows), int(parts.max()), indptr, int(indptr[-1]), chunk, reason)
+
+
+def _make_plan(chunk: np.ndarray, work_groups: int, compute_units: int, profile: Profile,
+               page_size: int, split: bool | int | None, weight: float) -> Plan:
     longest = int(chunk.max()) if len(chunk) else 0
     if split is False or split is None and longest == 0:
         return _no_split(chunk, "splitting disabled" if split is False else "empty batch")
@@ -101,10 +124,4 @@ def make_plan(chunk: np.ndarray, work_groups: int, compute_units: int, profile: 
             raise ValueError(f"split={split!r}: rows per partition must be >= 1")
         reason = "forced partition size"
     rows = max(rows, math.ceil(longest / profile.max_partitions))
-    rows = math.ceil(rows / page_size) * page_size
-    parts = np.maximum(1, -(-chunk // rows))
-    if int(parts.max()) <= 1:
-        return _no_split(chunk, f"every sequence fits one partition of {rows} rows")
-    indptr = np.concatenate([[0], np.cumsum(parts)]).astype(np.int32)
-    indptr.setflags(write=False)  # a plan is cached on the device: it must not change
-    return Plan(int(rows), int(parts.max()), indptr, int(indptr[-1]), chunk, reason)
+    return _split(chunk, math.ceil(rows / page_size) * page_size, reason)

@@ -14,10 +14,12 @@ from typing import Any
 
 import numpy as np
 
-from . import cpu_backend
+from . import cpu_backend, runtime
+from . import prefill_by_decode as by_decode
 from .codegen import render_prefill
 from .device import DeviceSetup, open_backend, warn_notes
 from .fit import PREFILL_LONG_CACHE, PrefillGeometry
+from .loop_budget import prefill_fits
 from .opencl_backend import OpenCLBackend
 from .profiles.record import Profile
 from .result import AttentionResult
@@ -149,6 +151,8 @@ class BatchPrefill:
         self.backend = "opencl" if self.setup else "cpu"
         #: the kernel, tables and RoPE tables on the device (None on the CPU backend)
         self.opencl: OpenCLBackend | None = None
+        #: the decode that runs a call its units' loops could not (clattn.loop_budget)
+        self._decoder: Any = None
         if self.setup:
             self.opencl = OpenCLBackend(spec, self.setup)
             warn_notes(self.setup.notes, stacklevel=2)
@@ -332,6 +336,12 @@ class BatchPrefill:
         t = args.tables
         T, H, D = args.total_q, spec.num_qo_heads, spec.head_dim_v   # D: out's width
         plan = self._checked_plan(plan, args)
+        if self.setup.limits.loop_budget:
+            kw.update(page_indptr=page_indptr, page_indices=page_indices,
+                      last_page_len=last_page_len, sink_logits=sink_logits)
+            if not self._fits_budget(plan, args, kw):
+                return self._run_as_decode(q, pages, qo_indptr, args, kw, out, lse, queue,
+                                           wait_for)
         opencl = self.opencl
         call = Call(opencl.runtime, queue, wait_for)
         if not is_host(qo_indptr):  # not read by the kernel (the plan splits q): its context
@@ -358,6 +368,70 @@ class BatchPrefill:
                                  geom.local_size(), call.wait_list(), **named))
         o, s = call.finish([dout, dlse], events, host=is_host(q))
         return AttentionResult(o, s, events[-1] if events else None, tuple(events))
+
+
+    # -- a device with a loop budget (clattn.loop_budget) ----------------------------
+    def _host_tables(self, kw: dict) -> dict:
+        """The call's page tables on the host (device ones read back), ``length_info``
+        split, with the rows each sequence attends."""
+        spec = self.spec
+        t = {k: by_decode.host(kw[k]) for k in ("page_indptr", "page_indices", "last_page_len",
+                                                 "window_offset", "sink_size", "q_pos",
+                                                 "k_pos_offset", "length_info")}
+        info = t.pop("length_info")
+        if info is not None:
+            if spec.sliding_window:
+                t["last_page_len"], t["window_offset"], t["sink_size"] = info
+            else:
+                t["last_page_len"] = info
+        t["chunk"] = chunk_lengths(spec, t["page_indptr"], t["last_page_len"],
+                                   window_offset=t["window_offset"], sink_size=t["sink_size"])
+        return t
+
+    def _fits_budget(self, plan: PrefillPlan, args: PrefillArgs, kw: dict) -> bool:
+        chunk = args.tables.chunk
+        if chunk is None:
+            chunk = self._host_tables(kw)["chunk"]
+        return prefill_fits(self.spec, self.geometry, self.setup.limits.loop_budget,
+                            plan.units, plan.queries_per_unit, chunk,
+                            kw["custom_mask"] is not None)
+
+    def _run_as_decode(self, q: Any, pages: Any, qo_indptr: Any, args: PrefillArgs, kw: dict,
+                       out: Any, lse: Any, queue: Any, wait_for: list | None) -> AttentionResult:
+        """The call as one decode per query (:mod:`clattn.prefill_by_decode`), refused
+        before anything is launched where it has no decode form."""
+        budget = self.setup.limits.loop_budget
+        why = (f"this device ends a work-item's loops after {budget} iterations "
+               f"(clattn.loop_budget), which this prefill's work units would pass")
+        if kw["custom_mask"] is not None:
+            raise ValueError(f"custom_mask: {why}, and a masked prefill has no decode form; "
+                             f"pass shorter chunks or use backend='cpu'")
+        t = self._host_tables(kw)
+        qo = by_decode.host(qo_indptr)
+        first = None
+        if kw["rotary_mode"]:
+            first = by_decode.first_positions(qo, t["chunk"], t["q_pos"], t["k_pos_offset"])
+            long_from = self.opencl.rope_buffer(1, kw["rope_theta"], kw["rope_scale"])[1]
+            if by_decode.straddles(qo, first, long_from):
+                raise ValueError(f"q: {why}, and a sequence's queries straddle position "
+                                 f"{long_from}, where RoPE's long factors start (a decode "
+                                 f"per query would take each its own table); split the "
+                                 f"chunk there or use backend='cpu'")
+        tables = by_decode.decode_tables(
+            self.spec, qo, t["page_indptr"], t["page_indices"], t["last_page_len"],
+            t["window_offset"], t["sink_size"], first, t["k_pos_offset"], kw["causal"])
+        if not is_host(q):
+            to = queue or self.setup.runtime.queue
+            tables = {k: runtime.cl().array.to_device(to, v) for k, v in tables.items()}
+        if self._decoder is None:
+            from .decode import BatchDecode
+
+            self._decoder = BatchDecode(self.spec, self.setup.runtime.queue, backend="opencl",
+                                        profile=self.setup.wishes)
+        return self._decoder.run(
+            q, pages, rotary_mode=kw["rotary_mode"], rope_scale=kw["rope_scale"],
+            rope_theta=kw["rope_theta"], sm_scale=kw["sm_scale"], out=out, lse=lse,
+            queue=queue, wait_for=wait_for, sink_logits=kw["sink_logits"], **tables)
 
 
 def _check_split(plan: PrefillPlan, args: PrefillArgs, n_q: np.ndarray | None) -> None:

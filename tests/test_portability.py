@@ -79,7 +79,7 @@ def test_prefill_over_a_cached_prefix(any_device, profile):
     if profile and "llvmpipe" in any_device.name.lower():
         assert pre.geometry.strategy == "rows", "the fit keeps llvmpipe off the tiled prefill"
         assert (pre.geometry.vec, pre.geometry.kb) == (8, 16), \
-            "a GPU profile falls back to the rows settings measured right on llvmpipe"
+            "a GPU profile falls back to the rows settings with the fewest loops per key"
     case = prefill_case(sc.spec, [20, 0, 33], [5, 9, 1], seed=6, rope=True,
                         window=[3, 0, 10], sinks=[2, 0, 1])
     res = run_prefill(pre, case, rotary_mode=1)
@@ -132,8 +132,8 @@ def test_cache_append_quantized_pages(any_device, profile):
 
 
 def test_prefill_fit_passes_over_the_llvmpipe_fault():
-    """Mesa's llvmpipe gets the rows prefill kernel even under a GPU profile, with a note;
-    every other device keeps the tiled one."""
+    """Mesa's llvmpipe (its loop budget: tests/test_loop_budget.py) gets the rows prefill
+    kernel even under a GPU profile, with a note; every other device keeps the tiled one."""
     from clattn.fit import Limits, prefill_geometry
     from clattn.profiles import get_profile
 
