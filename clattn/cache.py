@@ -463,7 +463,8 @@ class PagedKVCache:
         geom = self.opencl.prefill_geometry
         qb = queries_per_unit(geom, runs.n, runs.chunk)
         units = make_prefill_plan(runs.n, runs.chunk, qb).units
-        if prefill_fits(self.spec, geom, budget, units, qb, runs.chunk, masked):
+        if prefill_fits(self.spec, geom, budget, units, qb, runs.chunk, masked,
+                        rotary=self.rope == "attend"):
             return runs
         if masked:
             raise ValueError(f"masks: this device ends a work-item's loops after {budget} "

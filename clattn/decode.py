@@ -13,6 +13,7 @@ from .decode_launch import plan_launch
 from .decode_step import DecodeStep
 from .device import DeviceSetup, open_backend, warn_notes
 from .fit import DecodeGeometry, MergeGeometry
+from .loop_budget import plan_within
 from .numbers import is_int
 from .opencl_backend import OpenCLBackend, sink_epilogue
 from .plan import Plan, make_plan
@@ -248,7 +249,8 @@ class BatchDecode:
             return AttentionResult(*run_on_host(cpu_backend.batch_decode, spec, (
                 q, pages, page_indptr, page_indices, last_page_len),
                 dict(kw, sink_logits=sink_logits), out, lse))
-        if plan is not None and split is None and queue is None:
+        if plan is not None and split is None and queue is None and \
+                not self.setup.limits.loop_budget:   # the checked path checks it against one
             if self._one_call is None:
                 self._one_call = OneCallPath(spec, self.opencl)
             res = self._one_call.run(q, pages, page_indptr, page_indices, last_page_len,
@@ -348,6 +350,15 @@ class BatchDecode:
         if args.chunk is not None and plan.split and \
                 np.any(np.maximum(1, -(-args.chunk // plan.part_rows)) > np.diff(plan.part_indptr)):
             raise ValueError("plan: the page table grew since the plan was made; plan again")
+        budget = self.setup.limits.loop_budget
+        if budget:
+            self.opencl.decode_kernels()   # the bounds read the built kernel's geometry
+            chunk = args.chunk if args.chunk is not None else \
+                _device_chunk(self.spec, page_indptr, args)
+            if not plan_within(self.spec, self.opencl.decode_geometry, budget, plan, chunk):
+                raise ValueError(f"plan: a partition of this call would pass the loop budget "
+                                 f"of this device ({budget} iterations per work-item, "
+                                 f"clattn.loop_budget); plan again for these tables")
         return plan
 
 

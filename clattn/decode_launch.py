@@ -47,7 +47,8 @@ def make_plan(opencl: Any, chunk: np.ndarray, split: bool | int | None) -> Plan:
     if budget:  # the bounds read the built kernel's geometry (a build may refit it)
         opencl.decode_kernels()
     cap = decode_partition_rows(spec, opencl.decode_geometry, budget,
-                                int(chunk.max()) if len(chunk) else 0, spec.page_size)
+                                int(chunk.max()) if len(chunk) else 0, spec.page_size,
+                                setup.profile.max_partitions)
     return plan_split(chunk, wg, cus, setup.profile, spec.page_size, split=split,
                       weight=weight, max_rows=cap)
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import threading
+import warnings
 from typing import Any
 
 import numpy as np
@@ -33,25 +34,35 @@ PROBE_ITERATIONS = 1 << 20
 SAFETY = 0.5
 
 PROBE_SOURCE = """
-__kernel void clattn_loop_probe(__global const int* n, __global int* out)
+__kernel void clattn_loop_probe(__global const uint* n, __global uint* out)
 {
-    const int stop = n[0];
-    int i = 0, acc = n[1];
-    for (; i < stop; ++i) acc = acc * 3 + (i ^ n[1]);
+    const uint stop = n[0];
+    uint i = 0, acc = n[1];
+    for (; i < stop; ++i) acc = acc * 3u + (i ^ n[1]);
     out[0] = i;
     out[1] = acc;
 }
 """
+_PROBE_SEED = 5
 
 _RESULTS: dict = {}  # device pointer -> budget (0: none)
 _LOCK = threading.Lock()
 
 
+def _probe_acc(iterations: int) -> int:
+    """The probe's accumulator after ``iterations`` iterations (uint arithmetic)."""
+    acc = _PROBE_SEED
+    for i in range(iterations):
+        acc = (acc * 3 + (i ^ _PROBE_SEED)) & 0xFFFFFFFF
+    return acc
+
+
 def loop_budget(runtime: Any) -> int:
     """The loop iterations a work-item of ``runtime``'s device may run in all (0: no limit
     found up to :data:`PROBE_ITERATIONS`). Found once per device and process; the simulator
-    (Oclgrind) is not asked (it has no budget), and a probe that fails to build or run means
-    no budget."""
+    (Oclgrind) is not asked (it has no budget). A probe that fails to build or run means no
+    budget; one whose loop stopped early but whose result does not match the iterations
+    it reports (or that ran none) is taken at its word, with a warning."""
     device = runtime.device
     with _LOCK:
         if device.int_ptr in _RESULTS:
@@ -60,14 +71,20 @@ def loop_budget(runtime: Any) -> int:
     if not is_simulator(device):
         from .compiler_probe import run_kernel
 
-        n = np.array([PROBE_ITERATIONS, 5], np.int32)
+        n = np.array([PROBE_ITERATIONS, _PROBE_SEED], np.uint32)
         try:
             (got,) = run_kernel(runtime, PROBE_SOURCE, "clattn_loop_probe", [n],
-                                [np.zeros(2, np.int32)], 1)
-            done = int(got[0])
-            budget = done if 0 < done < PROBE_ITERATIONS else 0
+                                [np.zeros(2, np.uint32)], 1)
         except Exception:  # noqa: BLE001 - a driver that cannot run it: no budget known
-            budget = 0
+            got = None
+        if got is not None and int(got[0]) < PROBE_ITERATIONS:
+            budget = max(int(got[0]), 1)
+            if int(got[0]) == 0 or int(got[1]) != _probe_acc(int(got[0])):
+                warnings.warn(f"clattn: {device.platform.name.strip()} / {device.name.strip()}"
+                              f": a loop of {PROBE_ITERATIONS} iterations stopped after "
+                              f"{int(got[0])} with an inconsistent result; taken as the "
+                              f"device's loop budget (clattn.loop_budget)", RuntimeWarning,
+                              stacklevel=2)
     with _LOCK:
         _RESULTS[device.int_ptr] = budget
     return budget
@@ -123,15 +140,16 @@ def decode_rows_limit(spec: AttentionSpec, geom: DecodeGeometry, budget: int,
 
 
 def decode_partition_rows(spec: AttentionSpec, geom: DecodeGeometry, budget: int,
-                          longest: int, page_size: int) -> int | None:
+                          longest: int, page_size: int, min_parts: int = 1) -> int | None:
     """Rows per partition (whole pages) that keep a decode of sequences up to ``longest``
-    rows within a loop ``budget``; None where one partition per sequence already does.
-    A page is kept spare: a plan stays in use while its sequences grow by less than a
-    page, the last partition taking the new rows. Raises ValueError where no split
-    does."""
-    if not budget or longest + page_size <= decode_rows_limit(spec, geom, budget):
+    rows within a loop ``budget``, for plans of at least ``min_parts`` partitions per
+    sequence (a planner's own splits go up to its ``max_partitions``: the fold merges them
+    all); None where no split is needed. A page is kept spare: a plan stays in use while
+    its sequences grow by less than a page, the last partition taking the new rows.
+    Raises ValueError where no split does."""
+    if not budget or longest + page_size <= decode_rows_limit(spec, geom, budget, min_parts):
         return None
-    parts = 1
+    parts = max(1, min_parts)
     while True:   # the fold's cost grows with the partitions: settle them
         rows = (decode_rows_limit(spec, geom, budget, parts) - page_size) // page_size \
             * page_size
@@ -146,63 +164,88 @@ def decode_partition_rows(spec: AttentionSpec, geom: DecodeGeometry, budget: int
         parts = need
 
 
+def plan_within(spec: AttentionSpec, geom: DecodeGeometry, budget: int, plan: Any,
+                chunk: np.ndarray) -> bool:
+    """Whether a decode ``plan`` (:class:`clattn.plan.Plan`) keeps every partition of
+    sequences of ``chunk`` rows within a loop ``budget`` (a plan is reused while its
+    sequences grow: the last partition of each takes the rows past the plan's)."""
+    if not budget or not len(chunk):
+        return True
+    chunk = np.asarray(chunk, np.int64)
+    if plan.split:
+        parts = np.diff(np.asarray(plan.part_indptr, np.int64))
+        last = chunk - (parts - 1) * plan.part_rows
+        longest = int(max(plan.part_rows, int(last.max())))
+    else:
+        longest = int(chunk.max())
+    return longest <= decode_rows_limit(spec, geom, budget, plan.num_parts)
+
+
 # ------------------------------------------------------------------------------ prefill
 def _prefill_costs(spec: AttentionSpec, geom: PrefillGeometry, qb: int, nq: int,
-                   masked: bool) -> tuple[int, int, int]:
+                   masked: bool, rotary: bool) -> tuple[int, int, int]:
     """(counted iterations per key block, extra per block on the causal diagonal, once per
     work unit) of the rows prefill kernel built for ``qb`` queries per unit (its row
-    arrays and most loops span them all), in a unit of ``nq`` of them."""
+    arrays and most loops span them all), in a unit of ``nq`` of them. A loop in a branch
+    not taken still costs its entry (llvmpipe runs both sides, masked): the slack per
+    block and the RoPE loops' entries without ``rotary``."""
     G, D, DV = spec.group_size, spec.head_dim, spec.head_dim_v
-    half = (spec.rotary_dim or D) // 2
+    rope = (spec.rotary_dim or D) // 2 + 1 if rotary else 1   # one RoPE loop
     kb, vec = geom.kb, geom.vec
     nv, nvv = D // vec, DV // vec
     m, nrv, rg, nk, mv, ni = prefill_rows_tiles(qb * G, kb, nvv, vec)
     rows = min(nq, qb) * G
     rows_v = -(-rows // mv) * mv
-    load = (kb + 1) * (1 + 2 * (half + 1) + nv + nvv + 2) + (half + 1)
-    mask = ((nq + 1) * (kb + 1) * (G + 1) + 8 * (nq + 1)) if masked else 0
+    load = (kb + 1) * (1 + 2 * rope + nv + nvv + 2) + rope
+    mask = (nq + 1) * (kb + 1) * (G + 1) + 8 * (nq + 1) if masked else 0
     score = (nrv + 1) + (kb // nk + 1) * (nrv // rg + 1) * (D + 1)
     soft = (nrv + 1) * (kb + 1)
     whole = (rows_v // mv + 1) * (nvv // ni + 1) * (kb + 1)
     by_row = (rows + 1) * (nvv + 1) * (kb + 1)
-    block = 1 + load + mask + score + soft + (by_row if masked else whole)
-    diagonal = (rows_v // mv + 1) * mv * (kb + 1) * (nvv + 1)
-    once = (m + 1) * (nv + 2 * (half + 1) + D + nvv + 4) + (nrv + 1) * (kb + 1) \
-        + kb * (half + 1) + (rows + 1) * (nvv + 2)
+    block = 64 + load + mask + score + soft + (by_row if masked else whole)
+    tail = -(-mv // G)   # keys a row of a value tile walks alone on the diagonal
+    diagonal = (rows_v // mv + 1) * mv * ((tail + 1) + tail * (nvv + 1))
+    once = (m + 1) * (nv + 2 * rope + D + nvv + 4) + (nrv + 1) * (kb + 1) + kb * rope \
+        + (rows + 1) * (nvv + 2)
     return block, diagonal, once
 
 
 def prefill_keys_limit(spec: AttentionSpec, geom: PrefillGeometry, budget: int, qb: int,
-                       nq: int, masked: bool = False) -> int:
+                       nq: int, masked: bool = False, rotary: bool = True) -> int:
     """The most key rows a prefill work unit of ``nq`` queries, of a kernel built for
     ``qb`` per unit, may read on a device with a loop ``budget`` (0: no limit, returns a
-    huge number); ``masked``: the call passes a custom mask. Only the rows kernel is
-    bounded: the fit keeps a device with a budget off the tiled one."""
+    huge number); ``masked``: the call passes a custom mask; ``rotary``: it rotates in the
+    kernel. Only the rows kernel is bounded: the fit keeps a device with a budget off the
+    tiled one."""
     if not budget:
         return 2**62
     if geom.strategy != "rows":
         return 0
     nq = max(1, min(nq, qb))
-    block, diagonal, once = _prefill_costs(spec, geom, qb, nq, masked)
+    block, diagonal, once = _prefill_costs(spec, geom, qb, nq, masked, rotary)
     diag_blocks = -(-nq // geom.kb) + 1
     left = _allowed(budget) - once - diag_blocks * diagonal
     return max(0, left // block) * geom.kb
 
 
 def prefill_fits(spec: AttentionSpec, geom: PrefillGeometry, budget: int, units: np.ndarray,
-                 queries_per_unit: int, chunk: np.ndarray | None, masked: bool) -> bool:
+                 queries_per_unit: int, chunk: np.ndarray | None, masked: bool,
+                 causal: bool = True, rotary: bool = True) -> bool:
     """Whether every unit of a plan (``units``: its ``[n, 4]`` table of up to
     ``queries_per_unit`` queries each; ``chunk``: the rows each sequence attends, None
-    when unknown) stays within a loop ``budget``."""
+    when unknown) stays within a loop ``budget``; ``masked``, ``causal``, ``rotary`` as
+    the call."""
     if not budget or not len(units):
         return True
     if chunk is None or geom.strategy != "rows":
         return False
     b, first, n_q = (units[:, i].astype(np.int64) for i in range(3))
     nq = np.minimum(n_q - first, queries_per_unit)
-    keys = np.asarray(chunk, np.int64)[b]   # a unit reads at most its sequence's chunk
+    keys = np.asarray(chunk, np.int64)[b]
+    if causal:   # a unit reads its sequence's rows up to its last query's own
+        keys = np.clip(keys - n_q + first + nq, 0, keys)
     for q in np.unique(nq):
         if int(keys[nq == q].max()) > prefill_keys_limit(spec, geom, budget, queries_per_unit,
-                                                          int(q), masked):
+                                                          int(q), masked, rotary):
             return False
     return True

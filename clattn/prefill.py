@@ -394,7 +394,8 @@ class BatchPrefill:
             chunk = self._host_tables(kw)["chunk"]
         return prefill_fits(self.spec, self.geometry, self.setup.limits.loop_budget,
                             plan.units, plan.queries_per_unit, chunk,
-                            kw["custom_mask"] is not None)
+                            kw["custom_mask"] is not None, bool(kw["causal"]),
+                            bool(kw["rotary_mode"]))
 
     def _run_as_decode(self, q: Any, pages: Any, qo_indptr: Any, args: PrefillArgs, kw: dict,
                        out: Any, lse: Any, queue: Any, wait_for: list | None) -> AttentionResult:

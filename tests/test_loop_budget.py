@@ -95,6 +95,28 @@ def test_a_long_decode_is_split_within_the_budget(any_device, get_decoder):
             what=f"{any_device.name}: ")
 
 
+def test_a_plan_past_the_budget_is_refused(device):
+    """A plan made for short sequences, given to a call over long ones on a device with a
+    (pretended) budget, is refused before anything is written; planned again, the call
+    runs (split) and matches the oracle."""
+    dec = _quiet(lambda: clattn.BatchDecode(SCENARIO.spec, device, backend="opencl"))
+    dec.setup.limits = replace(dec.setup.limits, loop_budget=65535)
+    short = make_case(SCENARIO.spec, [100, 40], seed=3, window=[5, 0], sinks=[2, 0])
+    a, c = decode_args(short)
+    plan = dec.plan(a[2], a[4], window_offset=c["window_offset"], sink_size=c["sink_size"])
+    case = make_case(SCENARIO.spec, [LONG_DECODE, 40], seed=3, window=[5, 0], sinks=[2, 0])
+    args, call = decode_args(case)
+    out = np.full(args[0].shape, 7, np.float16)
+    with pytest.raises(ValueError, match="plan: .*loop budget"):
+        dec.run(*args, **call, plan=plan, out=out)
+    assert (out == 7).all()
+    plan = dec.plan(args[2], args[4], window_offset=call["window_offset"],
+                    sink_size=call["sink_size"], split=False)
+    assert plan.split
+    res = dec.run(*args, **call, plan=plan, out=out)
+    compare(res.out, res.lse, *oracle(SCENARIO, case), F16, what=f"{device.name}: ")
+
+
 def test_decode_plans_keep_to_max_rows():
     """``max_rows`` overrides every other choice of the planner, ``split=False`` and a
     forced partition size included; a plan within it is left as it is."""
