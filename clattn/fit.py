@@ -568,7 +568,10 @@ def merge_geometry(head_dim: int, dtype: str, profile: Profile, limits: Limits) 
     native = bool(profile.native_fp16 and limits.has_fp16 and dtype == "float16")
     if profile.strategy == "rows":
         vec = _vec_for(head_dim, profile.vec, limits.rows_max_vec)
-        return MergeGeometry("rows", vec, threads=limit, native_fp16=native,
+        # a device with a loop budget (clattn.loop_budget): a work-item per (row, head)
+        # pair, whose loops walk only that pair's states
+        threads = limit if not limits.loop_budget else 2**30
+        return MergeGeometry("rows", vec, threads=threads, native_fp16=native,
                              denorms=limits.denorms, storage_half=limits.storage_half)
     vec = _vec_for(head_dim, profile.vec)
     while head_dim // vec > min(limit, limits.max_work_item_sizes[0]) and vec < 16 and \

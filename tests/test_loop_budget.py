@@ -149,6 +149,17 @@ def test_decode_bounds():
             lb.decode_partition_rows(spec, geom, 2000, 50000, 16)
 
 
+def test_the_rows_merge_takes_a_pair_per_work_item_within_a_budget():
+    """The separate merge kernel's work-items stride over (row, head) pairs: within a
+    budget each takes one, so its loops walk one pair's states."""
+    from clattn.fit import Limits, merge_geometry
+
+    prof = Profile(name="p", strategy="rows")
+    for budget, want in ((0, 64), (65535, 20000)):
+        geom = merge_geometry(64, F16, prof.with_(merge_threads=64), Limits(loop_budget=budget))
+        assert geom.sizes(20000, 64)[0] == (want,)
+
+
 # ------------------------------------------------------------------------------ prefill
 def test_prefill_bounds():
     """Keys per unit: fewer for more queries per unit and under a custom mask, none for
