@@ -27,6 +27,7 @@ from .validate import (
     check_sink_logits,
     check_tables,
     chunk_lengths,
+    host_copy,
     is_host,
 )
 
@@ -381,11 +382,9 @@ def _check_split(split: Any) -> None:
 
 def _device_chunk(spec: AttentionSpec, page_indptr: Any, args: Any) -> np.ndarray:
     """The rows each sequence attends, from device tables copied back to the host."""
-    def host(a: Any) -> Any:
-        return a if a is None or is_host(a) else a.get()
-
     if args.length_info is not None:
-        return chunk_lengths(spec, host(page_indptr), None, length_info=host(args.length_info))
-    return chunk_lengths(spec, host(page_indptr), host(args.last_page_len),
-                         window_offset=host(args.window_offset),
-                         sink_size=host(args.sink_size))
+        return chunk_lengths(spec, host_copy(page_indptr), None,
+                             length_info=host_copy(args.length_info))
+    return chunk_lengths(spec, host_copy(page_indptr), host_copy(args.last_page_len),
+                         window_offset=host_copy(args.window_offset),
+                         sink_size=host_copy(args.sink_size))

@@ -20,7 +20,7 @@ from .fit import merge_geometry
 from .profiles.record import Profile
 from .spec import LSE_DTYPE
 from .staging import Call
-from .validate import check_array, check_merge_k, check_merge_pair, is_host
+from .validate import check_array, check_merge_k, check_merge_pair, host_copy, is_host
 
 _lock = threading.Lock()
 _setups: dict = {}
@@ -107,7 +107,7 @@ def merge_state_(v: Any, s: Any, v_other: Any, s_other: Any, *, device: Any = No
     setup, q0 = _setup_for(dict(v=v, s=s, v_other=v_other, s_other=s_other), device,
                            profile)
     if setup is None:
-        cpu_backend.merge_state_(*[a if is_host(a) else a.get() for a in (v, s, v_other, s_other)])
+        cpu_backend.merge_state_(*[host_copy(a) for a in (v, s, v_other, s_other)])
         return None
     N, H, D = v.shape
     call = Call(setup.runtime, queue or q0, wait_for)
@@ -165,8 +165,7 @@ def merge_states(v: Any, s: Any, *, out: Any = None, lse: Any = None, device: An
     check_merge_k(v, s, out, lse)
     setup, q0 = _setup_for(dict(v=v, s=s, out=out, lse=lse), device, profile)
     if setup is None:
-        return cpu_backend.merge_states(*[a if a is None or is_host(a) else a.get()
-                                          for a in (v, s, out, lse)])
+        return cpu_backend.merge_states(*[host_copy(a) for a in (v, s, out, lse)])
     N, K, H, D = v.shape
     call = Call(setup.runtime, queue or q0, wait_for)
     dv, ds = call.input("v", v), call.input("s", s)

@@ -17,6 +17,7 @@ import numpy as np
 from . import cpu_backend, runtime
 from . import prefill_by_decode as by_decode
 from .codegen import render_prefill
+from .decode import BatchDecode
 from .device import DeviceSetup, open_backend, warn_notes
 from .fit import PREFILL_LONG_CACHE, PrefillGeometry
 from .loop_budget import prefill_fits
@@ -32,6 +33,7 @@ from .validate import (
     check_prefill,
     check_sink_logits,
     chunk_lengths,
+    host_copy,
     is_host,
 )
 
@@ -152,7 +154,7 @@ class BatchPrefill:
         #: the kernel, tables and RoPE tables on the device (None on the CPU backend)
         self.opencl: OpenCLBackend | None = None
         #: the decode that runs a call its units' loops could not (clattn.loop_budget)
-        self._decoder: Any = None
+        self._decoder: BatchDecode | None = None
         if self.setup:
             self.opencl = OpenCLBackend(spec, self.setup)
             warn_notes(self.setup.notes, stacklevel=2)
@@ -369,13 +371,12 @@ class BatchPrefill:
         o, s = call.finish([dout, dlse], events, host=is_host(q))
         return AttentionResult(o, s, events[-1] if events else None, tuple(events))
 
-
     # -- a device with a loop budget (clattn.loop_budget) ----------------------------
     def _host_tables(self, kw: dict) -> dict:
         """The call's page tables on the host (device ones read back), ``length_info``
         split, with the rows each sequence attends."""
         spec = self.spec
-        t = {k: by_decode.host(kw[k]) for k in ("page_indptr", "page_indices", "last_page_len",
+        t = {k: host_copy(kw[k]) for k in ("page_indptr", "page_indices", "last_page_len",
                                                  "window_offset", "sink_size", "q_pos",
                                                  "k_pos_offset", "length_info")}
         info = t.pop("length_info")
@@ -408,7 +409,7 @@ class BatchPrefill:
             raise ValueError(f"custom_mask: {why}, and a masked prefill has no decode form; "
                              f"pass shorter chunks or use backend='cpu'")
         t = self._host_tables(kw)
-        qo = by_decode.host(qo_indptr)
+        qo = host_copy(qo_indptr)
         first = None
         if kw["rotary_mode"]:
             first = by_decode.first_positions(qo, t["chunk"], t["q_pos"], t["k_pos_offset"])
@@ -425,8 +426,6 @@ class BatchPrefill:
             to = queue or self.setup.runtime.queue
             tables = {k: runtime.cl().array.to_device(to, v) for k, v in tables.items()}
         if self._decoder is None:
-            from .decode import BatchDecode
-
             self._decoder = BatchDecode(self.spec, self.setup.runtime.queue, backend="opencl",
                                         profile=self.setup.wishes)
         return self._decoder.run(

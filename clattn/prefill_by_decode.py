@@ -13,17 +13,9 @@ a decode per query its own): both are refused by name.
 """
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 
 from .spec import INDEX_DTYPE, AttentionSpec
-from .validate import is_host
-
-
-def host(a: Any) -> Any:
-    """A numpy copy of a device array (a blocking read); numpy arrays and None as given."""
-    return a if a is None or is_host(a) else a.get()
 
 
 def first_positions(qo_indptr: np.ndarray, chunk: np.ndarray, q_pos: np.ndarray | None,

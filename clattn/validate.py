@@ -22,6 +22,11 @@ def is_host(a: Any) -> bool:
     return isinstance(a, np.ndarray)
 
 
+def host_copy(a: Any) -> Any:
+    """A numpy copy of a device array (a blocking read); numpy arrays and None as given."""
+    return a if a is None or is_host(a) else a.get()
+
+
 def launchable(a: Any, ctx: Any, shape: tuple, dtype: Any) -> bool:
     """True for a device array the kernels take as it is: of context ``ctx``, exactly
     ``shape`` and ``dtype``, C-contiguous, its view offset a whole number of elements.
