@@ -104,8 +104,9 @@ def check_half(runtime: Any, lanes: int, source: str | None = None) -> bool:
     x = probe_floats()
     n = max(h.size, x.size)
     h, x = np.resize(h, n), np.resize(x, n)
-    f, y = run_kernel(runtime, source or codegen.render_half_probe(lanes), "clattn_half_probe",
-                [h, x], [np.empty(n, np.float32), np.empty(n, np.uint16)], n // lanes)
+    f, y = run_kernel(runtime, source or codegen.render_half_probe(lanes),
+                      "clattn_half_probe", [h, x],
+                      [np.empty(n, np.float32), np.empty(n, np.uint16)], n // lanes)
     with np.errstate(over="ignore"):
         want_y = x.astype(np.float16).view(np.uint16)
     return _same_floats(f, h.view(np.float16).astype(np.float32)) and _same_halves(y, want_y)
