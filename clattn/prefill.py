@@ -341,8 +341,9 @@ class BatchPrefill:
         if self.setup.limits.loop_budget:
             kw.update(page_indptr=page_indptr, page_indices=page_indices,
                       last_page_len=last_page_len, sink_logits=sink_logits)
-            if not self._fits_budget(plan, args, kw):
-                return self._run_as_decode(q, pages, qo_indptr, args, kw, out, lse, queue,
+            host = self._host_tables(kw)   # device tables read back once
+            if not self._fits_budget(plan, host["chunk"], kw):
+                return self._run_as_decode(q, pages, qo_indptr, host, kw, out, lse, queue,
                                            wait_for)
         opencl = self.opencl
         call = Call(opencl.runtime, queue, wait_for)
@@ -389,26 +390,23 @@ class BatchPrefill:
                                    window_offset=t["window_offset"], sink_size=t["sink_size"])
         return t
 
-    def _fits_budget(self, plan: PrefillPlan, args: PrefillArgs, kw: dict) -> bool:
-        chunk = args.tables.chunk
-        if chunk is None:
-            chunk = self._host_tables(kw)["chunk"]
+    def _fits_budget(self, plan: PrefillPlan, chunk: np.ndarray, kw: dict) -> bool:
         return prefill_fits(self.spec, self.geometry, self.setup.limits.loop_budget,
                             plan.units, plan.queries_per_unit, chunk,
                             kw["custom_mask"] is not None, bool(kw["causal"]),
                             bool(kw["rotary_mode"]))
 
-    def _run_as_decode(self, q: Any, pages: Any, qo_indptr: Any, args: PrefillArgs, kw: dict,
+    def _run_as_decode(self, q: Any, pages: Any, qo_indptr: Any, t: dict, kw: dict,
                        out: Any, lse: Any, queue: Any, wait_for: list | None) -> AttentionResult:
-        """The call as one decode per query (:mod:`clattn.prefill_by_decode`), refused
-        before anything is launched where it has no decode form."""
+        """The call as one decode per query (:mod:`clattn.prefill_by_decode`) over its
+        host tables ``t`` (:meth:`_host_tables`), refused before anything is launched
+        where it has no decode form."""
         budget = self.setup.limits.loop_budget
         why = (f"this device ends a work-item's loops after {budget} iterations "
                f"(clattn.loop_budget), which this prefill's work units would pass")
         if kw["custom_mask"] is not None:
             raise ValueError(f"custom_mask: {why}, and a masked prefill has no decode form; "
                              f"pass shorter chunks or use backend='cpu'")
-        t = self._host_tables(kw)
         qo = host_copy(qo_indptr)
         first = None
         if kw["rotary_mode"]:
