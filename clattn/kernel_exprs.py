@@ -246,7 +246,12 @@ def lanes(kind: int, vec: int, name: str, lane: str | int, fmt_k: str, fmt_v: st
             return "clattn_h2f(*(const __global ldh_t*)(%s + (%s) * 2))" % (name, lane)
         return ("vload_half(0, (const __global half*)(%s) + %s)" % (name, lane)) if vec == 1 else \
             ("vload_half%d(0, (const __global half*)(%s) + %s)" % (vec, name, lane))
-    scale = scale or "clattn_h2f_1(%s[(%s) / 32])" % (sname or name + "_s", lane)
+    # a block's f16 scale: CPU kernels convert it inline (clattn_h2f_1: vload_half is a
+    # library call some CPU drivers do not inline); GPU kernels through vload_half, which
+    # every OpenCL device has and a GPU runs as one conversion
+    sp = sname or name + "_s"
+    scale = scale or ("clattn_h2f_1(%s[(%s) / 32])" % (sp, lane) if raw else
+                      "vload_half((%s) / 32, (const __global half*)%s)" % (lane, sp))
     if fmt == "q8_0":
         c = "ldq8_t" if raw else vtype("char", vec)
         return "(convert_%s(*(const __global %s*)(%s + (%s))) * %s)" % (fv, c, name, lane, scale)

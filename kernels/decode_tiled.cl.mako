@@ -128,21 +128,28 @@ ${d.fused_append("part == nparts_b - 1 && tz == 0", ["tx * %d" % VEC], VEC, fenc
         pg_step[i] = r_lo + i < r_hi ? clattn_page_of(page_indices, p0, r_lo + i, sink, wo, num_pages) : 0;
     barrier(CLK_LOCAL_MEM_FENCE);
 % endif
+    /* Every loop of a step over its rows, heads, value chunks and partials has a trip
+       count the template fixes: each is unrolled (#pragma unroll), so that s[][], pg[]
+       and acc[][] are registers and a row costs no loop control, whatever the device
+       compiler's own unrolling heuristics (counted under Oclgrind: tools/gpu_model.md) */
     for (int t0 = r_lo; t0 < r_hi; t0 += ${ROWS}) {
         const int r0 = t0 + tz * ${TILE};   /* this slice's first row */
         int pg[${TILE}];                     /* pages of its rows */
         float s[${TILE}][${GI}];             /* their scores, then weights, per head */
 % if not LOCAL_RED:
         /* lane j reads row j's page; a broadcast gives it to the slice */
+        #pragma unroll
         for (int j0 = 0; j0 < ${TILE}; j0 += ${BDX}) {
             const int own = r0 + j0 + tx;
             const int mine = j0 + tx < ${TILE} && own < r_hi ?
                 clattn_page_of(page_indices, p0, own, sink, wo, num_pages) : 0;
+            #pragma unroll
             for (int j = j0; j < min(j0 + ${BDX}, ${TILE}); ++j)
                 pg[j] = sub_group_broadcast(mine, (uint)(j - j0));
         }
 % endif
         /* K: partial dot products of this thread's dims with every head's q */
+        #pragma unroll
         for (int j = 0; j < ${TILE}; ++j) {
             const int row = r0 + j;
 % if LOCAL_RED:
@@ -154,6 +161,7 @@ ${d.fused_append("part == nparts_b - 1 && tz == 0", ["tx * %d" % VEC], VEC, fenc
                 kx = ${kl(0, VEC, "kp", "tx * %d" % VEC)};
                 ${rope_vec("kx", "kp", "kpos0 + row", 0)}
             }
+            #pragma unroll
             for (int g = 0; g < ${GI}; ++g) {
                 const ${c.fv(VEC)} pr = qv[g] * kx;
 % if LOCAL_RED:
@@ -170,6 +178,7 @@ ${d.fused_append("part == nparts_b - 1 && tz == 0", ["tx * %d" % VEC], VEC, fenc
         for (int i = tx; i < ${PAIRS}; i += ${BDX}) {
             const __local float* pt = red + (tz * ${PAIRS} + i) * ${BDX};
             float t = 0.0f;
+            #pragma unroll
             for (int x = 0; x < ${BDX}; ++x) t += pt[x];
             rsum[tz * ${PAIRS} + i] = t;
         }
@@ -178,15 +187,19 @@ ${d.fused_append("part == nparts_b - 1 && tz == 0", ["tx * %d" % VEC], VEC, fenc
             pg_step[i] = row < r_hi ? clattn_page_of(page_indices, p0, row, sink, wo, num_pages) : 0;
         }
         barrier(CLK_LOCAL_MEM_FENCE);
+        #pragma unroll
         for (int j = 0; j < ${TILE}; ++j)
+            #pragma unroll
             for (int g = 0; g < ${GI}; ++g) s[j][g] = rsum[tz * ${PAIRS} + j * ${GI} + g];
 % endif
         /* per head: scores -> weights against the new running max; a slice with no row
            in this step keeps its state; rows scoring -inf weigh 0, also while the slice
            has seen nothing else (clattn_exp_base) */
         const int has_rows = r0 < r_hi;
+        #pragma unroll
         for (int g = 0; g < ${GI}; ++g) {
             float mx = m[g];
+            #pragma unroll
             for (int j = 0; j < ${TILE}; ++j) {
                 s[j][g] = r0 + j < r_hi ? ${score("s[j][g]")} : -INFINITY;
                 mx = fmax(mx, s[j][g]);
@@ -194,15 +207,18 @@ ${d.fused_append("part == nparts_b - 1 && tz == 0", ["tx * %d" % VEC], VEC, fenc
             const float base = clattn_exp_base(mx);
             const float alpha = has_rows ? exp2(m[g] - base) : 1.0f;
             float sum = l[g] * alpha;
+            #pragma unroll
             for (int j = 0; j < ${TILE}; ++j) {
                 s[j][g] = r0 + j < r_hi ? exp2(s[j][g] - base) : 0.0f;
                 sum += s[j][g];
             }
+            #pragma unroll
             for (int cc = 0; cc < ${NC}; ++cc) acc[g][cc] *= alpha;
             m[g] = mx;
             l[g] = sum;
         }
         /* V: each row loaded once, accumulated into every head */
+        #pragma unroll
         for (int j = 0; j < ${TILE}; ++j) {
             const int row = r0 + j;
             if (row < r_hi) {
@@ -210,6 +226,7 @@ ${d.fused_append("part == nparts_b - 1 && tz == 0", ["tx * %d" % VEC], VEC, fenc
 % for cc in range(NC):
                 if (${vguard(cc)}) {
                     const ${c.fv(VEC)} vx = ${kl(1, VEC, "vp", vlane(cc))};
+                    #pragma unroll
                     for (int g = 0; g < ${GI}; ++g) acc[g][${cc}] += s[j][g] * vx;
                 }
 % endfor

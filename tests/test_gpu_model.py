@@ -261,6 +261,54 @@ def test_mali_bifrost_barrier_cut(oclgrind_device):
 
 
 @live
+@pytest.mark.parametrize("profile,shape", SUBSET)
+def test_row_loop_unrolled(counted, profile, shape):
+    """The row loop's inner loops (rows, heads, value chunks, partials) are unrolled: on
+    these group sizes (4 to 8 heads) a row's integer, compare, branch and address work
+    stays within 2x its floating-point work (1.0-1.4x here; with the loops left rolled,
+    2.8-9.5x over every profile and shape)."""
+    c = counted[_key(profile, shape)].counts
+    assert c.other <= 2 * c.arith
+
+
+@pytest.fixture(scope="module")
+def quantized(oclgrind_device):
+    """mali-valhall on Llama-3.2-1B with f16, q8_0 and q4_0 pages (each run checked
+    against the CPU backend by the counting subprocess)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return {f: gm.count(gm.variant("mali-valhall", "Llama-3.2-1B", f), cache=False,
+                            base_rows=BASE_ROWS) for f in gm.FORMATS}
+
+
+@live
+def test_quantized_pages_on_the_model(quantized):
+    """Issue 40: quantized pages counted and modelled beside f16 pages. A row stores D
+    codes and D / 32 f16 scales per K and V row; the kernel loads each stored byte at
+    least once, and fewer bytes than f16 pages' (q4_0's byte pairs and the scales are
+    loaded by several lanes each: the counted bytes stay under f16's, not at the floor)."""
+    d = gm.SHAPES["Llama-3.2-1B"].head_dim
+    stored = {"float16": 4 * d, "q8_0": 2 * (d + d // 32 * 2), "q4_0": 2 * (d // 2 + d // 32 * 2)}
+    for f, r in quantized.items():
+        assert r.fmt == f and r.kv_bytes == stored[f]
+        assert r.counts.global_load >= r.kv_bytes
+    f16 = quantized["float16"].counts.global_load
+    assert quantized["q8_0"].counts.global_load < f16
+    assert quantized["q4_0"].counts.global_load <= quantized["q8_0"].counts.global_load
+    devices = gm.load_devices()
+    choices = gm.format_choices(list(quantized.values()), devices)
+    assert {c.fmt for c in choices} == {"q8_0", "q4_0"}
+    for c in choices:
+        assert c.profile == "mali-valhall" and c.context == gm.CONTEXTS[-1]
+        assert math.isfinite(c.ratio) and c.ratio > 0
+        # f16's counted bytes are its floor (within the page table's 1/D), so each
+        # format's ratio at the floor is at most its counted one
+        assert c.floor_ratio <= c.ratio * (1 + 2 / d)
+    text = gm.format_table(list(quantized.values()), devices)
+    assert "| Immortalis-G720 MC12 | mali-valhall | Llama-3.2-1B | q4_0 |" in text
+
+
+@live
 def test_model_estimates(counted):
     devices = {gm.device_profile(d): d for d in gm.load_devices()}
     seen = 0

@@ -56,6 +56,10 @@ GPU_FIGURES_JSON = Path(__file__).resolve().parent / "gpu_devices.json"  # publi
 SHAPES = MODELS
 DTYPE = "float16"
 ITEM = 2  # bytes of an f16
+#: page formats counted (K and V in the same one): f16 and the quantized block formats
+FORMATS = ("float16", "q8_0", "q4_0")
+#: issue 40's targets for quantized pages where decode waits on memory: time over f16's
+QUANT_TARGETS = {"q8_0": 0.65, "q4_0": 0.45}
 PAGE_SIZE = 16
 BASE_ROWS = 256  # the smaller run has about this many rows (a whole number of steps)
 CONTEXTS = (4096, 32768)  # rows per sequence for the modelled times
@@ -277,18 +281,20 @@ def representative(profile: str) -> dict | None:
     return None
 
 
-def spec_for(shape: str, kv_heads: int | None = None):
+def spec_for(shape: str, kv_heads: int | None = None, fmt: str = DTYPE):
+    """The attention spec of ``shape`` (f16 q and out) with K and V pages in ``fmt``."""
     from clattn.spec import AttentionSpec
     m = SHAPES[shape]
     g = m.num_qo_heads // m.num_kv_heads
     k = m.num_kv_heads if kv_heads is None else kv_heads
     return AttentionSpec(g * k, k, m.head_dim, page_size=PAGE_SIZE, dtype=DTYPE,
-                         softcap=m.softcap)
+                         softcap=m.softcap, k_format=fmt, v_format=fmt)
 
 
 @dataclass(frozen=True)
 class Variant:
-    """One profile x shape: the geometry on its device and the geometry counted."""
+    """One profile x shape x page format: the geometry on its device and the geometry
+    counted."""
 
     profile: str
     shape: str
@@ -296,6 +302,7 @@ class Variant:
     device_geometry: Any
     counted_geometry: Any
     notes: tuple = ()
+    fmt: str = DTYPE
 
     @property
     def rows_per_step(self) -> int:
@@ -309,15 +316,16 @@ class Variant:
 
 
 @lru_cache(maxsize=None)
-def variant(profile: str, shape: str) -> Variant:
-    """Fit ``profile`` to its representative record for ``shape`` and derive what Oclgrind
-    can run (local-memory reduction, vload_half, at most 32 KiB of local memory)."""
+def variant(profile: str, shape: str, fmt: str = DTYPE) -> Variant:
+    """Fit ``profile`` to its representative record for ``shape`` with pages in ``fmt``
+    and derive what Oclgrind can run (local-memory reduction, vload_half, at most 32 KiB
+    of local memory)."""
     from clattn import profiles as reg
     from clattn.device_fit import fit_device
     from clattn.fit import slice_heads, tiled_local_bytes
     rec = representative(profile)
     info = rec or {}
-    spec = spec_for(shape)
+    spec = spec_for(shape, fmt=fmt)
     fit = fit_device(reg.get_profile(profile, user=False), info, spec)
     dev = fit.geometry
     notes = list(fit.notes)
@@ -346,13 +354,13 @@ def variant(profile: str, shape: str) -> Variant:
         raise ValueError(f"{profile} x {shape}: {need(fitted)} bytes of local memory even "
                          f"with one row slice; Oclgrind has {OCLGRIND_LOCAL}")
     fitted = replace(fitted, local_mem_bytes=need(fitted), notes=())
-    return Variant(profile, shape, rec["id"] if rec else None, dev, fitted, tuple(notes))
+    return Variant(profile, shape, rec["id"] if rec else None, dev, fitted, tuple(notes), fmt)
 
 
 # ------------------------------------------------------------------ counting (subprocess)
 def _source(v: Variant) -> str:
     from clattn.codegen import render_decode
-    return render_decode(spec_for(v.shape, 1), v.counted_geometry)
+    return render_decode(spec_for(v.shape, 1, v.fmt), v.counted_geometry)
 
 
 def _lengths(v: Variant, base_rows: int = BASE_ROWS) -> tuple[int, int]:
@@ -376,7 +384,7 @@ def _key(v: Variant, base_rows: int = BASE_ROWS) -> str:
 def _child_payload(v: Variant, base_rows: int = BASE_ROWS) -> dict:
     g = asdict(v.counted_geometry)
     g.pop("notes", None)
-    return {"shape": v.shape, "profile": v.profile, "geometry": g,
+    return {"shape": v.shape, "profile": v.profile, "geometry": g, "fmt": v.fmt,
             "lengths": _lengths(v, base_rows)}
 
 
@@ -387,7 +395,9 @@ def _run_child(payload: dict) -> None:
     warnings.simplefilter("ignore")
     import clattn
     from clattn.fit import DecodeGeometry
-    spec = spec_for(payload["shape"], 1)
+    from clattn.quant import QUANTIZED, pack_pool
+    fmt = payload.get("fmt", DTYPE)
+    spec = spec_for(payload["shape"], 1, fmt)
     g = payload["geometry"]
     geom = DecodeGeometry(**{k: tuple(v) if isinstance(v, list) else v for k, v in g.items()})
     dec = clattn.BatchDecode(spec, "oclgrind", backend="opencl", profile=payload["profile"])
@@ -397,7 +407,9 @@ def _run_child(payload: dict) -> None:
     for n in payload["lengths"]:
         npg = -(-n // PAGE_SIZE)
         q = rng.standard_normal((1, spec.num_qo_heads, spec.head_dim)).astype(np.float16)
-        pages = rng.standard_normal((npg, 2, 1, PAGE_SIZE, spec.head_dim)).astype(np.float16)
+        kv = rng.standard_normal((npg, 2, 1, PAGE_SIZE, spec.head_dim))
+        pages = pack_pool(kv[:, 0], kv[:, 1], spec.layout) if fmt in QUANTIZED \
+            else kv.astype(np.float16)
         order = rng.permutation(npg).astype(np.int32)  # pages out of order, as in a real pool
         indptr = np.array([0, npg], np.int32)
         last = np.array([n - (npg - 1) * PAGE_SIZE], np.int32)
@@ -413,7 +425,8 @@ def _run_child(payload: dict) -> None:
 
 @dataclass
 class PerRow:
-    """Counted work per KV row (one token's K and V of one KV head), f16."""
+    """Counted work per KV row (one token's K and V of one KV head) in page format
+    ``fmt``."""
 
     profile: str
     shape: str
@@ -426,10 +439,12 @@ class PerRow:
     counts: Counts  # per row, summed over every work-item (and work-group) of the head
     wg_barriers: float  # barriers per row, per work-group (every work-item calls each)
     notes: tuple = ()
+    fmt: str = DTYPE
 
     @property
-    def kv_bytes(self) -> int:
-        return 2 * self.head_dim * ITEM
+    def kv_bytes(self) -> float:
+        """Stored bytes of a KV row in its format (a quantized block's scale included)."""
+        return spec_for(self.shape, 1, self.fmt).bytes_per_token
 
     def per_kv_byte(self, name: str) -> float:
         return getattr(self.counts, name) / self.kv_bytes
@@ -490,22 +505,23 @@ def per_row(v: Variant, reports: list[KernelReport], base_rows: int = BASE_ROWS)
            + (f" tile{g.tile}" if g.tile > 1 else "") + (" local-KV" if g.use_local else "")
            + (f" sg{g.subgroup_size}" if g.reduction == "subgroup" else ""))
     return PerRow(v.profile, v.shape, v.record, spec.head_dim, spec.group_size, geo, threads,
-                  (n1, n2), d, wgb, v.notes)
+                  (n1, n2), d, wgb, v.notes, v.fmt)
 
 
-def variants(profiles: Iterable[str] | None = None,
-             shapes: Iterable[str] | None = None) -> list[Variant]:
+def variants(profiles: Iterable[str] | None = None, shapes: Iterable[str] | None = None,
+             formats: Iterable[str] = (DTYPE,)) -> list[Variant]:
     profiles = list(profiles or gpu_profiles())
     shapes = list(shapes or SHAPES)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return [variant(p, s) for p in profiles for s in shapes]
+        return [variant(p, s, f) for f in formats for p in profiles for s in shapes]
 
 
 def count_all(profiles: Iterable[str] | None = None, shapes: Iterable[str] | None = None,
-              *, jobs: int = 2, cache: bool = True, base_rows: int = BASE_ROWS) -> list[PerRow]:
-    """Per-row counts of every profile x shape; identical kernels are run once."""
-    vs = variants(profiles, shapes)
+              *, jobs: int = 2, cache: bool = True, base_rows: int = BASE_ROWS,
+              formats: Iterable[str] = (DTYPE,)) -> list[PerRow]:
+    """Per-row counts of every format x profile x shape; identical kernels are run once."""
+    vs = variants(profiles, shapes, formats)
     first: dict[str, Variant] = {}
     for v in vs:
         first.setdefault(_key(v, base_rows), v)
@@ -547,6 +563,7 @@ class Estimate:
     floor_us: float  # KV bytes once over the DRAM bandwidth, all units busy
     local_form: bool = False  # the device reduces through sub-groups: local/alu/barrier
     # were counted in the local-memory form, an upper bound
+    fmt: str = DTYPE  # the page format counted
 
     @property
     def time_us(self) -> float:
@@ -595,9 +612,9 @@ def estimate(row: PerRow, dev: Mapping[str, Any], context: int, *,
     t = {k: v / busy * 1e6 for k, v in t.items()}
     bound = max(t, key=t.get)
     floor = rows * row.kv_bytes / bw * 1e6
-    sg = variant(row.profile, row.shape).device_geometry.reduction == "subgroup"
+    sg = variant(row.profile, row.shape, row.fmt).device_geometry.reduction == "subgroup"
     return Estimate(dev["name"], row.profile, row.shape, context, work_groups, busy, t, bound,
-                    floor, sg)
+                    floor, sg, row.fmt)
 
 
 def planned_work_groups(row: PerRow, dev: Mapping[str, Any], context: int) -> int:
@@ -608,7 +625,7 @@ def planned_work_groups(row: PerRow, dev: Mapping[str, Any], context: int) -> in
     from clattn.plan import make_plan
     from clattn.profiles import get_profile
     hkv = SHAPES[row.shape].num_kv_heads
-    v = variant(row.profile, row.shape)
+    v = variant(row.profile, row.shape, row.fmt)
     wg = hkv * v.device_geometry.gdz
     plan = make_plan(np.array([context]), wg, int(value(dev, "compute_units")),
                      get_profile(row.profile, user=False), PAGE_SIZE)
@@ -669,7 +686,7 @@ def merge_us(row: PerRow, dev: Mapping[str, Any], parts: int) -> float:
 def split_choice(row: PerRow, dev: Mapping[str, Any], context: int) -> SplitChoice:
     """The model's verdict on split-KV for one sequence."""
     hkv = SHAPES[row.shape].num_kv_heads
-    wg = hkv * variant(row.profile, row.shape).device_geometry.gdz
+    wg = hkv * variant(row.profile, row.shape, row.fmt).device_geometry.gdz
 
     def cost(parts: int) -> float:
         t = estimate(row, dev, context, work_groups=wg * parts).time_us
@@ -687,11 +704,11 @@ def split_choice(row: PerRow, dev: Mapping[str, Any], context: int) -> SplitChoi
                        cost(planned), best, cost(best))
 
 
-def device_rows(rows: list[PerRow], devices: list[dict],
-                contexts: Iterable[int] = CONTEXTS) -> Iterator[tuple[dict, PerRow, int]]:
+def device_rows(rows: list[PerRow], devices: list[dict], contexts: Iterable[int] = CONTEXTS,
+                fmt: str = DTYPE) -> Iterator[tuple[dict, PerRow, int]]:
     """``(device, counted row, context)`` for every device whose profile was counted on a
-    shape, shapes in :data:`SHAPES` order."""
-    by = {(r.profile, r.shape): r for r in rows}
+    shape with pages in ``fmt``, shapes in :data:`SHAPES` order."""
+    by = {(r.profile, r.shape): r for r in rows if r.fmt == fmt}
     for dev in devices:
         prof = device_profile(dev)
         for shape in SHAPES:
@@ -699,6 +716,72 @@ def device_rows(rows: list[PerRow], devices: list[dict],
             if r is not None:
                 for L in contexts:
                     yield dev, r, L
+
+
+@dataclass
+class FormatChoice:
+    """A quantized page format against f16 pages on one device, shape and length: the
+    modelled times (global at the counted bytes: every lane's load, an upper bound where
+    lanes load the same block scale or q4_0 byte) and the same with global at the floor
+    (each stored byte once: same-address loads of one instruction coalesced)."""
+
+    device: str
+    profile: str
+    shape: str
+    fmt: str
+    context: int
+    f16_us: float
+    us: float
+    bound: str
+    floor_bound_us: float  # global at the floor, the other resources as counted
+    f16_floor_bound_us: float
+
+    @property
+    def ratio(self) -> float:
+        return self.us / self.f16_us
+
+    @property
+    def floor_ratio(self) -> float:
+        return self.floor_bound_us / self.f16_floor_bound_us
+
+    @property
+    def target(self) -> float:
+        return QUANT_TARGETS[self.fmt]
+
+
+def _at_floor(e: Estimate) -> float:
+    """``e``'s time with global at the KV floor (the other resources as counted)."""
+    return max([e.floor_us] + [t for k, t in e.times_us.items() if k != "global"])
+
+
+def format_choices(rows: list[PerRow], devices: list[dict],
+                   context: int = CONTEXTS[-1]) -> list[FormatChoice]:
+    """Every quantized row counted beside its f16 row, on every device of its profile."""
+    base = {(r.profile, r.shape): r for r in rows if r.fmt == DTYPE}
+    out = []
+    for fmt in (f for f in FORMATS if f != DTYPE):
+        for dev, r, L in device_rows(rows, devices, (context,), fmt):
+            r16 = base.get((r.profile, r.shape))
+            if r16 is None:
+                continue
+            e, e16 = estimate(r, dev, L), estimate(r16, dev, L)
+            out.append(FormatChoice(dev["name"], r.profile, r.shape, fmt, L, e16.time_us,
+                                    e.time_us, e.bound, _at_floor(e), _at_floor(e16)))
+    return out
+
+
+def format_table(rows: list[PerRow], devices: list[dict], context: int = CONTEXTS[-1]) -> str:
+    """Markdown table: quantized pages' modelled time over f16's, against issue 40's
+    targets (:data:`QUANT_TARGETS`)."""
+    lines = ["| device | profile | shape | format | L | f16 us | us | bound | x f16 | "
+             "x f16, global at the floor | target | met |", "|" + "---|" * 12]
+    for c in format_choices(rows, devices, context):
+        met = "yes" if c.ratio <= c.target else \
+            "at the floor" if c.floor_ratio <= c.target else "no"
+        lines.append(f"| {c.device} | {c.profile} | {c.shape} | {c.fmt} | {c.context} | "
+                     f"{_f(c.f16_us, 1)} | {_f(c.us, 1)} | {c.bound} | {c.ratio:.2f} | "
+                     f"{c.floor_ratio:.2f} | {c.target:.2f} | {met} |")
+    return "\n".join(lines)
 
 
 def split_table(rows: list[PerRow], devices: list[dict],
@@ -860,11 +943,12 @@ def _f(x: float, nd: int = 2) -> str:
 
 
 def counts_table(rows: list[PerRow]) -> str:
-    """Markdown table: per KV row and per KV byte, for every profile x shape."""
+    """Markdown table: per KV row and per stored KV byte, for every profile x shape (and
+    page format, the last column)."""
     head = ("| profile | shape | device record | geometry | glob B/row | glob B/KV B | "
             "of it K/V | local ld B/KV B | local st B/KV B | WG barriers/row | arith/row | "
-            "other/row | f16 conv/row |")
-    lines = [head, "|" + "---|" * 13]
+            "other/row | f16 conv/row | pages |")
+    lines = [head, "|" + "---|" * 14]
     for r in rows:
         c = r.counts
         lines.append(
@@ -872,7 +956,7 @@ def counts_table(rows: list[PerRow]) -> str:
             f"{_f(c.global_load)} | {_f(r.per_kv_byte('global_load'), 3)} | "
             f"{_f(r.per_kv_byte('global_load_kv'), 3)} | {_f(r.per_kv_byte('local_load'))} | "
             f"{_f(r.per_kv_byte('local_store'))} | {_f(r.wg_barriers, 3)} | {_f(c.arith)} | "
-            f"{_f(c.other)} | {_f(c.f16_conv)} |")
+            f"{_f(c.other)} | {_f(c.f16_conv)} | {r.fmt} |")
     return "\n".join(lines)
 
 
@@ -894,13 +978,18 @@ def model_table(rows: list[PerRow], devices: list[dict],
 
 def report(profiles: Iterable[str] | None = None, shapes: Iterable[str] | None = None, *,
            jobs: int = 2, cache: bool = True, contexts: Iterable[int] = CONTEXTS,
-           base_rows: int = BASE_ROWS) -> str:
+           base_rows: int = BASE_ROWS, formats: Iterable[str] = FORMATS) -> str:
     """The counts and the model as text (Markdown tables), for ``tools/bench.py``.
 
     The first call runs Oclgrind for every distinct kernel (minutes on two cores); the
     counts are cached under ``~/.cache/clattn/gpu_model`` by kernel source and launch.
+    ``formats``: the page formats counted (f16 always; the limits, the baseline and the
+    split-KV tables are f16's, the quantized ones have a table of their own).
     """
-    rows = count_all(profiles, shapes, jobs=jobs, cache=cache, base_rows=base_rows)
+    formats = tuple(dict.fromkeys((DTYPE, *formats)))
+    every = count_all(profiles, shapes, jobs=jobs, cache=cache, base_rows=base_rows,
+                      formats=formats)
+    rows = [r for r in every if r.fmt == DTYPE]
     devices = load_devices()
     notes = []
     for r in rows:
@@ -910,10 +999,10 @@ def report(profiles: Iterable[str] | None = None, shapes: Iterable[str] | None =
                 notes.append(line)
     over = [r for r in rows if r.per_kv_byte("global_load") > GLOBAL_LIMIT]
     out = [
-        "## Counted work per KV row (Oclgrind, f16, one sequence; a KV row = one token's K "
-        "and V of one KV head)",
+        "## Counted work per KV row (Oclgrind, f16 q and out, one sequence; a KV row = one "
+        "token's K and V of one KV head; per KV byte: per byte stored in the row's format)",
         "",
-        counts_table(rows),
+        counts_table(every),
         "",
         f"Global loads above {GLOBAL_LIMIT} bytes per KV byte (the limit): "
         f"{len(over)} of {len(rows)}"
@@ -946,6 +1035,18 @@ def report(profiles: Iterable[str] | None = None, shapes: Iterable[str] | None =
         f"(partitions of at least the profile's min_partition_rows: the counts leave out "
         f"each work-group's fixed cost, which decides shorter ones).",
         "",
+        *([f"## Quantized pages on the model (B=1, L={CONTEXTS[-1]}; issue 40's targets: "
+           + ", ".join(f"{k} at most {v:.2f}x f16's time" for k, v in QUANT_TARGETS.items())
+           + ", where decode waits on memory)",
+           "",
+           format_table(every, devices),
+           "",
+           "x f16: the modelled time over f16 pages' on the same device and shape. Global "
+           "at the floor: both times with each stored byte read once from DRAM (lanes that "
+           "load the same block scale or q4_0 byte in one instruction are one access on a "
+           "GPU's memory system; the counted bytes count every lane's). Met: yes with the "
+           "counted bytes, at the floor with the floor only.",
+           ""] if len(formats) > 1 else []),
         "## Notes on the counted kernels",
         "",
         *(notes or ["- none"]),
@@ -957,6 +1058,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--profiles", help="comma-separated (default: every tiled built-in)")
     ap.add_argument("--shapes", help="comma-separated (default: " + ", ".join(SHAPES) + ")")
+    ap.add_argument("--formats", help="page formats, comma-separated (default: "
+                    + ", ".join(FORMATS) + ")")
     ap.add_argument("--jobs", type=int, default=2, help="Oclgrind processes at once (2)")
     ap.add_argument("--no-cache", action="store_true", help="count again")
     ap.add_argument("--json", help="also write every figure to this file")
@@ -968,12 +1071,16 @@ def main(argv: list[str] | None = None) -> int:
         _run_child(json.loads(sys.stdin.read()))
         return 0
     profiles, shapes = csv(a.profiles), csv(a.shapes)
+    formats = tuple(csv(a.formats) or FORMATS)
+    unknown = [f for f in formats if f not in FORMATS]
+    if unknown:
+        ap.error(f"--formats: {', '.join(unknown)} not among {', '.join(FORMATS)}")
     if a.print_baseline:
         print(print_baseline(count_all(profiles, shapes, jobs=a.jobs, cache=not a.no_cache)))
         return 0
-    print(report(profiles, shapes, jobs=a.jobs, cache=not a.no_cache))
+    print(report(profiles, shapes, jobs=a.jobs, cache=not a.no_cache, formats=formats))
     if a.json:
-        rows = count_all(profiles, shapes, jobs=a.jobs, cache=True)
+        rows = count_all(profiles, shapes, jobs=a.jobs, cache=True, formats=formats)
         devs = load_devices()
         est = [asdict(estimate(r, d, L)) for d in devs for r in rows
                if r.profile == device_profile(d) for L in CONTEXTS]
