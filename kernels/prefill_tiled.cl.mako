@@ -84,14 +84,19 @@ void clattn_prefill(${SIGNATURE})
 
     int lim[${RM}];       /* last chunk row each of the thread's rows attends; -1: none */
     float m[${RM}], l[${RM}], acc[${RM}][${RD}];
+    #pragma unroll
     for (int a = 0; a < ${RM}; ++a) {
         const int i = (tr * ${RM} + a) / ${G};
         lim[a] = QLIM(i);
         m[a] = -INFINITY;
         l[a] = 0.0f;
+        #pragma unroll
         for (int cc = 0; cc < ${RD}; ++cc) acc[a][cc] = 0.0f;
     }
 
+    /* every loop over the thread's register tile (RM rows, RK keys, RD value columns, TC
+       partial maxima and sums) is unrolled (#pragma unroll), so that s, qa, kk, acc, m, l
+       and lim are registers whatever the device compiler's own heuristics */
     for (int r0 = 0; r0 < r_end; r0 += ${KB}) {
         /* 1. K (rotated) and V of the tile; rows past r_end are 0 */
 % if DV == D:
@@ -136,17 +141,25 @@ void clattn_prefill(${SIGNATURE})
 
         /* 2. scores of the thread's RM rows x RK keys; tile maxima per row */
         float s[${RM}][${RK}];
+        #pragma unroll
         for (int a = 0; a < ${RM}; ++a)
+            #pragma unroll
             for (int k = 0; k < ${RK}; ++k) s[a][k] = 0.0f;
         for (int e = 0; e < ${D}; ++e) {
             float qa[${RM}], kk[${RK}];
+            #pragma unroll
             for (int a = 0; a < ${RM}; ++a) qa[a] = q_tile[tr * ${RM} + a][e];
+            #pragma unroll
             for (int k = 0; k < ${RK}; ++k) kk[k] = k_tile[tc + ${TC} * k][e];
+            #pragma unroll
             for (int a = 0; a < ${RM}; ++a)
+                #pragma unroll
                 for (int k = 0; k < ${RK}; ++k) s[a][k] += qa[a] * kk[k];
         }
+        #pragma unroll
         for (int a = 0; a < ${RM}; ++a) {
             float mx = -INFINITY;
+            #pragma unroll
             for (int k = 0; k < ${RK}; ++k) {
                 const int key = r0 + tc + ${TC} * k;
                 s[a][k] = key <= lim[a] && MASK_KEEPS((tr * ${RM} + a) / ${G}, key) ? ${kx.score("s[a][k]", SOFTCAP)} : -INFINITY;
@@ -159,14 +172,17 @@ void clattn_prefill(${SIGNATURE})
         /* 3. weights and their sums; a row with no attended key in the tile keeps its
            state (r0 is the tile's first key: attended by a row iff r0 <= lim) */
         float alpha[${RM}];
+        #pragma unroll
         for (int a = 0; a < ${RM}; ++a) {
             const int row = tr * ${RM} + a;
             float mx = m[a];
+            #pragma unroll
             for (int t = 0; t < ${TC}; ++t) mx = clattn_max_nan(mx, red_m[row][t]);
             const int live = r0 <= lim[a];
             const float base = clattn_exp_base(mx);
             alpha[a] = live ? exp2(m[a] - base) : 1.0f;
             float sum = 0.0f;
+            #pragma unroll
             for (int k = 0; k < ${RK}; ++k) {
                 const float p = r0 + tc + ${TC} * k <= lim[a] ? exp2(s[a][k] - base) : 0.0f;
                 p_tile[row][tc + ${TC} * k] = p;
@@ -178,11 +194,14 @@ void clattn_prefill(${SIGNATURE})
         barrier(CLK_LOCAL_MEM_FENCE);
 
         /* 4. values: the thread's RM rows x columns tc + TC * c */
+        #pragma unroll
         for (int a = 0; a < ${RM}; ++a) {
             const int row = tr * ${RM} + a;
             float sum = 0.0f;
+            #pragma unroll
             for (int t = 0; t < ${TC}; ++t) sum += red_l[row][t];
             l[a] = l[a] * alpha[a] + sum;
+            #pragma unroll
             for (int cc = 0; cc < ${RD}; ++cc) acc[a][cc] *= alpha[a];
         }
         /* on the causal diagonal (and under a custom mask) a row adds only the keys it
@@ -191,16 +210,20 @@ void clattn_prefill(${SIGNATURE})
         const int full = !use_mask && min(r0 + ${KB}, r_end) - 1 <= QLIM(0);
         for (int j = 0; j < ${KB}; ++j) {
             float vv[${RD}];
+            #pragma unroll
             for (int cc = 0; cc < ${RD}; ++cc) vv[cc] = v_tile[j][tc + ${TC} * cc];
+            #pragma unroll
             for (int a = 0; a < ${RM}; ++a) {
                 const float p = p_tile[tr * ${RM} + a][j];
                 if (full || (r0 + j <= lim[a] && MASK_KEEPS((tr * ${RM} + a) / ${G}, r0 + j)))
+                    #pragma unroll
                     for (int cc = 0; cc < ${RD}; ++cc) acc[a][cc] += p * vv[cc];
             }
         }
         barrier(CLK_LOCAL_MEM_FENCE);   /* the tiles are rewritten next step */
     }
 
+    #pragma unroll
     for (int a = 0; a < ${RM}; ++a) {
         const int row = tr * ${RM} + a;
         const int i = row / ${G};
@@ -210,6 +233,7 @@ void clattn_prefill(${SIGNATURE})
         ${c.add_sink("m[a]", "l[a]", "CLATTN_SINK(use_sinks, kvh * %d + row %% %d)" % (G, G))}
         const float inv = clattn_part_inv(l[a], seen) * alpha;
         __global st_t* op = out + at * ${DV};
+        #pragma unroll
         for (int cc = 0; cc < ${RD}; ++cc) {
             const float o = acc[a][cc] * inv;
             ${c.storev(1, "o", "op + tc + %d * cc" % TC)}
