@@ -215,9 +215,10 @@ void clattn_prefill(${SIGNATURE})
             #pragma unroll
             for (int a = 0; a < ${RM}; ++a) {
                 const float p = p_tile[tr * ${RM} + a][j];
-                if (full || (r0 + j <= lim[a] && MASK_KEEPS((tr * ${RM} + a) / ${G}, r0 + j)))
+                if (full || (r0 + j <= lim[a] && MASK_KEEPS((tr * ${RM} + a) / ${G}, r0 + j))) {
                     #pragma unroll
                     for (int cc = 0; cc < ${RD}; ++cc) acc[a][cc] += p * vv[cc];
+                }
             }
         }
         barrier(CLK_LOCAL_MEM_FENCE);   /* the tiles are rewritten next step */
