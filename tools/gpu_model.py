@@ -26,6 +26,7 @@ What is counted, and how (tools/gpu_model.md has the whole method):
 Use
   python tools/gpu_model.py                      # the tables (counts cached per kernel)
   python tools/gpu_model.py --profiles adreno-7xx,mali-valhall --shapes Llama-3-8B
+  python tools/gpu_model.py --formats float16    # f16 pages only (default: also q8_0, q4_0)
   python tools/gpu_model.py --json out.json      # everything, machine-readable
 
 ``report()`` returns the same text for ``tools/bench.py --suite gpu-model``.
