@@ -424,6 +424,13 @@ def _run_child(payload: dict) -> None:
     print("GPU-MODEL-OK", flush=True)
 
 
+@lru_cache(maxsize=None)
+def _row_bytes(shape: str, fmt: str) -> float:
+    """Stored bytes of one KV row (one token's K and V of one KV head) of ``shape`` in
+    ``fmt`` (every table reads it per row and resource: one spec per shape and format)."""
+    return spec_for(shape, 1, fmt).bytes_per_token
+
+
 @dataclass
 class PerRow:
     """Counted work per KV row (one token's K and V of one KV head) in page format
@@ -445,7 +452,7 @@ class PerRow:
     @property
     def kv_bytes(self) -> float:
         """Stored bytes of a KV row in its format (a quantized block's scale included)."""
-        return spec_for(self.shape, 1, self.fmt).bytes_per_token
+        return _row_bytes(self.shape, self.fmt)
 
     def per_kv_byte(self, name: str) -> float:
         return getattr(self.counts, name) / self.kv_bytes
