@@ -78,8 +78,8 @@ def test_prefill_over_a_cached_prefix(any_device, profile):
                                              profile=profile))
     if profile and "llvmpipe" in any_device.name.lower():
         assert pre.geometry.strategy == "rows", "the fit keeps llvmpipe off the tiled prefill"
-        assert (pre.geometry.vec, pre.geometry.kb) == (8, 16), \
-            "a GPU profile falls back to the rows settings with the fewest loops per key"
+        assert (pre.geometry.vec, pre.geometry.kb) == (2, 16), \
+            "a GPU profile falls back to the rows settings llvmpipe builds in seconds"
     case = prefill_case(sc.spec, [20, 0, 33], [5, 9, 1], seed=6, rope=True,
                         window=[3, 0, 10], sinks=[2, 0, 1])
     res = run_prefill(pre, case, rotary_mode=1)
