@@ -337,6 +337,39 @@ def pytest_collection_modifyitems(config, items):
         items[:] = [it for it in items if not it.get_closest_marker("slow")]
 
 
+# ---------------------------------------------------------------------------- workers
+#: the memory one test worker may come to hold (its session's decoders and pools, the
+#: drivers' compiled programs): a worker of a two-worker run of the suite peaked at 5.7 GB
+WORKER_BYTES = 6 << 30
+
+
+def _available_bytes() -> int | None:
+    """The memory the system can give without swapping (MemAvailable), None if unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def pytest_xdist_auto_num_workers(config) -> int | None:
+    """``-n auto`` (pytest-xdist): one worker per CPU this process may run on (``taskset``
+    counts), as many as the available memory holds (:data:`WORKER_BYTES` each), at least
+    one; ``PYTEST_XDIST_AUTO_NUM_WORKERS`` set: that number (xdist's own hook)."""
+    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
+        return None
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:   # no CPU affinity on this OS
+        cpus = os.cpu_count() or 1
+    avail = _available_bytes()
+    fit = cpus if avail is None else int(avail // WORKER_BYTES)
+    return max(1, min(cpus, fit))
+
+
 # ---------------------------------------------------------------------------- CI: no skips
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
