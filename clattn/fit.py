@@ -81,9 +81,9 @@ def pocl_target_cpu(info: Mapping[str, Any]) -> str | None:
 #: the rows prefill settings a tiled profile falls back to on a device without the tiled
 #: prefill (a loop budget: llvmpipe), and every tiled profile builds the same one kernel
 #: there: long key blocks run few loop iterations per key (many keys per work unit within
-#: the budget), and vectors of 2 floats, because llvmpipe's compiler takes minutes over
-#: this kernel at 4 or 8 (Mesa 22.3, f16, head_dim 64: 210 s at 4, 305 s at 8, 3.6 s at
-#: 2; the same run time), for 0.5-0.6x the keys per unit of vectors of 8
+#: the budget), and vectors of 2 floats: llvmpipe's compiler takes minutes over this
+#: kernel at 4 or 8 and seconds at 2, for the same run time and about half the keys per
+#: unit of 8 (tools/RESULTS.md, "The test run")
 LLVMPIPE_PREFILL_ROWS = {"prefill_vec": 2, "prefill_kb": 16}
 
 
