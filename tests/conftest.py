@@ -42,6 +42,7 @@ import pytest
 
 import clattn
 from clattn import runtime
+from clattn.tune.ceilings import host_available_bytes
 
 #: the GPU kernel on a CPU driver: a built-in GPU profile (tiled, 256 work-items, local K/V
 #: tiles; sub-group reduction where the driver has the size, local memory elsewhere)
@@ -343,18 +344,6 @@ def pytest_collection_modifyitems(config, items):
 WORKER_BYTES = 6 << 30
 
 
-def _available_bytes() -> int | None:
-    """The memory the system can give without swapping (MemAvailable), None if unknown."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
 def pytest_xdist_auto_num_workers(config) -> int | None:
     """``-n auto`` (pytest-xdist): one worker per CPU this process may run on (``taskset``
     counts), as many as the available memory holds (:data:`WORKER_BYTES` each), at least
@@ -365,8 +354,8 @@ def pytest_xdist_auto_num_workers(config) -> int | None:
         cpus = len(os.sched_getaffinity(0))
     except AttributeError:   # no CPU affinity on this OS
         cpus = os.cpu_count() or 1
-    avail = _available_bytes()
-    fit = cpus if avail is None else int(avail // WORKER_BYTES)
+    avail = host_available_bytes()   # 0: unknown
+    fit = int(avail // WORKER_BYTES) if avail else cpus
     return max(1, min(cpus, fit))
 
 
