@@ -104,14 +104,12 @@ class KernelTimes:
         return attend
 
     def take(self) -> list[float]:
-        out = []
-        for res in self.results:
-            try:
-                out.append(sum(e.profile.end - e.profile.start for e in res.events) * 1e-9)
-            except Exception:  # noqa: BLE001 - a queue without profiling: no figure
-                return []
-        self.results = []
-        return out
+        results, self.results = self.results, []
+        try:
+            return [sum(e.profile.end - e.profile.start for e in res.events) * 1e-9
+                    for res in results]
+        except Exception:  # noqa: BLE001 - a queue without profiling: no figure
+            return []
 
 
 def run_backend(model: Any, impl: str, ids: Any, new: int, cache_len: int, calls: CallTimes,
