@@ -121,8 +121,13 @@ def run_backend(model: Any, impl: str, ids: Any, new: int, cache_len: int, calls
     from clattn.integrations.transformers import ClattnCache
 
     model.set_attn_implementation(impl)
-    cache = ClattnCache(model, max_cache_len=cache_len) if impl == "clattn" else \
-        DynamicCache(config=model.config)
+    if impl == "clattn":
+        cache = ClattnCache(model, max_cache_len=cache_len)
+    else:
+        try:
+            cache = DynamicCache(config=model.config)  # per-layer kinds (transformers 5)
+        except TypeError:
+            cache = DynamicCache()
     name = "clattn" if impl == "clattn" else "peer"
     with torch.inference_mode():
         calls.on = True
