@@ -189,13 +189,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--peer", default="sdpa", choices=("sdpa", "eager"),
                     help="the attention clattn is timed beside (eager computes Gemma-2's "
                          "soft-cap; sdpa does not)")
-    ap.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"))
+    ap.add_argument("--dtype", default="float32", choices=("float32", "float16"))
     ap.add_argument("--vocab", type=int, default=4096, help="vocabulary entries")
     ap.add_argument("--threads", type=int, default=0,
                     help="torch's threads (default: the CPUs this process may run on)")
     ap.add_argument("--warmup", type=int, default=64, help="prompt tokens of the first pass")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
+    for name in ("prompt", "new", "rounds", "vocab"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name} must be at least 1")
 
     warnings.simplefilter("ignore")
     import torch
@@ -206,7 +209,8 @@ def main(argv: list[str] | None = None) -> int:
     from clattn import PagedKVCache
 
     hf.register(device=args.device, backend=args.backend)
-    threads = args.threads or len(os.sched_getaffinity(0))
+    threads = args.threads or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                               else os.cpu_count() or 1)
     torch.set_num_threads(threads)
     calls, kernels = CallTimes(), KernelTimes()
     AttentionInterface.register("clattn", calls.wrap("clattn", hf.attention))
