@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """Through Hugging Face transformers: a prompt and the tokens after it with
-``attn_implementation="clattn"`` beside a peer (``sdpa``, or ``eager``), alternated round
-by round in one process on the same model.
+``attn_implementation="clattn"`` beside a peer (``sdpa``; ``eager`` for Gemma-2, whose
+soft-cap transformers' sdpa refuses), alternated round by round in one process on the same
+model.
 
 The model has a real model's shape (hidden size, MLP, heads, layers, soft-caps and windows,
 from its published config) and random weights, its vocabulary cut to ``--vocab`` entries
@@ -186,9 +187,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt", type=int, default=2048, help="prompt tokens")
     ap.add_argument("--new", type=int, default=24, help="greedy tokens after the prompt")
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--peer", default="sdpa", choices=("sdpa", "eager"),
-                    help="the attention clattn is timed beside (eager computes Gemma-2's "
-                         "soft-cap; sdpa does not)")
+    ap.add_argument("--peer", default="auto", choices=("auto", "sdpa", "eager"),
+                    help="the attention clattn is timed beside (auto: eager for a model "
+                         "that soft-caps its scores, which transformers' sdpa refuses; "
+                         "sdpa otherwise)")
     ap.add_argument("--dtype", default="float32", choices=("float32", "float16"))
     ap.add_argument("--vocab", type=int, default=4096, help="vocabulary entries")
     ap.add_argument("--threads", type=int, default=0,
@@ -196,6 +198,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=64, help="prompt tokens of the first pass")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
+    if args.peer == "auto":
+        args.peer = "eager" if SHAPES[args.model][1].get("attn_logit_softcapping") else "sdpa"
     for name in ("prompt", "new", "rounds", "vocab"):
         if getattr(args, name) < 1:
             ap.error(f"--{name} must be at least 1")
