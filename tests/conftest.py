@@ -42,7 +42,7 @@ import pytest
 
 import clattn
 from clattn import runtime
-from clattn.tune.ceilings import host_available_bytes
+from clattn.tune.ceilings import host_available_bytes, host_cpus
 
 #: the GPU kernel on a CPU driver: a built-in GPU profile (tiled, 256 work-items, local K/V
 #: tiles; sub-group reduction where the driver has the size, local memory elsewhere)
@@ -350,10 +350,7 @@ def pytest_xdist_auto_num_workers(config) -> int | None:
     one; ``PYTEST_XDIST_AUTO_NUM_WORKERS`` set: that number (xdist's own hook)."""
     if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
         return None
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except AttributeError:   # no CPU affinity on this OS
-        cpus = os.cpu_count() or 1
+    cpus = host_cpus()
     avail = host_available_bytes()   # 0: unknown
     fit = int(avail // WORKER_BYTES) if avail else cpus
     return max(1, min(cpus, fit))

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import os
 import platform
 import shlex
 import statistics
@@ -211,25 +210,25 @@ def main(argv: list[str] | None = None) -> int:
 
     import clattn.integrations.transformers as hf
     from clattn import PagedKVCache
+    from clattn.tune.ceilings import host_cpus
 
     hf.register(device=args.device, backend=args.backend)
-    threads = args.threads or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-                               else os.cpu_count() or 1)
+    threads = args.threads or host_cpus()
     torch.set_num_threads(threads)
     calls, kernels = CallTimes(), KernelTimes()
     AttentionInterface.register("clattn", calls.wrap("clattn", hf.attention))
-    if args.peer == "sdpa":
-        AttentionInterface.register("sdpa", calls.wrap("peer", sdpa_attention_forward))
-    else:
-        from transformers.masking_utils import AttentionMaskInterface, eager_mask
-
-        AttentionInterface.register("eager_t", calls.wrap("peer", _eager_forward(args.model)))
-        AttentionMaskInterface.register("eager_t", eager_mask)
     peer = "sdpa" if args.peer == "sdpa" else "eager_t"
     PagedKVCache.attend = kernels.wrap(PagedKVCache.attend)
 
     dtype = getattr(torch, args.dtype)
     model = build_model(args.model, args.layers, args.vocab, dtype, args.seed)
+    if args.peer == "sdpa":
+        AttentionInterface.register("sdpa", calls.wrap("peer", sdpa_attention_forward))
+    else:
+        from transformers.masking_utils import AttentionMaskInterface, eager_mask
+
+        AttentionInterface.register("eager_t", calls.wrap("peer", _eager_forward(model)))
+        AttentionMaskInterface.register("eager_t", eager_mask)
     gen = torch.Generator().manual_seed(args.seed)
     ids = torch.randint(0, args.vocab, (1, args.prompt), generator=gen)
     cache_len = args.prompt + args.new + 1
@@ -251,13 +250,9 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _eager_forward(model: str) -> Callable:
+def _eager_forward(model: Any) -> Callable:
     """The model's own eager attention function (Gemma-2's soft-caps the scores)."""
-    import importlib
-
-    mod = {"Qwen2.5-0.5B": "qwen2", "Llama-3.2-1B": "llama", "Gemma-2-2B": "gemma2"}[model]
-    return importlib.import_module(f"transformers.models.{mod}.modeling_{mod}") \
-        .eager_attention_forward
+    return sys.modules[type(model).__module__].eager_attention_forward
 
 
 def _print(args: argparse.Namespace, argv: list[str] | None, rows: list[dict], peer: str,

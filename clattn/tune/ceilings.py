@@ -285,6 +285,15 @@ def host_available_bytes() -> int:
         return 0
 
 
+def host_cpus() -> int:
+    """The CPUs this process may run on (its affinity: ``taskset`` counts), else the
+    machine's, at least 1."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:   # no CPU affinity on this OS
+        return os.cpu_count() or 1
+
+
 def sizing(device: Any, *, factor: int = COLD_FACTOR, minimum: int = MIN_WORKING_SET,
            host_root: str = HOST_CACHE_DIR) -> Sizing:
     """A working set past every cache of ``device`` (and of the host when it is a CPU).
@@ -834,7 +843,8 @@ def measure_all(runtime_or_device: Any = None, *, target_s: float = 0.25,
 __all__ = ["COLD_FACTOR", "STREAM_ROUNDS", "Cache", "Ceilings", "FMA_CHAINS", "FMA_ITERS",
            "FMA_LANES", "FMA_UNROLL", "FMA_WIDTHS", "FmaPeak",
            "Latency", "Measurement", "Sizing", "Transfer", "as_runtime", "copy_bandwidth",
-           "fill_random", "fill_rate", "fma_launcher", "fma_peak", "fma_source", "host_caches",
+           "fill_random", "fill_rate", "fma_launcher", "fma_peak", "fma_source",
+           "host_available_bytes", "host_caches", "host_cpus",
            "launch_latency", "measure_all", "parse_size", "read_bandwidth", "read_launcher",
            "size_text", "sizing",
            "source", "transfer_bandwidth"]
