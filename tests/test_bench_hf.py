@@ -1,7 +1,9 @@
 """tools/bench_hf.py runs end to end (clattn's CPU backend beside sdpa, a one-layer model)
-and prints a table of the figures it measured."""
+and prints a table of the figures it measured; its split of a call around the kernel
+enqueues."""
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import subprocess
@@ -11,6 +13,30 @@ import pytest
 
 pytest.importorskip("transformers")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _load_tool():
+    tools = os.path.join(ROOT, "tools")
+    if tools not in sys.path:  # the tool imports its sibling tools/common.py
+        sys.path.insert(0, tools)
+    spec = importlib.util.spec_from_file_location("clattn_bench_hf",
+                                                  os.path.join(tools, "bench_hf.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_call_parts_pairs_each_call_with_its_own_enqueues():
+    parts = _load_tool().call_parts
+    # three calls (start, end); enqueues inside the first two, one between calls, and two
+    # in the third; times in seconds
+    calls = [(10.0, 10.010), (20.0, 20.004), (30.0, 30.020)]
+    launches = [(10.002, 10.003), (15.0, 15.5), (20.001, 20.0015),
+                (30.005, 30.006), (30.010, 30.012)]
+    got = parts(calls, launches[::-1])  # in any order
+    # before: 2, 1, 5 ms; enqueue: 1, 0.5, 1 + 2 ms; after: 7, 2.5, 8 ms
+    assert got == pytest.approx(dict(before_us=2000.0, enqueue_us=1000.0, after_us=7000.0))
+    assert parts(calls, [(15.0, 15.5)]) == {} and parts([], launches) == {}
 
 
 def test_bench_hf_prints_both_backends():
@@ -29,7 +55,9 @@ def test_bench_hf_prints_both_backends():
         prompt_s, attn_s, token_ms, call_us = (float(x) for x in r[2:6])
         # the attention calls are timed inside the forward they belong to
         assert 0 < attn_s <= prompt_s and token_ms > 0 and call_us > 0 and float(r[6]) > 0
-        alike, total = (int(x) for x in re.match(r"\s*(\d+) of (\d+)", r[8]).groups())
+        # the numpy backend and sdpa enqueue no clattn kernel: no kernel time, no parts
+        assert [x.strip() for x in r[7:11]] == ["-"] * 4
+        alike, total = (int(x) for x in re.match(r"\s*(\d+) of (\d+)", r[11]).groups())
         assert total == 4 and 0 <= alike <= total
     summary = [line for line in out.splitlines() if line.startswith("| token ms |")]
     assert len(summary) == 1

@@ -13,10 +13,11 @@ forwards over the cache (a ``ClattnCache`` for clattn, a ``DynamicCache`` for th
 Printed per backend and round: the prompt's seconds and the seconds its attention calls
 took; a new token's median seconds (one whole forward) and its attention calls' median
 microseconds; for clattn, the one-token calls' kernel time from the OpenCL events (what the
-device ran; the rest of the call is host work and the wait for the driver); and how many new
-tokens each backend chose alike. The summary gives the peer's time over clattn's
-(> 1: clattn faster), medians over the rounds. A first pass with a short prompt builds
-clattn's kernels before round 0.
+device ran; the rest of the call is host work and the wait for the driver), and the call's
+parts by the host clock around clattn's kernel enqueues (before the first, in them, after
+the last); and how many new tokens each backend chose alike. The summary gives the peer's
+time over clattn's (> 1: clattn faster), medians over the rounds. A first pass with a short
+prompt builds clattn's kernels before round 0.
 
 Example
   python tools/bench_hf.py --device pocl --model Qwen2.5-0.5B --prompt 2048 --new 24
@@ -67,11 +68,12 @@ def build_model(name: str, layers: int, vocab: int, dtype: Any, seed: int) -> An
 
 
 class CallTimes:
-    """The wall seconds of each call of the attention functions, by name, while on."""
+    """The host clock's ``(start, end)`` of each call of the wrapped functions, by name,
+    while on (the attention functions; clattn's kernel enqueues)."""
 
     def __init__(self) -> None:
         self.on = False
-        self.calls: dict[str, list[float]] = {}
+        self.calls: dict[str, list[tuple[float, float]]] = {}
 
     def wrap(self, name: str, fn: Callable) -> Callable:
         def timed(*args: Any, **kw: Any) -> Any:
@@ -80,11 +82,44 @@ class CallTimes:
                 return fn(*args, **kw)
             finally:
                 if self.on:
-                    self.calls.setdefault(name, []).append(time.perf_counter() - t)
+                    self.calls.setdefault(name, []).append((t, time.perf_counter()))
         return timed
 
-    def take(self, name: str) -> list[float]:
+    def take(self, name: str) -> list[tuple[float, float]]:
         return self.calls.pop(name, [])
+
+
+def seconds(spans: list[tuple[float, float]]) -> list[float]:
+    """Each span's length."""
+    return [end - start for start, end in spans]
+
+
+def call_parts(calls: list[tuple[float, float]],
+               launches: list[tuple[float, float]]) -> dict[str, float]:
+    """Where the calls that enqueued kernels spent their time, medians in microseconds:
+    ``before_us`` from the call's start to its first enqueue (the host work before the
+    launch), ``enqueue_us`` in its enqueues (summed), ``after_us`` from its last enqueue's
+    return to the call's end (the rest of the kernel, the wait, the copy out, the output).
+    Empty when no call enqueued a kernel (clattn's numpy backend, the peer)."""
+    before, enqueue, after = [], [], []
+    launches = sorted(launches)
+    j = 0
+    for start, end in sorted(calls):
+        while j < len(launches) and launches[j][0] < start:
+            j += 1  # an enqueue outside any timed call
+        mine = []
+        while j < len(launches) and launches[j][1] <= end:
+            mine.append(launches[j])
+            j += 1
+        if mine:
+            before.append(mine[0][0] - start)
+            enqueue.append(sum(b - a for a, b in mine))
+            after.append(end - mine[-1][1])
+    if not before:
+        return {}
+    return dict(before_us=statistics.median(before) * 1e6,
+                enqueue_us=statistics.median(enqueue) * 1e6,
+                after_us=statistics.median(after) * 1e6)
 
 
 class KernelTimes:
@@ -134,7 +169,8 @@ def run_backend(model: Any, impl: str, ids: Any, new: int, cache_len: int, calls
         t = time.perf_counter()
         out = model(ids, past_key_values=cache, use_cache=True)
         prompt_s = time.perf_counter() - t
-        prompt_attn = sum(calls.take(name))
+        prompt_attn = sum(seconds(calls.take(name)))
+        calls.take("launch")
         nxt = out.logits[:, -1:].argmax(-1)
         tokens, steps = [int(nxt[0, 0])], []
         kernels.on = True
@@ -145,7 +181,9 @@ def run_backend(model: Any, impl: str, ids: Any, new: int, cache_len: int, calls
             nxt = out.logits[:, -1:].argmax(-1)
             tokens.append(int(nxt[0, 0]))
         calls.on = kernels.on = False
-    one = calls.take(name)
+    spans = calls.take(name)
+    one = seconds(spans)
+    parts = call_parts(spans, calls.take("launch"))
     kern = kernels.take()
     layers = len(one) // max(new, 1)
     row = dict(backend=impl, prompt_s=prompt_s, prompt_attn_s=prompt_attn,
@@ -155,6 +193,7 @@ def run_backend(model: Any, impl: str, ids: Any, new: int, cache_len: int, calls
                tokens=tokens)
     if kern:
         row["kernel_us"] = statistics.median(kern) * 1e6
+    row.update(parts)
     return row
 
 
@@ -210,6 +249,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import clattn.integrations.transformers as hf
     from clattn import PagedKVCache
+    from clattn.launch import BoundKernel, Launcher
     from clattn.tune.ceilings import host_cpus
 
     hf.register(device=args.device, backend=args.backend)
@@ -219,6 +259,8 @@ def main(argv: list[str] | None = None) -> int:
     AttentionInterface.register("clattn", calls.wrap("clattn", hf.attention))
     peer = "sdpa" if args.peer == "sdpa" else "eager_t"
     PagedKVCache.attend = kernels.wrap(PagedKVCache.attend)
+    BoundKernel.launch = calls.wrap("launch", BoundKernel.launch)
+    Launcher.__call__ = calls.wrap("launch", Launcher.__call__)
 
     dtype = getattr(torch, args.dtype)
     model = build_model(args.model, args.layers, args.vocab, dtype, args.seed)
@@ -281,18 +323,22 @@ def _print(args: argparse.Namespace, argv: list[str] | None, rows: list[dict], p
           f"tokens, then {args.new} greedy tokens; peer: {args.peer}")
     print("- token: one whole one-token forward (median); attention call: one layer's "
           "attention function, one-token forwards (median); kernel: clattn's kernels of "
-          "such a call by their OpenCL events (median)\n")
+          "such a call by their OpenCL events (median); the call's parts by the host clock "
+          "(medians): before its first kernel enqueue, in its enqueues, after the last "
+          "enqueue returned\n")
     print("| round | backend | prompt s | prompt attention s | token ms | attention call us | "
-          "attention ms per token | kernel us | new tokens alike |")
-    print("|---:|---|---:|---:|---:|---:|---:|---:|---|")
+          "attention ms per token | kernel us | before launch us | enqueue us | "
+          "after enqueue us | new tokens alike |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for r in rows:
         ref = next(x for x in rows if x["round"] == r["round"] and x["backend"] == "clattn")
         alike = sum(a == b for a, b in zip(r["tokens"], ref["tokens"]))
-        kern = f"{r['kernel_us']:.1f}" if "kernel_us" in r else "-"
+        kern, before, enq, after = (f"{r[k]:.1f}" if k in r else "-" for k in (
+            "kernel_us", "before_us", "enqueue_us", "after_us"))
         print(f"| {r['round']} | {args.peer if r['backend'] == peer else 'clattn'} | "
               f"{r['prompt_s']:.4g} | {r['prompt_attn_s']:.4g} | {r['token_ms']:.1f} | "
-              f"{r['call_us']:.1f} | {r['attn_token_ms']:.2f} | {kern} | "
-              f"{alike} of {len(r['tokens'])} |")
+              f"{r['call_us']:.1f} | {r['attn_token_ms']:.2f} | {kern} | {before} | {enq} | "
+              f"{after} | {alike} of {len(r['tokens'])} |")
     print(f"\n| median of the rounds | clattn | {args.peer} | {args.peer} / clattn |")
     print("|---|---:|---:|---:|")
     for line in summary(rows, peer):
