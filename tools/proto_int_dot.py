@@ -9,7 +9,8 @@ quantized path quantizes the query too, per block of 32 values, and sums code pr
 in integers. This script measures what that would buy before any kernel or the contract
 changes: three stand-alone kernels score every row of one KV head's keys for the group's
 query heads (the K half of a decode; no softmax, no values), each work-item a contiguous
-slice of rows, explicit vectors:
+slice of rows, explicit vectors loaded as decode's kernels load them (a vector pointer, not
+``vloadn``, which PoCL calls out of line):
 
 * ``f16``: f16 keys converted to floats, float multiply-adds (the f16 pages' work);
 * ``q8_0``: q8_0 keys converted to floats, float multiply-adds per block, the block's
@@ -77,17 +78,17 @@ def _float_body(G: int, D: int, scaled: bool) -> str:
     are scaled once per block and head."""
     if not scaled:
         return "\n".join(
-            f"            {{ const float8 k = h2f8(vload8(0, kr + {c * 8}));\n"
+            f"            {{ const float8 k = h2f8(LD(ushort8, kr + {c * 8}));\n"
             + _lines("              acc{0} += q{0}_%d * k;" % c, range(G)) + " }"
             for c in range(D // 8))
-    return _blocks(G, D, "float8", "float8", "convert_float8(vload8(0, kr + %d))",
+    return _blocks(G, D, "float8", "float8", "convert_float8(LD(char8, kr + %d))",
                    "b{0} += q{0}_%d * k;", "acc{0} += b{0} * d;")
 
 
 def _int_body(G: int, D: int, form: str) -> str:
     """One row's scores from integer block sums (``INT_FORMS[form]``)."""
     typ, widen, pairs = INT_FORMS[form]
-    return _blocks(G, D, "int8", typ, f"{widen}(vload16(0, kr + %d))",
+    return _blocks(G, D, "int8", typ, f"{widen}(LD(char16, kr + %d))",
                    f"{{{{ const {typ} p = k * qi{{0}}_%d; b{{0}} += {pairs}; }}}}",
                    "acc{0} += convert_float8(b{0}) * (d * qd{0}_%d);")
 
@@ -116,13 +117,14 @@ def kernel_source(G: int, D: int, native_half: bool) -> str:
     NB = D // BLOCK
     sums = _lines("        S[(size_t)r * %d + {0}] = hsum8(acc{0});" % G, range(G))
     zero = _lines("        float8 acc{0} = (float8)(0.0f);", range(G))
-    q_f = _lines("    const float8 q{0}_{1} = vload8(0, Q + {0} * %d + {1} * 8);" % D,
+    q_f = _lines("    const float8 q{0}_{1} = LD(float8, Q + {0} * %d + {1} * 8);" % D,
                  range(G), range(D // 8))
     q_d = _lines("    const float qd{0}_{1} = QD[{0} * %d + {1}];" % NB, range(G), range(NB))
     src = ["""
 inline float hsum8(const float8 v)
 { const float4 a = v.lo + v.hi; const float2 b = a.lo + a.hi; return b.x + b.y; }
 """ + H2F[native_half] + """
+#define LD(type, p) (*(const __global type*)(p))
 #define SLICE const int w = get_global_id(0); const int per = rows / get_global_size(0); \\
     const int r0 = w * per;
 """]
@@ -145,7 +147,7 @@ __kernel void {name}(__global const {key_t}* K, {scales}__global const float* Q,
 """)
     for n, form in enumerate(INT_FORMS):
         typ, widen, _ = INT_FORMS[form]
-        q_i = _lines(f"    const {typ} qi{{0}}_{{1}} = {widen}(vload16(0, QI + {{0}} * {D} + "
+        q_i = _lines(f"    const {typ} qi{{0}}_{{1}} = {widen}(LD(char16, QI + {{0}} * {D} + "
                      f"{{1}} * 16));", range(G), range(D // 16))
         src.append(f"""
 __kernel void score_i{n}(__global const char* K, __global const ushort* KS,
