@@ -28,15 +28,17 @@ def _load_tool():
 
 def test_call_parts_pairs_each_call_with_its_own_enqueues():
     parts = _load_tool().call_parts
-    # three calls (start, end); enqueues inside the first two, one between calls, and two
-    # in the third; times in seconds
-    calls = [(10.0, 10.010), (20.0, 20.004), (30.0, 30.020)]
-    launches = [(10.002, 10.003), (15.0, 15.5), (20.001, 20.0015),
-                (30.005, 30.006), (30.010, 30.012)]
-    got = parts(calls, launches[::-1])  # in any order
-    # before: 2, 1, 5 ms; enqueue: 1, 0.5, 1 + 2 ms; after: 7, 2.5, 8 ms
-    assert got == pytest.approx(dict(before_us=2000.0, enqueue_us=1000.0, after_us=7000.0))
-    assert parts(calls, [(15.0, 15.5)]) == {} and parts([], launches) == {}
+    # three calls (start, end), in seconds, given out of order; the one with two enqueues
+    # holds the median of every part, so each part of its own pairing counts
+    calls = [(40.0, 40.010), (0.0, 0.010), (20.0, 20.010)]
+    launches = [(0.001, 0.002),                      # before 1 ms, enqueue 1, after 8
+                (19.9995, 20.0005),                  # straddles a call's start: no call's
+                (20.003, 20.004), (20.005, 20.007),  # before 3, enqueue 1 + 2, after 3
+                (30.0, 30.5),                        # between calls
+                (40.005, 40.010)]                    # before 5, enqueue 5, after 0
+    got = parts(calls, launches[::-1])
+    assert got == pytest.approx(dict(before_us=3000.0, enqueue_us=3000.0, after_us=3000.0))
+    assert parts(calls, [(30.0, 30.5)]) == {} and parts([], launches) == {}
 
 
 def test_bench_hf_prints_both_backends():

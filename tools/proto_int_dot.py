@@ -7,7 +7,7 @@ extension, int to float) beside the group's multiply-adds, where an f16 key cost
 and q8_0 pages decode no faster than f16 ones though they hold half the bytes. ggml's
 quantized path quantizes the query too, per block of 32 values, and sums code products
 in integers. This script measures what that would buy before any kernel or the contract
-changes: three stand-alone kernels score every row of one KV head's keys for the group's
+changes: four stand-alone kernels score every row of one KV head's keys for the group's
 query heads (the K half of a decode; no softmax, no values), each work-item a contiguous
 slice of rows, explicit vectors loaded as decode's kernels load them (a vector pointer, not
 ``vloadn``, which PoCL calls out of line):
@@ -15,12 +15,15 @@ slice of rows, explicit vectors loaded as decode's kernels load them (a vector p
 * ``f16``: f16 keys converted to floats, float multiply-adds (the f16 pages' work);
 * ``q8_0``: q8_0 keys converted to floats, float multiply-adds per block, the block's
   scale applied once per block and head (the q8_0 pages' work today);
-* ``q8_0 x q8``: q8_0 keys times the query quantized to 8 bits per block (round to
-  nearest, scale ``max|q| / 127``), products summed in 32-bit integers per block, then
-  converted and scaled once per block and head.
+* ``q8_0 x q8, short`` and ``q8_0 x q8, int``: q8_0 keys times the query quantized to 8
+  bits per block (f32 scale ``max|q| / 127``, codes rounded half to even: ggml rounds half
+  away from zero and keeps an f16 scale, a difference that moves no time), products formed
+  in 16-bit lanes and paired into 32-bit sums, or formed in 32-bit lanes, summed per block
+  in 32-bit integers, then converted and scaled once per block and head.
 
-Each kernel's scores are checked against float64 scores of what it reads (for ``q8_0 x
-q8``: of the quantized query; its distance from the exact scores is printed beside).
+Each kernel's scores are checked against float64 scores of what it reads (for the integer
+forms: of the quantized query; how far the query's rounding moves the scores from the
+float q8_0 kernel's is printed beside).
 The kernels run in turns, the order reversed every other turn, on the same rows (hot:
 the machine's arithmetic, not its memory, is what this asks about).
 
@@ -114,6 +117,8 @@ def kernel_source(G: int, D: int, native_half: bool) -> str:
     """The kernels for a group of ``G`` query heads of ``D`` dimensions (``native_half``:
     the device has cl_khr_fp16): ``score_f16``, ``score_q8`` and one ``score_i<n>`` per
     :data:`INT_FORMS` entry."""
+    if D % BLOCK:
+        raise ValueError(f"head_dim {D}: q8_0 blocks need a multiple of {BLOCK}")
     NB = D // BLOCK
     sums = _lines("        S[(size_t)r * %d + {0}] = hsum8(acc{0});" % G, range(G))
     zero = _lines("        float8 acc{0} = (float8)(0.0f);", range(G))
@@ -169,7 +174,8 @@ __kernel void score_i{n}(__global const char* K, __global const ushort* KS,
 
 
 def quantize_query(q: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``q [G, D]`` as int8 codes and float32 scales per block of 32 (nearest, max/127)."""
+    """``q [G, D]`` as int8 codes and float32 scales per block of 32 (``max|q| / 127``,
+    codes rounded half to even)."""
     G, D = q.shape
     b = q.reshape(G, D // BLOCK, BLOCK).astype(np.float32)
     d = np.abs(b).max(axis=2) / np.float32(127)
