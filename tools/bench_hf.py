@@ -34,22 +34,33 @@ import time
 import warnings
 from typing import Any, Callable
 
-from common import cpu_description, driver_description, log  # common first: the path
+from common import MODELS, cpu_description, driver_description, log  # first: the path
 
-#: the benchmark's models: the transformers config class and the fields that give the shape
-#: (each model's published config.json)
+#: the benchmark's models: the transformers config class and the fields of each model's
+#: published config.json beside its attention shape (:func:`config_fields` takes the heads,
+#: head_dim, layers and soft-cap from ``clattn.models``)
 SHAPES: dict[str, tuple[str, dict]] = {
     "Qwen2.5-0.5B": ("Qwen2Config", dict(
-        hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-        num_key_value_heads=2, rope_theta=1000000.0, tie_word_embeddings=True)),
+        hidden_size=896, intermediate_size=4864, rope_theta=1000000.0,
+        tie_word_embeddings=True)),
     "Llama-3.2-1B": ("LlamaConfig", dict(
-        hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-        num_key_value_heads=8, head_dim=64, rope_theta=500000.0, tie_word_embeddings=True)),
+        hidden_size=2048, intermediate_size=8192, rope_theta=500000.0,
+        tie_word_embeddings=True)),
     "Gemma-2-2B": ("Gemma2Config", dict(
-        hidden_size=2304, intermediate_size=9216, num_hidden_layers=26, num_attention_heads=8,
-        num_key_value_heads=4, head_dim=256, sliding_window=4096, query_pre_attn_scalar=256,
-        attn_logit_softcapping=50.0, final_logit_softcapping=30.0)),
+        hidden_size=2304, intermediate_size=9216, sliding_window=4096,
+        query_pre_attn_scalar=256, final_logit_softcapping=30.0)),
 }
+
+
+def config_fields(name: str) -> dict:
+    """The config fields of :data:`SHAPES` ``name``: its attention shape from
+    ``clattn.models`` and the rest from :data:`SHAPES`."""
+    m = MODELS[name]
+    fields = dict(num_attention_heads=m.num_qo_heads, num_key_value_heads=m.num_kv_heads,
+                  head_dim=m.head_dim, num_hidden_layers=m.layers)
+    if m.softcap:
+        fields["attn_logit_softcapping"] = m.softcap
+    return dict(fields, **SHAPES[name][1])
 
 
 def build_model(name: str, layers: int, vocab: int, dtype: Any, seed: int) -> Any:
@@ -58,11 +69,10 @@ def build_model(name: str, layers: int, vocab: int, dtype: Any, seed: int) -> An
     import torch
     import transformers
 
-    cls_name, fields = SHAPES[name]
-    fields = dict(fields, vocab_size=vocab, max_position_embeddings=131072)
+    fields = dict(config_fields(name), vocab_size=vocab, max_position_embeddings=131072)
     if layers:
         fields["num_hidden_layers"] = layers
-    cfg = getattr(transformers, cls_name)(**fields)
+    cfg = getattr(transformers, SHAPES[name][0])(**fields)
     torch.manual_seed(seed)
     return transformers.AutoModelForCausalLM.from_config(cfg).to(dtype).eval()
 
@@ -237,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     if args.peer == "auto":
-        args.peer = "eager" if SHAPES[args.model][1].get("attn_logit_softcapping") else "sdpa"
+        args.peer = "eager" if MODELS[args.model].softcap else "sdpa"
     for name in ("prompt", "new", "rounds", "vocab"):
         if getattr(args, name) < 1:
             ap.error(f"--{name} must be at least 1")
