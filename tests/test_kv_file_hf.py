@@ -4,7 +4,9 @@ conversation (issue 39): the second turn's tokens and logits are the uninterrupt
 A tiny Llama (2 layers, random f32 weights, saved with ``save_pretrained``) answers a
 prompt; the cache is saved; a child process loads the model and the cache and generates
 the second turn (the first turn's tokens and a new user message). The same second turn
-run on without the save is the reference.
+run on without the save is the reference. The child runs torch on as many threads as the
+parent: torch's CPU matmuls round differently with the thread count, and the logits are
+compared bit for bit.
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ CHILD = textwrap.dedent("""
     import clattn.integrations.transformers
     from clattn.integrations.hf_cache import ClattnCache
     folder, model_dir, device, ids = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
+    torch.set_num_threads(int(sys.argv[5]))
     m = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     m.set_attn_implementation("clattn")
     kw = dict(backend="cpu") if device == "cpu" else dict(device=device, backend="opencl")
@@ -77,7 +80,8 @@ def test_saved_conversation_continues_in_a_new_process(where, tmp_path):
         ref = m.generate(turn2_in, cache=cache, output_logits=True,
                          return_dict_in_generate=True, **gen)
     res = subprocess.run([sys.executable, "-c", CHILD, str(tmp_path / "chat"),
-                          str(tmp_path / "model"), dev, json.dumps(turn2_in[0].tolist())],
+                          str(tmp_path / "model"), dev, json.dumps(turn2_in[0].tolist()),
+                          str(torch.get_num_threads())],
                          capture_output=True, text=True, timeout=300,
                          env=dict(os.environ, PYTHONWARNINGS="ignore"))
     assert res.returncode == 0, res.stderr[-3000:]
